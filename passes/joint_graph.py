@@ -1,0 +1,207 @@
+"""Read an AOTAutograd joint forward+backward graph into a plain-data :class:`Problem`.
+
+Which nodes are forward and which backward comes from torch's own ``classify_nodes`` (the same split
+the min-cut partitioner uses). Every non-backward tensor node becomes a candidate value; the backward's
+node order (AOTAutograd emits it in autograd-engine order) is the schedule the peak model follows.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+from recompile_opt import _torch_internals as ti
+from recompile_opt.cost_model import is_view_node, node_cost, storage_bytes, tensor_bytes
+from recompile_opt.problem import Problem, Value
+
+
+class JointGraph:
+    """The joint graph, split into primals, forward nodes and the backward schedule."""
+
+    def __init__(self, gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None):
+        self.gm = gm
+        self.num_fwd_outputs = num_fwd_outputs
+        self.static_indices = list(static_lifetime_input_indices or [])
+        info = ti.classify_nodes(gm, self.static_indices, num_fwd_outputs)
+        self.required_fw = set(info.required_fw_nodes)
+        self.bwd_nodes = [n for n in gm.graph.nodes if n in info.required_bw_nodes and n.op != "output"]
+        self.bwd_set = set(self.bwd_nodes)
+        self.primals = [n for n in gm.graph.nodes if n.op == "placeholder" and ti._is_primal(n)]
+        self.static_primals = {p for i, p in enumerate(self.primals) if i in self.static_indices}
+        self.fwd_nodes = [n for n in gm.graph.nodes
+                          if n.op in ("placeholder", "call_function", "get_attr")
+                          and n not in self.bwd_set and not ti._is_tangent(n)]
+        self.name_to_node = {n.name: n for n in gm.graph.nodes}
+
+    def device(self) -> torch.device:
+        for n in self.fwd_nodes:
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor) and n.op != "placeholder":
+                return val.device
+        return torch.device("cpu")
+
+
+def _is_value(node: fx.Node) -> bool:
+    if ti.is_sym_node(node):
+        return False
+    val = node.meta.get("val")
+    return isinstance(val, (torch.Tensor, tuple, list)) or node.op == "get_attr"
+
+
+def _base(node: fx.Node) -> fx.Node:
+    while is_view_node(node):
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _source(node: fx.Node) -> str:
+    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return clean_module_path(path)
+
+
+def clean_module_path(path: str) -> str:
+    """``L['self'].blocks[0].attn`` or ``L__self___blocks_0`` -> ``blocks.0.attn``."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def _info(node: fx.Node) -> dict:
+    val = node.meta.get("val")
+    info = {"op": _op_name(node), "module": module_path(node), "source": _source(node)}
+    if isinstance(val, torch.Tensor):
+        info["shape"] = [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape]
+        info["dtype"] = str(val.dtype).replace("torch.", "")
+        info["nbytes"] = tensor_bytes(val)
+    return info
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.target is operator.getitem:
+        return "getitem"
+    packet = getattr(node.target, "_overloadpacket", None)
+    return str(packet).replace("aten.", "") if packet is not None else str(node.target)
+
+
+def _user_tag(node: fx.Node) -> str | None:
+    tag = node.meta.get("recompute")
+    if isinstance(tag, ti.CheckpointPolicy):
+        return tag.name.lower()
+    return None
+
+
+def build_problem(jg: JointGraph, roofline: dict) -> Problem:
+    """One :class:`Value` per forward tensor node; bytes per storage; costs from the roofline."""
+    pos = {n: i for i, n in enumerate(jg.bwd_nodes)}
+    values: dict[str, Value] = {}
+    storage_bytes_: dict[str, int] = {}
+    for node in jg.fwd_nodes:
+        if not _is_value(node):
+            continue
+        values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
+    _propagate_first_use(jg, values)
+    save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
+    device = jg.device()
+    return Problem(values=values, storage_bytes=storage_bytes_, save_s=save_s,
+                   rng_state_bytes=ti.rng_state_bytes(device),
+                   bwd_background=_bwd_background(jg), fwd_transient=_fwd_transient(jg),
+                   step_s=_step_seconds(jg, roofline), device=device.type)
+
+
+def _step_seconds(jg: JointGraph, roofline: dict) -> float:
+    nodes = [n for n in jg.fwd_nodes if n in jg.required_fw] + jg.bwd_nodes
+    return sum(node_cost(n, roofline).seconds for n in nodes)
+
+
+def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict) -> Value:
+    val = node.meta.get("val")
+    is_tensor = isinstance(val, torch.Tensor)
+    base = _base(node)
+    storage = base.name if is_tensor else ""
+    if is_tensor and storage not in storage_bytes_:
+        free = base.op == "get_attr" or base in jg.static_primals
+        storage_bytes_[storage] = 0 if free else storage_bytes(base.meta["val"])
+    bwd_uses = [pos[u] for u in node.users if u in pos]
+    cost = node_cost(node, roofline)
+    is_primal = node.op == "placeholder"
+    target = node.target
+    impure = node.op == "call_function" and (node.is_impure() and not ti.is_random_op(target))
+    return Value(
+        name=node.name, storage=storage,
+        inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
+        needed=bool(bwd_uses),
+        can_save=is_tensor,
+        can_recompute=not (is_primal or node.op == "get_attr" or impure or ti.is_collective_op(target)),
+        in_forward=node in jg.required_fw or is_primal,
+        random=node.op == "call_function" and ti.is_random_op(target),
+        recompute_s=cost.seconds, flops=cost.flops,
+        first_use=min(bwd_uses, default=len(jg.bwd_nodes)), last_use=max(bwd_uses, default=-1),
+        tag=_user_tag(node), info=_info(node),
+    )
+
+
+def _propagate_first_use(jg: JointGraph, values: dict[str, Value]) -> None:
+    """A value could be needed as soon as anything computed from it is: first_use flows backwards."""
+    for name in reversed(list(values)):
+        v = values[name]
+        for u in jg.name_to_node[name].users:
+            if u.name in values:
+                v.first_use = min(v.first_use, values[u.name].first_use)
+        v.last_use = max(v.last_use, v.first_use)
+
+
+def _bwd_background(jg: JointGraph) -> list[int]:
+    """Live bytes of tensors the backward itself creates, at each backward step (plan-independent)."""
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(jg.bwd_nodes):
+        for a in n.all_input_nodes:
+            last_use[_base(a)] = i
+    outputs = {_base(a) for a in jg.gm.graph.find_nodes(op="output")[0].all_input_nodes}
+    live, out, frees = 0, [], {}
+    for n, i in last_use.items():
+        if n in jg.bwd_set and n not in outputs:
+            frees.setdefault(i, []).append(n)
+    for i, n in enumerate(jg.bwd_nodes):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not is_view_node(n):
+            live += tensor_bytes(val)
+        out.append(live)
+        for dead in frees.get(i, ()):
+            live -= tensor_bytes(dead.meta["val"])
+    return out
+
+
+def _fwd_transient(jg: JointGraph) -> int:
+    """The forward's own working set at its widest point, not counting what is kept for backward."""
+    order = [n for n in jg.fwd_nodes if n.op == "call_function" and n in jg.required_fw]
+    last = {}
+    for i, n in enumerate(order):
+        for a in n.all_input_nodes:
+            last[_base(a)] = i
+    live, peak = 0, 0
+    for i, n in enumerate(order):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and not is_view_node(n):
+            live += tensor_bytes(val)
+        peak = max(peak, live)
+        for a in {_base(a) for a in n.all_input_nodes}:
+            if last.get(a) == i and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor):
+                live -= tensor_bytes(a.meta["val"])
+    return peak

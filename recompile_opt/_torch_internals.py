@@ -1,0 +1,58 @@
+"""Every private PyTorch API recompile_opt depends on, in one place.
+
+A torch upgrade should touch only this module. Each name is re-exported under a stable local name
+and grouped by the torch module it comes from (pinned: torch 2.13).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.compile_utils import raise_getitems
+from torch._functorch.partitioners import (
+    _extract_fwd_bwd_modules,
+    classify_nodes,
+    functionalize_rng_ops,
+    reordering_to_mimic_autograd_engine,
+)
+from torch._guards import detect_fake_mode
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch._inductor.virtualized import V
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
+    "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
+    "flop_registry", "functionalize_rng_ops", "get_hash_for_files", "inductor_config",
+    "inductor_partition_fn", "is_sym_node", "make_boxed_func", "raise_getitems",
+    "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
+    "rng_state_bytes",
+]
+
+
+def is_random_op(target) -> bool:
+    """Ops whose result depends on the global RNG: recomputing them must replay a saved RNG state."""
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def is_collective_op(target) -> bool:
+    """Functional collectives: never recomputed (a recompute would be a second, unmatched collective)."""
+    namespace = getattr(target, "namespace", "")
+    return namespace in ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def rng_state_bytes(device: torch.device) -> int:
+    """Bytes of the RNG state that replaying one random op keeps (CPU: the whole Mersenne state)."""
+    if device.type == "cuda":
+        return 16  # seed + offset of the Philox generator
+    return int(torch.get_rng_state().numel())

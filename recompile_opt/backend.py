@@ -1,0 +1,147 @@
+"""The ``recompile_opt`` torch.compile backend: Inductor's ``compile_fx`` with our partitioner.
+
+Inductor's decompositions, joint-graph passes and code generation all still run; we only replace the
+partitioner (``torch._inductor.config.custom_partitioner_fn``), which sees the joint graph after
+Inductor's joint passes, plans it, and splits it. ``compiler="eager"`` runs the same decompositions,
+joint passes and partitioner through AOTAutograd without code generation (fast tests, and the
+capture-only path of :func:`recompile_opt.plan`).
+
+Caching: the partitioner's ``uuid()`` hashes our source files and the options, so Inductor's caches
+never replay another configuration's partition. On a cache hit our partitioner is not called, so plans
+are also stored on disk under a key of the Dynamo graph, its inputs and that uuid, and replayed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from recompile_opt import _torch_internals as ti
+from recompile_opt.options import Options, parse_options
+from recompile_opt.plan import Plan
+from recompile_opt.planner import make_plan
+from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.passes.partition import partition
+
+log = logging.getLogger(__name__)
+
+_PLANS: list[Plan] = []
+_SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.glob("*.py")))
+
+
+def last_plans() -> list[Plan]:
+    """Every plan recorded since the process started or :func:`reset_plans`, oldest first."""
+    return list(_PLANS)
+
+
+def reset_plans() -> None:
+    _PLANS.clear()
+
+
+def _code_hash(options: Options) -> str:
+    from recompile_opt import passes
+
+    files = _SOURCES + tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
+    return ti.get_hash_for_files(files, options.key()).hex()[:16]
+
+
+class RecompilePartitioner(ti.CustomPartitionerFn):
+    """Plans the joint graph (cost model -> ILP or policy -> Plan) and partitions it to match."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.plans: list[Plan] = []
+        self.last_backward: fx.GraphModule | None = None
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        num_fwd_outputs = kwargs["num_fwd_outputs"]
+        static = kwargs.get("static_lifetime_input_indices")
+        jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
+        problem = build_problem(jg, self.options.roofline_for(jg.device().type))
+        plan = make_plan(problem, self.options, graph=graph_id(gm))
+        self.plans.append(plan)
+        saved = {e.name for e in plan.saved if e.op != "rng_state"}
+        fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
+                           num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
+        self.last_backward = bw
+        return fw, bw
+
+    def uuid(self) -> str:
+        return _code_hash(self.options)
+
+
+def graph_id(gm: fx.GraphModule) -> str:
+    return hashlib.sha256(gm.code.encode()).hexdigest()[:12]
+
+
+def recompile_opt_backend(gm: fx.GraphModule, example_inputs, options=None, **kwargs):
+    """The entry point torch.compile calls: ``torch.compile(m, backend="recompile_opt", options={...})``."""
+    opts = parse_options(options)
+    partitioner = RecompilePartitioner(opts)
+    key = _plan_key(gm, example_inputs, partitioner)
+    if opts.compiler == "eager":
+        compiled = compile_eager(gm, example_inputs, partitioner)
+    else:
+        compiled = ti.compile_fx(gm, example_inputs,
+                                 config_patches={"custom_partitioner_fn": partitioner})
+    _record(partitioner, key, opts)
+    return compiled
+
+
+def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten_random: bool = True):
+    """AOTAutograd with Inductor's decompositions and joint passes, our partitioner, no codegen.
+
+    Inductor's RNG prims only mean something to Inductor's code generator (their eager versions ignore
+    the seed), so a graph run this way keeps random ops as aten ops (``fallback_random``) and replays
+    them. ``aten_random=False`` keeps Inductor's setting: for capture only, the plan compile would make.
+    """
+    def nop(g, _inputs):
+        return ti.make_boxed_func(g.forward)
+
+    part = functools.partial(ti.inductor_partition_fn, partitioner_fn_override=partitioner)
+    backend = ti.aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=part,
+                              decompositions=ti.select_decomp_table(),
+                              keep_inference_input_mutations=True)
+    fake_mode = ti.detect_fake_mode(example_inputs) or ti.FakeTensorMode(allow_non_fake_inputs=True)
+    fallback_random = True if aten_random else ti.inductor_config.fallback_random
+    with ti.V.set_fake_mode(fake_mode), ti.inductor_config.patch(fallback_random=fallback_random):
+        return backend(gm, example_inputs)
+
+
+def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner) -> str:
+    meta = [(tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+            for t in example_inputs]
+    blob = gm.code + repr(meta) + partitioner.uuid()
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _plan_cache_dir() -> Path:
+    return Path(ti.cache_dir()) / "recompile_opt_plans"
+
+
+def _record(partitioner: RecompilePartitioner, key: str, opts: Options) -> None:
+    """Publish this compilation's plans; on a cache hit (partitioner not called) replay the stored ones."""
+    path = _plan_cache_dir() / f"{key}.json"
+    plans = partitioner.plans
+    if plans:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps([p.to_dict() for p in plans]))
+        except OSError as e:
+            log.debug("recompile_opt: could not store plan %s: %s", path, e)
+    elif path.exists():
+        plans = [Plan.from_json(json.dumps(d)) for d in json.loads(path.read_text())]
+        for p in plans:
+            p.notes.append("replayed from the plan cache (Inductor cache hit)")
+    _PLANS.extend(plans)
+    if opts.plan_dir:
+        os.makedirs(opts.plan_dir, exist_ok=True)
+        for p in plans:
+            Path(opts.plan_dir, f"plan_{p.graph}.json").write_text(p.to_json())

@@ -1,0 +1,202 @@
+"""The save/recompute ILP, solved with PuLP (CBC bundled; HiGHS when highspy is installed).
+
+Data (from :class:`recompile_opt.problem.Problem`): values v with inputs in(v), storage S(v), recompute
+time c_v, and the flags needed / can_save / can_recompute / random; storages S with bytes b_S and
+save time w_S (write + read); backward steps t with background bytes g_t; value windows
+[first_v, last_v] in the backward; B the byte budget, P the peak limit.
+
+Variables
+    s_v ∈ {0,1}   v is kept from the forward for the backward          (only if can_save)
+    r_v ∈ {0,1}   v is recomputed in the backward                       (only if can_recompute)
+    z_S ∈ {0,1}   storage S stays alive between forward and backward    (only if b_S > 0)
+    p   ≥ 0       predicted peak of the backward
+
+Objective (lexicographic, by weights)
+    min  Σ_v c_v r_v + Σ_S w_S z_S                 recompute and saving time (µs)
+       + W · Σ_{v: prefer tag violated} 1           user PREFER_* tags, W > any time total
+       + ε · p                                       then the least predicted peak
+    → implemented in _set_objective()
+
+Constraints
+    s_v + r_v ≥ 1                 for v read by the backward                 → _add_availability()
+    r_v ≤ s_u + r_u               for u ∈ in(v): a recompute needs its inputs → _add_dependencies()
+    z_S ≥ s_v                     for S(v) = S: a kept view keeps its base    → _add_storages()
+    Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → _add_budget()
+        (ρ: the RNG state a replayed random op keeps)
+    s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → _add_user_tags()
+    g_t + Σ_{S: t ≤ last_S} b_S z_S + Σ_{v owns S(v), first_v ≤ t ≤ last_v} b_S r_v ≤ p
+                                  for sampled backward steps t               → _add_peak()
+    p ≤ P  and  Σ_S b_S z_S + fwd_transient ≤ P    when peak_memory is given  → _add_peak()
+
+The peak rows are linear because recomputation is scheduled just before first use (so a recomputed
+value lives over [first_v, last_v]) and a kept storage lives from the forward until its last use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from recompile_opt.problem import Problem
+
+MAX_PEAK_STEPS = 96
+
+
+@dataclass
+class Solution:
+    recompute: set[str]  # values the solver chose to recompute
+    status: str  # "optimal", "feasible" (time limit), "infeasible", "error: ..."
+    solve_s: float
+    gap: float | None
+    n_vars: int
+    n_constraints: int
+
+
+def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solver: str = "cbc",
+          time_limit_s: float = 30.0, minimize_memory: bool = False) -> Solution:
+    """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes."""
+    start = time.perf_counter()
+    m = _Model(problem)
+    m.add_availability()
+    m.add_dependencies()
+    m.add_storages()
+    m.add_user_tags()
+    if budget is not None:
+        m.add_budget(budget)
+    m.add_peak(peak)
+    m.set_objective(minimize_memory=minimize_memory)
+    status, gap = _run(m.lp, solver, time_limit_s)
+    recompute = m.recompute_set() if status in ("optimal", "feasible") else set()
+    return Solution(recompute, status, time.perf_counter() - start, gap,
+                    m.lp.numVariables(), m.lp.numConstraints())
+
+
+class _Model:
+    def __init__(self, problem: Problem):
+        self.p = problem
+        self.lp = pulp.LpProblem("recompile_opt", pulp.LpMinimize)
+        vals = problem.values.values()
+        self.s = {v.name: pulp.LpVariable(f"s_{i}", cat="Binary")
+                  for i, v in enumerate(vals) if v.can_save}
+        self.r = {v.name: pulp.LpVariable(f"r_{i}", cat="Binary")
+                  for i, v in enumerate(vals) if v.can_recompute}
+        self.z = {s: pulp.LpVariable(f"z_{i}", cat="Binary")
+                  for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
+        self.peak = pulp.LpVariable("peak", lowBound=0)
+        self.penalties = []
+
+    def avail(self, name: str):
+        return self.s.get(name, 0) + self.r.get(name, 0)
+
+    def add_availability(self):
+        for v in self.p.values.values():
+            if v.needed:
+                self.lp += self.avail(v.name) >= 1, f"need_{len(self.lp.constraints)}"
+
+    def add_dependencies(self):
+        for v in self.p.values.values():
+            if v.name not in self.r:
+                continue
+            for u in v.inputs:
+                self.lp += self.r[v.name] <= self.avail(u), f"dep_{len(self.lp.constraints)}"
+
+    def add_storages(self):
+        for v in self.p.values.values():
+            if v.name in self.s and v.storage in self.z:
+                self.lp += self.z[v.storage] >= self.s[v.name], f"sto_{len(self.lp.constraints)}"
+
+    def kept_bytes_expr(self):
+        rng = [self.r[v.name] for v in self.p.values.values()
+               if v.random and v.in_forward and v.name in self.r]
+        return (pulp.lpSum(self.p.storage_bytes[s] * z for s, z in self.z.items())
+                + self.p.rng_state_bytes * pulp.lpSum(rng))
+
+    def add_budget(self, budget: int):
+        self.lp += self.kept_bytes_expr() <= budget, "budget"
+
+    def add_user_tags(self):
+        for v in self.p.values.values():
+            if v.tag == "must_save" and v.name in self.r:
+                self.lp += self.r[v.name] == 0, f"tag_{len(self.lp.constraints)}"
+            elif v.tag == "must_recompute" and v.name in self.s and v.can_recompute:
+                self.lp += self.s[v.name] == 0, f"tag_{len(self.lp.constraints)}"
+            elif v.tag == "prefer_save" and v.name in self.r:
+                self.penalties.append(self.r[v.name])
+            elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
+                self.penalties.append(self.s[v.name])
+
+    def add_peak(self, limit: int | None):
+        last = {}
+        for v in self.p.values.values():
+            if v.storage in self.z:
+                last[v.storage] = max(last.get(v.storage, -1), v.last_use)
+        for t in _peak_steps(self.p):
+            live = [self.p.storage_bytes[s] * z for s, z in self.z.items() if t <= last.get(s, -1)]
+            live += [self.p.storage_bytes[v.name] * self.r[v.name] for v in self.p.values.values()
+                     if v.name in self.r and v.storage == v.name and v.storage in self.z
+                     and v.first_use <= t <= v.last_use]
+            self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, f"peak_{t}"
+        if limit is not None:
+            self.lp += self.peak <= limit, "peak_limit"
+            self.lp += self.kept_bytes_expr() + self.p.fwd_transient <= limit, "fwd_peak_limit"
+
+    def set_objective(self, *, minimize_memory: bool):
+        us = 1e6  # seconds -> microseconds keeps coefficients near 1
+        time_cost = (pulp.lpSum(us * self.p.values[n].recompute_s * r for n, r in self.r.items()
+                                if self.p.values[n].in_forward)
+                     + pulp.lpSum(us * self.p.save_s[s] * z for s, z in self.z.items()))
+        total_time = us * (sum(v.recompute_s for v in self.p.values.values())
+                           + sum(self.p.save_s.values())) + 1.0
+        total_bytes = sum(self.p.storage_bytes.values()) + sum(self.p.bwd_background or [0]) + 1
+        pref = (total_time + 1.0) * pulp.lpSum(self.penalties)
+        if minimize_memory:  # the caller re-solves under the bytes found, for the least time
+            self.lp += self.kept_bytes_expr() * (1.0 / total_bytes)
+        else:
+            self.lp += time_cost + pref + 1e-3 * self.peak / total_bytes
+
+    def recompute_set(self) -> set[str]:
+        return {n for n, r in self.r.items() if (r.varValue or 0) > 0.5}
+
+
+def _peak_steps(problem: Problem) -> list[int]:
+    """Backward steps where the live set can grow: first uses and background maxima (subsampled)."""
+    n = len(problem.bwd_background)
+    if n == 0:
+        return []
+    steps = {v.first_use for v in problem.values.values() if v.first_use < n}
+    bg = problem.bwd_background
+    steps |= {t for t in range(n) if (t == 0 or bg[t] >= bg[t - 1]) and (t == n - 1 or bg[t] >= bg[t + 1])}
+    steps = sorted(steps)
+    if len(steps) > MAX_PEAK_STEPS:
+        stride = len(steps) / MAX_PEAK_STEPS
+        steps = [steps[int(i * stride)] for i in range(MAX_PEAK_STEPS)]
+    return steps
+
+
+def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, float | None]:
+    if solver == "highs":
+        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    else:
+        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    try:
+        lp.solve(cmd)
+    except pulp.PulpSolverError as e:
+        return f"error: {e}", None
+    if lp.status == pulp.LpStatusInfeasible:
+        return "infeasible", None
+    if lp.sol_status == pulp.LpSolutionOptimal:
+        return "optimal", 0.0
+    if lp.sol_status == pulp.LpSolutionIntegerFeasible:
+        return "feasible", _gap(cmd)
+    return f"error: solver status {pulp.LpStatus.get(lp.status, lp.status)}", None
+
+
+def _gap(cmd) -> float | None:
+    """The optimality gap where the solver reports a bound (HiGHS does; PuLP's CBC wrapper does not)."""
+    model = getattr(cmd, "solverModel", None)
+    try:
+        return float(model.getInfo().mip_gap)
+    except Exception:
+        return None

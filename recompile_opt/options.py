@@ -1,0 +1,134 @@
+"""User options: parsed once, validated with messages that name the option and what it accepts.
+
+``torch.compile`` is lazy, so a bad option surfaces at the first call wrapped in Dynamo's
+``BackendCompilerFailed``; :class:`OptionError` keeps the first line of that message readable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+POLICIES = ("auto", "save-all", "full", "megatron-selective")
+SOLVERS = ("cbc", "highs")
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+# Roofline constants per device type: fixed so plans are deterministic (override with `roofline`).
+DEFAULT_ROOFLINE = {
+    "cpu": {"flops_per_s": 1.0e11, "bytes_per_s": 2.0e10},
+    "cuda": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12},
+    "meta": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12},
+}
+
+
+class OptionError(ValueError):
+    """A recompile_opt option has a bad key or value; the message names both and what is accepted."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated options of one compilation (see README "Options")."""
+
+    memory_budget: int | float | None = None  # int: bytes; float in [0, 1]: fraction; None: no limit
+    peak_memory: int | None = None  # bytes: hard limit on the predicted step peak
+    strict: bool = False  # an unmeetable limit raises instead of warning
+    policy: str = "auto"
+    solver: str = "cbc"
+    time_limit_s: float = 30.0
+    plan_dir: str | None = None
+    roofline: dict = field(default_factory=dict)  # {"flops_per_s": ..., "bytes_per_s": ...}
+    compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
+
+    def key(self) -> str:
+        """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def roofline_for(self, device_type: str) -> dict:
+        base = dict(DEFAULT_ROOFLINE.get(device_type, DEFAULT_ROOFLINE["cuda"]))
+        base.update(self.roofline)
+        return base
+
+
+def parse_bytes(name: str, value) -> int:
+    """An int is bytes; a string has units: "512MiB" (2^20-based) or "2GB" (10^9-based)."""
+    if isinstance(value, bool):
+        raise OptionError(f"option {name!r}: got a bool ({value}); expected bytes as an int or a "
+                          "string with units such as '512MiB' or '2GB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise OptionError(f"option {name!r}: got {value}; a byte count must be >= 0")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", value)
+        if not m:
+            raise OptionError(f"option {name!r}: cannot read {value!r}; write a number with units, "
+                              f"one of {sorted(_UNITS)} (e.g. '512MiB', '2GB')")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit not in _UNITS:
+            raise OptionError(f"option {name!r}: unknown unit {m.group(2)!r} in {value!r}; "
+                              f"accepted units: {sorted(_UNITS)}")
+        return int(number * _UNITS[unit])
+    raise OptionError(f"option {name!r}: got {type(value).__name__} {value!r}; expected an int of "
+                      "bytes or a string with units such as '512MiB'")
+
+
+def parse_budget(value) -> int | float | None:
+    """``memory_budget``: int bytes, unit string, or a float fraction in [0, 1]; None = no limit."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if not 0.0 <= value <= 1.0:
+            raise OptionError(f"option 'memory_budget': the fraction {value} is outside [0, 1]; use a "
+                              "float in [0, 1], an int of bytes or a string such as '6GiB'")
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value):
+        raise OptionError(f"option 'memory_budget': {value!r} has no units; write e.g. '{value}MiB', "
+                          f"'{value}GB', an int of bytes, or a float fraction in [0, 1]")
+    return parse_bytes("memory_budget", value)
+
+
+def parse_options(raw: dict | Options | None) -> Options:
+    if isinstance(raw, Options):
+        return raw
+    raw = dict(raw or {})
+    known = {f for f in Options.__dataclass_fields__}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise OptionError(f"unknown recompile_opt option(s) {unknown}; accepted options: {sorted(known)}")
+    out = {"memory_budget": parse_budget(raw.get("memory_budget"))}
+    if raw.get("peak_memory") is not None:
+        out["peak_memory"] = parse_bytes("peak_memory", raw["peak_memory"])
+    for name, allowed in (("policy", POLICIES), ("solver", SOLVERS), ("compiler", ("inductor", "eager"))):
+        if name in raw and raw[name] not in allowed:
+            raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: {list(allowed)}")
+        if name in raw:
+            out[name] = raw[name]
+    if "strict" in raw:
+        if not isinstance(raw["strict"], bool):
+            raise OptionError(f"option 'strict': got {raw['strict']!r}; accepted values: True, False")
+        out["strict"] = raw["strict"]
+    if "time_limit_s" in raw:
+        t = raw["time_limit_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise OptionError(f"option 'time_limit_s': got {t!r}; expected a positive number of seconds")
+        out["time_limit_s"] = float(t)
+    if raw.get("plan_dir") is not None:
+        out["plan_dir"] = str(raw["plan_dir"])
+    if "roofline" in raw:
+        out["roofline"] = _parse_roofline(raw["roofline"])
+    return Options(**out)
+
+
+def _parse_roofline(value) -> dict:
+    keys = ("flops_per_s", "bytes_per_s")
+    if not isinstance(value, dict) or set(value) - set(keys):
+        raise OptionError(f"option 'roofline': got {value!r}; expected a dict with keys from {list(keys)}")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise OptionError(f"option 'roofline': {k}={v!r} must be a positive number")
+    return {k: float(v) for k, v in value.items()}

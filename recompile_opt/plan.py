@@ -1,0 +1,160 @@
+"""The plan of one compiled graph: plain data keyed by node name that prints, diffs and round-trips
+through JSON. ``print(plan)`` reads like JAX's ``print_saved_residuals``: one line per kept or
+recomputed value with its shape, op, module, source line, bytes and why.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+# Actions a plan can take on a value. Only keep/recompute exist today; shard, chunk and offload are
+# meant to arrive as further actions on the same entries.
+KEEP, RECOMPUTE = "keep", "recompute"
+
+
+@dataclass
+class PlanEntry:
+    name: str
+    op: str
+    action: str
+    reason: str  # ilp, policy, user, rng, collective, input, required
+    shape: list = field(default_factory=list)
+    dtype: str = ""
+    bytes: int = 0  # bytes this entry adds to the kept total (0: a view of another kept storage, a param)
+    flops: int = 0  # FLOPs of recomputing it (recomputed entries)
+    recompute_s: float = 0.0
+    module: str = ""
+    source: str = ""
+
+
+@dataclass
+class Plan:
+    graph: str  # the compiled graph's id (hash of its joint graph)
+    policy: str
+    saved: list[PlanEntry]
+    recomputed: list[PlanEntry]
+    saved_bytes: int  # activation bytes kept for backward (the quantity the budget limits)
+    baseline_bytes: int  # what save-all keeps
+    min_bytes: int | None  # the least any plan can keep (None if not computed)
+    budget_bytes: int | None
+    peak_limit_bytes: int | None
+    recompute_flops: int
+    recompute_s: float  # estimated recompute time
+    step_s: float  # estimated forward + backward time without recompute
+    predicted_peak_bytes: int
+    solver: dict = field(default_factory=dict)  # name, status, solve_s, gap, n_vars, n_constraints
+    notes: list[str] = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def recompute_share(self) -> float:
+        """Recompute time as a share of the estimated step."""
+        return self.recompute_s / self.step_s if self.step_s else 0.0
+
+    def saved_names(self) -> set[str]:
+        return {e.name for e in self.saved}
+
+    def recomputed_names(self) -> set[str]:
+        return {e.name for e in self.recomputed}
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["recompute_share"] = self.recompute_share
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        d.pop("recompute_share", None)
+        names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        d["saved"] = [PlanEntry(**e) for e in d["saved"]]
+        d["recomputed"] = [PlanEntry(**e) for e in d["recomputed"]]
+        return cls(**d)
+
+    # -- text -------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        budget = "none" if self.budget_bytes is None else fmt_bytes(self.budget_bytes)
+        gap = self.solver.get("gap")
+        lines = [
+            f"recompile_opt plan  graph={self.graph}  policy={self.policy}  budget={budget}",
+            f"  kept for backward : {fmt_bytes(self.saved_bytes)} of {fmt_bytes(self.baseline_bytes)} "
+            f"save-all ({_pct(self.saved_bytes, self.baseline_bytes)})"
+            + (f", least possible {fmt_bytes(self.min_bytes)}" if self.min_bytes is not None else ""),
+            f"  recompute         : {fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms "
+            f"= {100 * self.recompute_share:.1f}% of the est. step ({self.step_s * 1e3:.3f} ms)",
+            f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline",
+            f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
+            f" in {self.solver.get('solve_s', 0.0):.2f} s"
+            + (f", gap {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
+            + f" ({self.solver.get('n_vars', 0)} vars, {self.solver.get('n_constraints', 0)} constraints)",
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        out = []
+        for title, entries, show in (("kept", self.saved, "bytes"), ("recomputed", self.recomputed, "flops")):
+            params = [e for e in entries if e.reason == "param"]
+            out.append(f"{title} ({len(entries)}" + (f", of which {len(params)} parameters and their views, "
+                                                     "free and not listed" if params else "") + "):")
+            for e in entries:
+                if e.reason == "param":
+                    continue
+                size = fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops)
+                shape = "x".join(str(s) for s in e.shape) or "-"
+                out.append(f"  {e.dtype or '-':>8}[{shape}]  {size:>10}  {e.op:<22} {e.name:<24} "
+                           f"{e.reason:<10} {e.module:<28} {e.source}")
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + self.table()
+
+    def diff(self, other: "Plan") -> str:
+        """What changes from this plan to ``other``: values that move between kept and recomputed."""
+        mine = {e.name: e for e in self.saved + self.recomputed}
+        theirs = {e.name: e for e in other.saved + other.recomputed}
+        lines = [f"plan diff: kept {fmt_bytes(self.saved_bytes)} -> {fmt_bytes(other.saved_bytes)}, "
+                 f"recompute {fmt_flops(self.recompute_flops)} -> {fmt_flops(other.recompute_flops)}, "
+                 f"peak {fmt_bytes(self.predicted_peak_bytes)} -> {fmt_bytes(other.predicted_peak_bytes)}"]
+        for name in sorted(set(mine) | set(theirs), key=lambda n: _node_order(n)):
+            a, b = mine.get(name), theirs.get(name)
+            before = a.action if a else "-"
+            after = b.action if b else "-"
+            if before != after:
+                e = b or a
+                lines.append(f"  {name:<24} {before:>9} -> {after:<9} {e.op:<20} "
+                             f"{fmt_bytes(e.bytes):>10} {e.module}")
+        if len(lines) == 1:
+            lines.append("  (same decisions)")
+        return "\n".join(lines)
+
+
+def _node_order(name: str):
+    base, _, num = name.rpartition("_")
+    return (base, int(num)) if num.isdigit() else (name, -1)
+
+
+def _pct(a: int, b: int) -> str:
+    return f"{100 * a / b:.1f}%" if b else "-"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def fmt_flops(n: int) -> str:
+    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} FLOP"

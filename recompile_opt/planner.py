@@ -1,0 +1,197 @@
+"""From a :class:`Problem` and the options to a :class:`Plan`: resolve the budget, run the ILP or a fixed
+policy, handle infeasible limits and solver failures, and describe every decision.
+
+Budget semantics: an int is bytes; a float f in [0, 1] is ``min + f * (save_all - min)`` where min is
+the least any plan can keep (found by a first, memory-minimising solve) and save_all what eager keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from recompile_opt import ilp
+from recompile_opt.options import OptionError, Options
+from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
+from recompile_opt.policies import POLICIES, attention_cores
+from recompile_opt.problem import Problem
+
+log = logging.getLogger(__name__)
+
+
+class InfeasibleBudget(OptionError):
+    """``strict=True`` and no plan meets ``memory_budget`` / ``peak_memory``."""
+
+
+def make_plan(problem: Problem, options: Options, *, graph: str = "") -> Plan:
+    baseline_saved, _ = problem.needed_closure(set())
+    baseline = problem.kept_bytes(baseline_saved)
+    notes: list[str] = []
+    if options.policy == "auto":
+        recompute, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes)
+    else:
+        recompute = POLICIES[options.policy](problem)
+        solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
+        budget, min_bytes = None, None
+        _note_policy(problem, options.policy, notes)
+    saved, recomputed = problem.needed_closure(recompute)
+    _note_prefer_tags(problem, saved, recomputed, notes)
+    plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
+                     min_bytes=min_bytes, solver_info=solver_info, notes=notes)
+    log.info("recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
+             graph, fmt_bytes(plan.saved_bytes), fmt_bytes(baseline), options.policy, len(recomputed))
+    return plan
+
+
+def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str]):
+    kw = dict(solver=options.solver, time_limit_s=options.time_limit_s)
+    min_bytes = None
+    budget = options.memory_budget
+    if isinstance(budget, float):
+        min_bytes = _least_bytes(problem, kw)
+        budget = int(min_bytes + budget * (baseline - min_bytes)) if min_bytes is not None else None
+    sol = ilp.solve(problem, budget=budget, peak=options.peak_memory, **kw)
+    if sol.status == "infeasible":
+        sol, min_bytes = _infeasible(problem, options, budget, kw, notes)
+    elif sol.status.startswith("error"):
+        recompute = greedy_recompute(problem, budget)
+        msg = f"recompile_opt: the ILP solver failed ({sol.status}); using a greedy plan instead"
+        warnings.warn(msg)
+        notes.append(msg)
+        return recompute, _solver_info(options, sol), budget, min_bytes
+    if sol.status == "feasible":
+        notes.append(f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
+                     + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver"))
+    return sol.recompute, _solver_info(options, sol), budget, min_bytes
+
+
+def _least_bytes(problem: Problem, kw: dict) -> int | None:
+    sol = ilp.solve(problem, budget=None, minimize_memory=True, **kw)
+    if sol.status not in ("optimal", "feasible"):
+        return None
+    saved, recomputed = problem.needed_closure(sol.recompute)
+    return problem.kept_bytes(saved, recomputed)
+
+
+def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: list[str]):
+    min_bytes = _least_bytes(problem, kw)
+    what = []
+    if budget is not None and (min_bytes is None or budget < min_bytes):
+        what.append(f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
+                    f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
+    if options.peak_memory is not None:
+        what.append(f"peak_memory={fmt_bytes(options.peak_memory)} cannot be met")
+    msg = "recompile_opt: " + "; ".join(what or ["the limits cannot be met"])
+    if options.strict:
+        raise InfeasibleBudget(msg + " (strict=True)")
+    msg += "; using the least-memory plan"
+    warnings.warn(msg)
+    notes.append(msg)
+    sol = ilp.solve(problem, budget=min_bytes, **kw)
+    if sol.status not in ("optimal", "feasible"):
+        sol = ilp.Solution(greedy_recompute(problem, 0), sol.status, sol.solve_s, None, 0, 0)
+    return sol, min_bytes
+
+
+def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
+    """Fallback: recompute the value with the most bytes freed per second of recompute, until it fits.
+
+    Always correct (the closure derives what must be kept); not optimal. Also the baseline that the
+    property tests hold the ILP against.
+    """
+    recompute: set[str] = set()
+    saved, rec = problem.needed_closure(recompute)
+    kept = problem.kept_bytes(saved, rec)
+    while budget is not None and kept > budget:
+        best, best_ratio = None, 0.0
+        for name in saved:
+            if not problem.values[name].can_recompute:
+                continue
+            s2, r2 = problem.needed_closure(recompute | {name})
+            freed = kept - problem.kept_bytes(s2, r2)
+            if freed <= 0:
+                continue
+            ratio = freed / (problem.recompute_seconds(r2) - problem.recompute_seconds(rec) + 1e-12)
+            if ratio > best_ratio:
+                best, best_ratio = name, ratio
+        if best is None:
+            break
+        recompute.add(best)
+        saved, rec = problem.needed_closure(recompute)
+        kept = problem.kept_bytes(saved, rec)
+    return rec
+
+
+def _solver_info(options: Options, sol: ilp.Solution) -> dict:
+    return {"name": options.solver, "status": sol.status, "solve_s": round(sol.solve_s, 4),
+            "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints}
+
+
+def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
+    if policy != "megatron-selective":
+        return
+    cores = attention_cores(problem)
+    if not cores:
+        notes.append("megatron-selective: no attention core found; nothing is recomputed")
+    elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
+        notes.append("megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
+                     "the SDPA call itself is recomputed")
+
+
+def _note_prefer_tags(problem: Problem, saved: set[str], recomputed: set[str], notes: list[str]) -> None:
+    for name, v in problem.values.items():
+        if v.tag == "prefer_save" and name in recomputed:
+            notes.append(f"{name}: PREFER_SAVE overridden, the budget forces a recompute")
+        elif v.tag == "prefer_recompute" and name in saved and v.can_recompute:
+            notes.append(f"{name}: PREFER_RECOMPUTE overridden, kept (cheaper or required)")
+
+
+def _reason(v, action: str, policy: str, free: bool) -> str:
+    if free:
+        return "param"
+    if v.tag:
+        return "user"
+    if v.random:
+        return "rng"
+    if not v.can_recompute:
+        op = v.info.get("op", "")
+        return "input" if op == "input" else ("collective" if "c10d" in op else "required")
+    return "ilp" if policy == "auto" else "policy"
+
+
+def _describe(problem: Problem, options: Options, graph: str, saved: set[str], recomputed: set[str],
+              *, baseline, budget, min_bytes, solver_info, notes) -> Plan:
+    kept_entries, rec_entries, charged = [], [], set()
+    for name, v in problem.values.items():
+        if name in saved:
+            b = 0 if v.storage in charged else problem.storage_bytes.get(v.storage, 0)
+            charged.add(v.storage)
+            free = problem.storage_bytes.get(v.storage, 0) == 0
+            kept_entries.append(_entry(v, KEEP, _reason(v, KEEP, options.policy, free), b))
+        elif name in recomputed and v.in_forward:  # backward-only values are not recomputation
+            rec_entries.append(_entry(v, RECOMPUTE, _reason(v, RECOMPUTE, options.policy, False), 0))
+            if v.random and v.in_forward:
+                kept_entries.append(PlanEntry(name=f"{name}.rng_state", op="rng_state", action=KEEP,
+                                              reason="rng", bytes=problem.rng_state_bytes,
+                                              dtype="uint8", shape=[problem.rng_state_bytes]))
+    forward_recomputed = {n for n in recomputed if problem.values[n].in_forward}
+    kept = problem.kept_bytes(saved, recomputed)
+    peak = max(kept + problem.fwd_transient, problem.predicted_bwd_peak(saved, recomputed))
+    return Plan(
+        graph=graph, policy=options.policy, saved=kept_entries, recomputed=rec_entries,
+        saved_bytes=kept, baseline_bytes=baseline, min_bytes=min_bytes, budget_bytes=budget,
+        peak_limit_bytes=options.peak_memory,
+        recompute_flops=sum(problem.values[n].flops for n in forward_recomputed),
+        recompute_s=problem.recompute_seconds(recomputed), step_s=problem.step_s,
+        predicted_peak_bytes=peak, solver=solver_info, notes=notes,
+        options={k: v for k, v in vars(options).items() if v not in (None, {}, "")},
+    )
+
+
+def _entry(v, action: str, reason: str, nbytes: int) -> PlanEntry:
+    i = v.info
+    return PlanEntry(name=v.name, op=i.get("op", ""), action=action, reason=reason,
+                     shape=list(i.get("shape", [])), dtype=i.get("dtype", ""), bytes=nbytes,
+                     flops=v.flops if action == RECOMPUTE else 0,
+                     recompute_s=v.recompute_s if action == RECOMPUTE else 0.0,
+                     module=i.get("module", ""), source=i.get("source", ""))

@@ -1,0 +1,116 @@
+"""Fixed, hand-written policies run through the same pipeline as the ILP, for comparison.
+
+Each policy is a pure function ``Problem -> set of values to recompute``; what is then kept follows
+from :meth:`Problem.needed_closure`. They find their structure from the graph, not from module names:
+
+* ``save-all``: recompute nothing (what eager PyTorch keeps).
+* ``full``: keep only what crosses a transformer block boundary, recompute the rest of each block
+  (``torch.utils.checkpoint`` around every block). Blocks are the repeated ``<path>.<index>`` module
+  prefixes, e.g. ``blocks.3``.
+* ``megatron-selective``: recompute exactly the attention core (Korthikanti et al. 2022, §4.2): every
+  value from the QK^T matmul to the input of the @V matmul (scale, mask, softmax, dropout), plus the
+  values that only feed it. With SDPA the core is the SDPA call itself and no s x s tensor exists.
+"""
+
+from __future__ import annotations
+
+import re
+
+from recompile_opt.problem import Problem
+
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_MATMULS = ("bmm", "matmul", "baddbmm")
+
+
+def save_all(problem: Problem) -> set[str]:
+    return set()
+
+
+def block_of(module: str) -> str | None:
+    m = _BLOCK.match(module or "")
+    return m.group(1) if m else None
+
+
+def consumers(problem: Problem) -> dict[str, list[str]]:
+    users: dict[str, list[str]] = {n: [] for n in problem.values}
+    for v in problem.values.values():
+        for u in v.inputs:
+            users.setdefault(u, []).append(v.name)
+    return users
+
+
+def full(problem: Problem) -> set[str]:
+    users = consumers(problem)
+    blocks = {n: block_of(v.info.get("module", "")) for n, v in problem.values.items()}
+    recompute = set()
+    for name, v in problem.values.items():
+        block = blocks[name]
+        if block is None or not v.can_recompute:
+            continue
+        if not any(blocks.get(u) != block for u in users[name]):  # block outputs stay kept
+            recompute.add(name)
+    return recompute
+
+
+def attention_cores(problem: Problem) -> list[set[str]]:
+    """Each attention core: values between a QK^T matmul and the lhs of the @V matmul it feeds."""
+    users = consumers(problem)
+    cores = []
+    for name, v in problem.values.items():
+        op = v.info.get("op", "")
+        if "scaled_dot_product" in op:
+            cores.append({name} | {u for u in users[name] if problem.values[u].info.get("op") == "getitem"})
+            continue
+        if op not in _MATMULS or not v.inputs:
+            continue
+        upstream = _ancestors(problem, v.inputs[0])
+        firsts = [a for a in upstream if problem.values[a].info.get("op") in _MATMULS]
+        core = set()
+        for first in firsts:
+            core |= ({first} | _descendants(users, first)) & upstream
+        if core:
+            cores.append(_with_private_inputs(problem, users, core))
+    return cores
+
+
+def megatron_selective(problem: Problem) -> set[str]:
+    recompute = set()
+    for core in attention_cores(problem):
+        recompute |= {n for n in core if problem.values[n].can_recompute}
+    return recompute
+
+
+def _ancestors(problem: Problem, name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(problem.values[n].inputs)
+    return seen
+
+
+def _descendants(users: dict[str, list[str]], name: str) -> set[str]:
+    seen, todo = set(), list(users.get(name, ()))
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(users.get(n, ()))
+    return seen
+
+
+def _with_private_inputs(problem: Problem, users, core: set[str]) -> set[str]:
+    """Add recomputable values that feed only the core (the causal mask's negation, -inf constant)."""
+    grown = True
+    while grown:
+        grown = False
+        for n in {i for c in core for i in problem.values[c].inputs} - core:
+            v = problem.values[n]
+            if v.can_recompute and not v.needed and users[n] and set(users[n]) <= core:
+                core.add(n)
+                grown = True
+    return core
+
+
+POLICIES = {"save-all": save_all, "full": full, "megatron-selective": megatron_selective}

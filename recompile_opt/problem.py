@@ -1,0 +1,86 @@
+"""The save/recompute problem as plain data keyed by node name: no FX objects, so solvers and policies
+are pure functions that tests can build by hand (see tests/test_ilp.py).
+
+A *value* is one forward node whose result the backward may need. A *storage* is the buffer a value
+lives in: views share their base's storage, and memory is charged per storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Value:
+    name: str
+    storage: str  # storage name ("" for tuples and other non-tensors: nothing to keep)
+    inputs: tuple[str, ...] = ()  # the values it is computed from
+    needed: bool = False  # read directly by the backward
+    can_save: bool = True
+    can_recompute: bool = True
+    in_forward: bool = True  # the forward computes it anyway; False: only the backward needs it
+    random: bool = False  # recompute replays a saved RNG state (charged rng_state_bytes)
+    recompute_s: float = 0.0
+    flops: int = 0
+    first_use: int = 0  # backward step at which it could first be needed (for the peak model)
+    last_use: int = 0  # backward step of its last direct use
+    tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute
+    info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
+
+
+@dataclass
+class Problem:
+    values: dict[str, Value]  # in topological order
+    storage_bytes: dict[str, int]  # 0 for parameters and buffers (they live anyway)
+    save_s: dict[str, float]  # time to write + read a kept storage
+    rng_state_bytes: int = 0
+    bwd_background: list[int] = field(default_factory=list)  # live bytes of backward tensors per step
+    fwd_transient: int = 0  # most bytes alive in the forward besides what is kept
+    step_s: float = 0.0  # estimated forward + backward time without recompute
+    device: str = "cpu"
+
+    def needed_closure(self, recompute: set[str]) -> tuple[set[str], set[str]]:
+        """Given which values are recomputed, derive (saved, recomputed) — what the backward reads."""
+        saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
+        while todo:
+            name = todo.pop()
+            if name in saved or name in recomputed:
+                continue
+            v = self.values[name]
+            if name in recompute and v.can_recompute:
+                recomputed.add(name)
+                todo.extend(v.inputs)
+            else:
+                saved.add(name)
+        return saved, recomputed
+
+    def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
+        storages = {self.values[n].storage for n in saved} - {""}
+        rng = sum(1 for n in recomputed if self.values[n].random and self.values[n].in_forward)
+        return sum(self.storage_bytes[s] for s in storages) + rng * self.rng_state_bytes
+
+    def recompute_seconds(self, recomputed: set[str]) -> float:
+        return sum(self.values[n].recompute_s for n in recomputed if self.values[n].in_forward)
+
+    def predicted_bwd_peak(self, saved: set[str], recomputed: set[str]) -> int:
+        """Peak of the backward under the linear model the ILP uses (see ilp.py, "peak")."""
+        peak = 0
+        for t, background in enumerate(self.bwd_background):
+            live = background
+            for s, last in self._storage_last_use(saved).items():
+                if t <= last:
+                    live += self.storage_bytes[s]
+            for n in recomputed:
+                v = self.values[n]
+                if v.storage == n and v.first_use <= t <= v.last_use:  # views add no bytes
+                    live += self.storage_bytes[n]
+            peak = max(peak, live)
+        return peak
+
+    def _storage_last_use(self, saved: set[str]) -> dict[str, int]:
+        last: dict[str, int] = {}
+        for n in saved:
+            v = self.values[n]
+            if v.storage:
+                last[v.storage] = max(last.get(v.storage, -1), v.last_use)
+        return last
