@@ -179,13 +179,19 @@ def _bwd_background(jg: JointGraph) -> list[int]:
         if n in jg.bwd_set and n not in outputs:
             frees.setdefault(i, []).append(n)
     for i, n in enumerate(jg.bwd_nodes):
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and not is_view_node(n):
-            live += tensor_bytes(val)
+        live += _own_bytes(n)
         out.append(live)
         for dead in frees.get(i, ()):
-            live -= tensor_bytes(dead.meta["val"])
+            live -= _own_bytes(dead)
     return out
+
+
+def _own_bytes(node: fx.Node) -> int:
+    """Bytes a node allocates: its tensor unless it is a view (tuples count through their getitems)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not is_view_node(node):
+        return tensor_bytes(val)
+    return 0
 
 
 def _fwd_transient(jg: JointGraph) -> int:
@@ -197,11 +203,9 @@ def _fwd_transient(jg: JointGraph) -> int:
             last[_base(a)] = i
     live, peak = 0, 0
     for i, n in enumerate(order):
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and not is_view_node(n):
-            live += tensor_bytes(val)
+        live += _own_bytes(n)
         peak = max(peak, live)
         for a in {_base(a) for a in n.all_input_nodes}:
-            if last.get(a) == i and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor):
-                live -= tensor_bytes(a.meta["val"])
+            if last.get(a) == i and a.op == "call_function":
+                live -= _own_bytes(a)
     return peak

@@ -34,7 +34,10 @@ value lives over [first_v, last_v]) and a kept storage lives from the forward un
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -78,14 +81,16 @@ class _Model:
         self.p = problem
         self.lp = pulp.LpProblem("recompile_opt", pulp.LpMinimize)
         vals = problem.values.values()
-        self.s = {v.name: pulp.LpVariable(f"s_{i}", cat="Binary")
-                  for i, v in enumerate(vals) if v.can_save}
-        self.r = {v.name: pulp.LpVariable(f"r_{i}", cat="Binary")
-                  for i, v in enumerate(vals) if v.can_recompute}
-        self.z = {s: pulp.LpVariable(f"z_{i}", cat="Binary")
-                  for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
-        self.peak = pulp.LpVariable("peak", lowBound=0)
+        binary = functools.partial(self.lp.add_variable, lowBound=0, upBound=1, cat="Integer")
+        self.s = {v.name: binary(f"s_{i}") for i, v in enumerate(vals) if v.can_save}
+        self.r = {v.name: binary(f"r_{i}") for i, v in enumerate(vals) if v.can_recompute}
+        self.z = {s: binary(f"z_{i}") for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
+        self.peak = self.lp.add_variable("peak", lowBound=0)
         self.penalties = []
+        self._rows = itertools.count()
+
+    def row(self, family: str) -> str:
+        return f"{family}_{next(self._rows)}"
 
     def avail(self, name: str):
         return self.s.get(name, 0) + self.r.get(name, 0)
@@ -93,19 +98,19 @@ class _Model:
     def add_availability(self):
         for v in self.p.values.values():
             if v.needed:
-                self.lp += self.avail(v.name) >= 1, f"need_{len(self.lp.constraints)}"
+                self.lp += self.avail(v.name) >= 1, self.row("need")
 
     def add_dependencies(self):
         for v in self.p.values.values():
             if v.name not in self.r:
                 continue
             for u in v.inputs:
-                self.lp += self.r[v.name] <= self.avail(u), f"dep_{len(self.lp.constraints)}"
+                self.lp += self.r[v.name] <= self.avail(u), self.row("dep")
 
     def add_storages(self):
         for v in self.p.values.values():
             if v.name in self.s and v.storage in self.z:
-                self.lp += self.z[v.storage] >= self.s[v.name], f"sto_{len(self.lp.constraints)}"
+                self.lp += self.z[v.storage] >= self.s[v.name], self.row("sto")
 
     def kept_bytes_expr(self):
         rng = [self.r[v.name] for v in self.p.values.values()
@@ -119,9 +124,9 @@ class _Model:
     def add_user_tags(self):
         for v in self.p.values.values():
             if v.tag == "must_save" and v.name in self.r:
-                self.lp += self.r[v.name] == 0, f"tag_{len(self.lp.constraints)}"
+                self.lp += self.r[v.name] == 0, self.row("tag")
             elif v.tag == "must_recompute" and v.name in self.s and v.can_recompute:
-                self.lp += self.s[v.name] == 0, f"tag_{len(self.lp.constraints)}"
+                self.lp += self.s[v.name] == 0, self.row("tag")
             elif v.tag == "prefer_save" and v.name in self.r:
                 self.penalties.append(self.r[v.name])
             elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
@@ -137,7 +142,7 @@ class _Model:
             live += [self.p.storage_bytes[v.name] * self.r[v.name] for v in self.p.values.values()
                      if v.name in self.r and v.storage == v.name and v.storage in self.z
                      and v.first_use <= t <= v.last_use]
-            self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, f"peak_{t}"
+            self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, self.row("peak")
         if limit is not None:
             self.lp += self.peak <= limit, "peak_limit"
             self.lp += self.kept_bytes_expr() + self.p.fwd_transient <= limit, "fwd_peak_limit"
@@ -179,7 +184,9 @@ def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, flo
     if solver == "highs":
         cmd = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     else:
-        cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+        with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of pulp[cbc]
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
     try:
         lp.solve(cmd)
     except pulp.PulpSolverError as e:

@@ -1,0 +1,58 @@
+"""Train a model eagerly and compiled side by side; compare losses and gradients step by step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import recompile_opt
+from recompile_opt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, example_batch
+
+TINY_GPT = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+
+
+def tiny_gpt(dropout: float = 0.0):
+    cfg = GPTConfig(**TINY_GPT, dropout=dropout)
+    torch.manual_seed(0)
+    return GPT(cfg), example_batch(cfg, 2)
+
+
+def tiny_llama():
+    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    return Llama(cfg), example_batch(cfg, 2)
+
+
+def tiny_mlp():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return MLP((16, 64, 64, 8)), (torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g))
+
+
+def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((pa.grad - pb.grad).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
+                       rtol=1e-5, atol=1e-6):
+    """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
+    copy) and on the compiled model with identical seeds; assert every step's gradients match."""
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    ref_fn = ref if reference_options is None else torch.compile(
+        ref, backend="recompile_opt", options=reference_options)
+    ours_fn = torch.compile(ours, backend="recompile_opt", options=options or {})
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    for step in range(steps):
+        for fn, opt in zip((ref_fn, ours_fn), opts):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            fn(*inputs).backward()
+        for (name, pa), pb in zip(ref.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+        for opt in opts:
+            opt.step()
+    plans = recompile_opt.last_plans()
+    assert plans, "no plan recorded: the model was not compiled by recompile_opt"
+    return plans[-1]
