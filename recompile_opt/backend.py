@@ -110,8 +110,12 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
                               decompositions=ti.select_decomp_table(),
                               keep_inference_input_mutations=True)
     fake_mode = ti.detect_fake_mode(example_inputs) or ti.FakeTensorMode(allow_non_fake_inputs=True)
-    fallback_random = True if aten_random else ti.inductor_config.fallback_random
-    with ti.V.set_fake_mode(fake_mode), ti.inductor_config.patch(fallback_random=fallback_random):
+    patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
+        # Inductor's joint-graph constant folding treats every meta tensor as foldable and would
+        # fold the whole graph away; on real devices it only folds true constants.
+        patches["joint_graph_constant_folding"] = False
+    with ti.V.set_fake_mode(fake_mode), ti.inductor_config.patch(patches):
         return backend(gm, example_inputs)
 
 

@@ -239,3 +239,25 @@ def example_batch(config, batch: int, *, seed: int = 0, device: str | torch.devi
     idx = torch.randint(0, config.vocab_size, shape, generator=g)
     tgt = torch.randint(0, config.vocab_size, shape, generator=g)
     return idx.to(device), tgt.to(device)
+
+
+class GPTLayer(nn.Module):
+    """One Megatron-style transformer layer as a stand-alone model: ``forward(x)`` returns a scalar,
+    so a layer at paper scale (hidden states in, on the meta device) can be planned on its own."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.block = Block(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x).float().sum()
+
+
+def paper_layer(h: int, heads: int, s: int = 2048, b: int = 1, *, dtype=torch.bfloat16,
+                device: str = "meta", dropout: float = 0.1):
+    """A GPT layer at a Korthikanti et al. shape (e.g. GPT-3 175B: h=12288, 96 heads) and its input."""
+    cfg = GPTConfig(n_layer=1, n_head=heads, n_embd=h, block_size=s, dropout=dropout)
+    with torch.device(device):
+        layer = GPTLayer(cfg).to(dtype)
+        x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    return layer, x

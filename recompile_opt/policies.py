@@ -31,6 +31,17 @@ def block_of(module: str) -> str | None:
     return m.group(1) if m else None
 
 
+def find_blocks(problem: Problem) -> dict[str, str | None]:
+    """Block of each value: the repeated ``<path>.<index>`` module prefix; in a model without such
+    (a single layer), the top-level module that holds an attention core."""
+    blocks = {n: block_of(v.info.get("module", "")) for n, v in problem.values.items()}
+    if any(blocks.values()):
+        return blocks
+    top = {n: (v.info.get("module") or "").split(".")[0] or None for n, v in problem.values.items()}
+    with_attention = {top[n] for core in attention_cores(problem) for n in core}
+    return {n: t if t in with_attention else None for n, t in top.items()}
+
+
 def consumers(problem: Problem) -> dict[str, list[str]]:
     users: dict[str, list[str]] = {n: [] for n in problem.values}
     for v in problem.values.values():
@@ -41,7 +52,7 @@ def consumers(problem: Problem) -> dict[str, list[str]]:
 
 def full(problem: Problem) -> set[str]:
     users = consumers(problem)
-    blocks = {n: block_of(v.info.get("module", "")) for n, v in problem.values.items()}
+    blocks = find_blocks(problem)
     recompute = set()
     for name, v in problem.values.items():
         block = blocks[name]
@@ -49,7 +60,7 @@ def full(problem: Problem) -> set[str]:
             continue
         if not any(blocks.get(u) != block for u in users[name]):  # block outputs stay kept
             recompute.add(name)
-    return recompute
+    return with_views(problem, recompute)
 
 
 def attention_cores(problem: Problem) -> list[set[str]]:
@@ -77,7 +88,13 @@ def megatron_selective(problem: Problem) -> set[str]:
     recompute = set()
     for core in attention_cores(problem):
         recompute |= {n for n in core if problem.values[n].can_recompute}
-    return recompute
+    return with_views(problem, recompute)
+
+
+def with_views(problem: Problem, recompute: set[str]) -> set[str]:
+    """Views of recomputed values are recomputed too: keeping a view would keep its whole base."""
+    owners = {problem.values[n].storage for n in recompute if problem.values[n].storage == n}
+    return recompute | {n for n, v in problem.values.items() if v.storage in owners and v.can_recompute}
 
 
 def _ancestors(problem: Problem, name: str) -> set[str]:
@@ -101,13 +118,15 @@ def _descendants(users: dict[str, list[str]], name: str) -> set[str]:
 
 
 def _with_private_inputs(problem: Problem, users, core: set[str]) -> set[str]:
-    """Add recomputable values that feed only the core (the causal mask's negation, -inf constant)."""
+    """Add recomputable values that feed only the core in the forward: the dropout mask and its seed,
+    the causal mask's negation, the -inf constant. Megatron's checkpointed core recomputes them too."""
     grown = True
     while grown:
         grown = False
         for n in {i for c in core for i in problem.values[c].inputs} - core:
             v = problem.values[n]
-            if v.can_recompute and not v.needed and users[n] and set(users[n]) <= core:
+            fwd_users = {u for u in users[n] if problem.values[u].in_forward}
+            if v.can_recompute and fwd_users and fwd_users <= core:
                 core.add(n)
                 grown = True
     return core

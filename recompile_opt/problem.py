@@ -40,14 +40,18 @@ class Problem:
     device: str = "cpu"
 
     def needed_closure(self, recompute: set[str]) -> tuple[set[str], set[str]]:
-        """Given which values are recomputed, derive (saved, recomputed) — what the backward reads."""
+        """Given which values are recomputed, derive (saved, recomputed) — what the backward reads.
+
+        Values only the backward uses (``in_forward=False``, e.g. a transposed weight or an upcast for a
+        backward formula) are computed in the backward, as eager autograd would, unless they cannot be.
+        """
         saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
         while todo:
             name = todo.pop()
             if name in saved or name in recomputed:
                 continue
             v = self.values[name]
-            if name in recompute and v.can_recompute:
+            if (name in recompute or not v.in_forward) and v.can_recompute:
                 recomputed.add(name)
                 todo.extend(v.inputs)
             else:
