@@ -75,7 +75,7 @@ def module_path(node: fx.Node) -> str:
 
 def clean_module_path(path: str) -> str:
     """``L['self'].blocks[0].attn`` or ``L__self___blocks_0`` -> ``blocks.0.attn``."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")
@@ -107,15 +107,20 @@ def _user_tag(node: fx.Node) -> str | None:
     return None
 
 
-def build_problem(jg: JointGraph, roofline: dict) -> Problem:
-    """One :class:`Value` per forward tensor node; bytes per storage; costs from the roofline."""
+def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True) -> Problem:
+    """One :class:`Value` per forward tensor node; bytes per storage; costs from the roofline.
+
+    ``replay_random=False`` makes random ops keep-only (where RNG-state replay cannot be compiled).
+    """
     pos = {n: i for i, n in enumerate(jg.bwd_nodes)}
     values: dict[str, Value] = {}
     storage_bytes_: dict[str, int] = {}
     for node in jg.fwd_nodes:
         if not _is_value(node):
             continue
-        values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
+        value = values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
+        if value.random and not replay_random:
+            value.can_recompute = False
     _propagate_first_use(jg, values)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager
-from recompile_opt.options import parse_options
+from recompile_opt.options import OptionError, parse_options
 from recompile_opt.plan import Plan
 
 
@@ -35,8 +35,13 @@ def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) 
         return _empty_outputs(gm)
 
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    with torch.enable_grad():
-        torch.compile(module, backend=capture, dynamic=False)(*inputs)
+    try:
+        with torch.enable_grad():
+            torch.compile(module, backend=capture, dynamic=False)(*inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # show our own error, not Dynamo's wrapper
+        if isinstance(e.inner_exception, OptionError):
+            raise e.inner_exception from None
+        raise
     if len(graphs) != 1:
         raise MultipleGraphsError(
             f"recompile_opt.plan: the model breaks into {len(graphs)} graphs; plans for several graphs "

@@ -64,14 +64,24 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = kwargs.get("static_lifetime_input_indices")
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
-        problem = build_problem(jg, self.options.roofline_for(jg.device().type))
+        problem = build_problem(jg, self.options.roofline_for(jg.device().type),
+                                replay_random=self.replay_random())
         plan = make_plan(problem, self.options, graph=graph_id(gm))
+        if not self.replay_random() and any(v.random for v in problem.values.values()):
+            plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
+                              "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
         self.plans.append(plan)
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
         fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         self.last_backward = bw
         return fw, bw
+
+    def replay_random(self) -> bool:
+        """Replaying a random op from a saved CPU RNG state (``run_with_rng_state``) works in the eager
+        path and through Inductor's own RNG (its seeds make recompute deterministic); Inductor's
+        lowering of the replay HOP fails on CPU, so with ``fallback_random`` random ops are kept."""
+        return self.options.compiler == "eager" or not ti.inductor_config.fallback_random
 
     def uuid(self) -> str:
         return _code_hash(self.options)

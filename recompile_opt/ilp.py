@@ -38,7 +38,7 @@ import functools
 import itertools
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -50,11 +50,12 @@ MAX_PEAK_STEPS = 96
 @dataclass
 class Solution:
     recompute: set[str]  # values the solver chose to recompute
-    status: str  # "optimal", "feasible" (time limit), "infeasible", "error: ..."
-    solve_s: float
-    gap: float | None
-    n_vars: int
-    n_constraints: int
+    keep: set[str] = field(default_factory=set)  # values the solver chose to keep
+    status: str = "optimal"  # "optimal", "feasible" (time limit), "infeasible", "error: ..."
+    solve_s: float = 0.0
+    gap: float | None = None
+    n_vars: int = 0
+    n_constraints: int = 0
 
 
 def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solver: str = "cbc",
@@ -71,9 +72,9 @@ def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solv
     m.add_peak(peak)
     m.set_objective(minimize_memory=minimize_memory)
     status, gap = _run(m.lp, solver, time_limit_s)
-    recompute = m.recompute_set() if status in ("optimal", "feasible") else set()
-    return Solution(recompute, status, time.perf_counter() - start, gap,
-                    m.lp.numVariables(), m.lp.numConstraints())
+    ok = status in ("optimal", "feasible")
+    return Solution(m.chosen(m.r) - m.chosen(m.s) if ok else set(), m.chosen(m.s) if ok else set(),
+                    status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())
 
 
 class _Model:
@@ -161,8 +162,9 @@ class _Model:
         else:
             self.lp += time_cost + pref + 1e-3 * self.peak / total_bytes
 
-    def recompute_set(self) -> set[str]:
-        return {n for n, r in self.r.items() if (r.varValue or 0) > 0.5}
+    @staticmethod
+    def chosen(variables: dict) -> set[str]:
+        return {n for n, x in variables.items() if (x.varValue or 0) > 0.5}
 
 
 def _peak_steps(problem: Problem) -> list[int]:

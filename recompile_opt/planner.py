@@ -27,14 +27,16 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "") -> Plan:
     baseline_saved, _ = problem.needed_closure(set())
     baseline = problem.kept_bytes(baseline_saved)
     notes: list[str] = []
+    keep: set[str] = set()
     if options.policy == "auto":
-        recompute, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes)
+        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes)
+        recompute, keep = sol.recompute, sol.keep
     else:
         recompute = POLICIES[options.policy](problem)
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         _note_policy(problem, options.policy, notes)
-    saved, recomputed = problem.needed_closure(recompute)
+    saved, recomputed = problem.needed_closure(recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
                      min_bytes=min_bytes, solver_info=solver_info, notes=notes)
@@ -54,22 +56,22 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     if sol.status == "infeasible":
         sol, min_bytes = _infeasible(problem, options, budget, kw, notes)
     elif sol.status.startswith("error"):
-        recompute = greedy_recompute(problem, budget)
         msg = f"recompile_opt: the ILP solver failed ({sol.status}); using a greedy plan instead"
         warnings.warn(msg)
         notes.append(msg)
-        return recompute, _solver_info(options, sol), budget, min_bytes
+        greedy = ilp.Solution(greedy_recompute(problem, budget), status=sol.status)
+        return greedy, _solver_info(options, sol), budget, min_bytes
     if sol.status == "feasible":
         notes.append(f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
                      + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver"))
-    return sol.recompute, _solver_info(options, sol), budget, min_bytes
+    return sol, _solver_info(options, sol), budget, min_bytes
 
 
 def _least_bytes(problem: Problem, kw: dict) -> int | None:
     sol = ilp.solve(problem, budget=None, minimize_memory=True, **kw)
     if sol.status not in ("optimal", "feasible"):
         return None
-    saved, recomputed = problem.needed_closure(sol.recompute)
+    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
     return problem.kept_bytes(saved, recomputed)
 
 
@@ -89,7 +91,7 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     notes.append(msg)
     sol = ilp.solve(problem, budget=min_bytes, **kw)
     if sol.status not in ("optimal", "feasible"):
-        sol = ilp.Solution(greedy_recompute(problem, 0), sol.status, sol.solve_s, None, 0, 0)
+        sol = ilp.Solution(greedy_recompute(problem, 0), status=sol.status, solve_s=sol.solve_s)
     return sol, min_bytes
 
 

@@ -39,7 +39,7 @@ class Problem:
     step_s: float = 0.0  # estimated forward + backward time without recompute
     device: str = "cpu"
 
-    def needed_closure(self, recompute: set[str]) -> tuple[set[str], set[str]]:
+    def needed_closure(self, recompute: set[str], keep: set[str] = frozenset()) -> tuple[set[str], set[str]]:
         """Given which values are recomputed, derive (saved, recomputed) — what the backward reads.
 
         Values only the backward uses (``in_forward=False``, e.g. a transposed weight or an upcast for a
@@ -51,7 +51,7 @@ class Problem:
             if name in saved or name in recomputed:
                 continue
             v = self.values[name]
-            if (name in recompute or not v.in_forward) and v.can_recompute:
+            if (name in recompute or not (v.in_forward or name in keep)) and v.can_recompute:
                 recomputed.add(name)
                 todo.extend(v.inputs)
             else:

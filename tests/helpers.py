@@ -18,7 +18,7 @@ def tiny_gpt(dropout: float = 0.0):
     return GPT(cfg), example_batch(cfg, 2)
 
 
-def tiny_llama():
+def tiny_llama(dropout: float = 0.0):
     cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     torch.manual_seed(0)
     return Llama(cfg), example_batch(cfg, 2)

@@ -1,0 +1,41 @@
+"""End to end through Inductor's code generation (slow: cold compiles take tens of seconds here)."""
+
+import pytest
+import torch
+
+import recompile_opt
+from recompile_opt.measure import saved_report
+
+from helpers import tiny_gpt, tiny_llama, train_side_by_side
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("options", [{"memory_budget": 0.0}, {"policy": "megatron-selective"}], ids=str)
+def test_dropout_gradients_equal_eager_with_fallback_random(options):
+    model, inputs = tiny_gpt(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(model, inputs, options=options, steps=3, rtol=1e-4, atol=1e-5)
+    assert plan.recomputed
+
+
+def test_inductor_rng_matches_our_save_all_plan():
+    """With Inductor's own RNG the masks differ from eager's, so compare against save-all: a recomputed
+    mask must equal the one the forward drew (same seed, so the same masks)."""
+    model, inputs = tiny_gpt(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=False):
+        plan = train_side_by_side(model, inputs, options={"memory_budget": 0.0},
+                                  reference_options={"policy": "save-all"}, steps=3, rtol=1e-4, atol=1e-5)
+    assert any(e.op in ("inductor_random", "prims.inductor_random", "gt") for e in plan.recomputed)
+
+
+def test_llama_gradients_and_saved_bytes_through_inductor():
+    model, inputs = tiny_llama()
+    plan = train_side_by_side(model, inputs, options={"memory_budget": 0.5}, steps=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.5})
+    report, loss = saved_report(lambda: compiled(*inputs), exclude=[model])
+    loss.backward()
+    plan = recompile_opt.last_plans()[-1]
+    assert report.total_bytes == pytest.approx(plan.saved_bytes, rel=0.02), report.summary()
+    assert report.total_bytes <= plan.budget_bytes
