@@ -79,8 +79,9 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
 
     def replay_random(self) -> bool:
         """Replaying a random op from a saved CPU RNG state (``run_with_rng_state``) works in the eager
-        path and through Inductor's own RNG (its seeds make recompute deterministic); Inductor's
-        lowering of the replay HOP fails on CPU, so with ``fallback_random`` random ops are kept."""
+        path and through Inductor's own RNG (its seeds make recompute deterministic). With
+        ``fallback_random`` Inductor keeps ``native_dropout``, and its lowering of the replay HOP around
+        a tuple-returning op fails (torch 2.13), so there random ops are kept."""
         return self.options.compiler == "eager" or not ti.inductor_config.fallback_random
 
     def uuid(self) -> str:

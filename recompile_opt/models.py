@@ -261,3 +261,25 @@ def paper_layer(h: int, heads: int, s: int = 2048, b: int = 1, *, dtype=torch.bf
         layer = GPTLayer(cfg).to(dtype)
         x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     return layer, x
+
+
+# -- factories: ``MODULE:FACTORY`` targets for ``recompile-opt plan`` (each returns model, inputs) --
+
+def demo_gpt(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4, dropout: float = 0.0):
+    """The demo's and the benchmark's GPT: 2 layers, h=256, s=256, b=4, fp32, on the CPU."""
+    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512,
+                    dropout=dropout)
+    torch.manual_seed(0)
+    return GPT(cfg), example_batch(cfg, batch)
+
+
+def demo_llama(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4):
+    cfg = LlamaConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512)
+    torch.manual_seed(0)
+    return Llama(cfg), example_batch(cfg, batch)
+
+
+def gpt3_175b_layer():
+    """One GPT-3 175B layer (h=12288, 96 heads, s=2048, b=1, bf16) on the meta device."""
+    model, x = paper_layer(12288, 96)
+    return model, (x,)

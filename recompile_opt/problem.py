@@ -46,17 +46,28 @@ class Problem:
         backward formula) are computed in the backward, as eager autograd would, unless they cannot be.
         """
         saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
+        feasible = self.recomputable()
         while todo:
             name = todo.pop()
             if name in saved or name in recomputed:
                 continue
             v = self.values[name]
-            if (name in recompute or not (v.in_forward or name in keep)) and v.can_recompute:
+            wanted = name in recompute or not (v.in_forward or name in keep) or not v.can_save
+            if wanted and name in feasible:
                 recomputed.add(name)
                 todo.extend(v.inputs)
             else:
                 saved.add(name)
         return saved, recomputed
+
+    def recomputable(self) -> set[str]:
+        """Values whose recomputation is possible at all: every input can be kept or recomputed
+        (a tuple output of a keep-only op, e.g. a random op without replay, cannot be kept)."""
+        ok: set[str] = set()
+        for name, v in self.values.items():  # topological order
+            if v.can_recompute and all(self.values[u].can_save or u in ok for u in v.inputs):
+                ok.add(name)
+        return ok
 
     def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
         storages = {self.values[n].storage for n in saved} - {""}

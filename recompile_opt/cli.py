@@ -1,0 +1,107 @@
+"""``recompile-opt``: plan a model, show or diff saved plans, and run the demo.
+
+    recompile-opt plan recompile_opt.models:gpt3_175b_layer --budget 0.3 [--policy P] [--json out.json]
+    recompile-opt show plan.json
+    recompile-opt diff a.json b.json
+    recompile-opt demo [--budget 0.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from recompile_opt.options import POLICIES, SOLVERS
+
+
+def parse_budget_arg(text: str | None):
+    """"0.3" is a fraction, "1000000" bytes, "512MiB" a size with units."""
+    if text is None:
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_factory(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise SystemExit(f"recompile-opt: expected MODULE:FACTORY, got {spec!r}")
+    sys.path.insert(0, str(Path.cwd()))
+    factory = getattr(importlib.import_module(module_name), attr)
+    model, inputs = factory()
+    return model, inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def cmd_plan(args) -> None:
+    import recompile_opt
+
+    model, inputs = load_factory(args.factory)
+    options = {"policy": args.policy, "solver": args.solver}
+    if args.peak:
+        options["peak_memory"] = parse_budget_arg(args.peak)
+    plan = recompile_opt.plan(model, inputs, memory_budget=parse_budget_arg(args.budget), **options)
+    print(plan)
+    if args.json:
+        Path(args.json).write_text(plan.to_json())
+        print(f"wrote {args.json}")
+
+
+def cmd_show(args) -> None:
+    from recompile_opt.plan import Plan
+
+    print(Plan.from_json(Path(args.plan).read_text()))
+
+
+def cmd_diff(args) -> None:
+    from recompile_opt.plan import Plan
+
+    a, b = (Plan.from_json(Path(p).read_text()) for p in (args.a, args.b))
+    print(a.diff(b))
+
+
+def cmd_demo(args) -> None:
+    from recompile_opt.demo import run_demo
+
+    run_demo(budget=parse_budget_arg(args.budget), steps=args.steps, compiler=args.compiler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recompile-opt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan MODULE:FACTORY (returns model, inputs) and print the plan")
+    p.add_argument("factory")
+    p.add_argument("--budget", help="bytes, a size like 512MiB, or a fraction in [0, 1]")
+    p.add_argument("--peak", help="limit on the predicted step peak (bytes or size with units)")
+    p.add_argument("--policy", default="auto", choices=POLICIES)
+    p.add_argument("--solver", default="cbc", choices=SOLVERS)
+    p.add_argument("--json", help="also write the plan as JSON here")
+    p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("show", help="print a plan saved as JSON")
+    p.add_argument("plan")
+    p.set_defaults(func=cmd_show)
+    p = sub.add_parser("diff", help="what changes between two JSON plans")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=cmd_diff)
+    p = sub.add_parser("demo", help="plan and train a small GPT on the CPU next to plain torch.compile")
+    p.add_argument("--budget", default="0.0")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
