@@ -1,0 +1,82 @@
+"""The command line, plan_dir, the plan cache on an Inductor cache hit, and the multi-graph error."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import recompile_opt
+from recompile_opt.api import MultipleGraphsError
+from recompile_opt.cli import main
+
+from helpers import tiny_mlp
+
+
+def test_plan_show_and_diff(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    main(["plan", "helpers:tiny_mlp", "--json", str(a)])
+    main(["plan", "helpers:tiny_mlp", "--budget", "0.0", "--json", str(b)])
+    out = capsys.readouterr().out
+    assert "recompile_opt plan" in out and "kept (" in out
+    main(["show", str(b)])
+    assert "budget=" in capsys.readouterr().out
+    main(["diff", str(a), str(b)])
+    diff = capsys.readouterr().out
+    assert "plan diff: kept" in diff and "keep ->" in diff and "recompute" in diff
+
+
+def test_entry_point_backend_works_without_import():
+    """backend="recompile_opt" resolves through the torch_dynamo_backends entry point."""
+    code = ("import torch; from recompile_opt.models import MLP; m = MLP((4, 8, 4)); "
+            "c = torch.compile(m, backend='recompile_opt', options={'compiler': 'eager'}); "
+            "c(torch.randn(2, 4), torch.randn(2, 4)).backward(); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_plan_dir_writes_every_plan(tmp_path):
+    model, inputs = tiny_mlp()
+    compiled = torch.compile(model, backend="recompile_opt",
+                             options={"compiler": "eager", "plan_dir": str(tmp_path), "memory_budget": 0.5})
+    compiled(*inputs).backward()
+    files = list(tmp_path.glob("plan_*.json"))
+    assert len(files) == 1
+    plan = recompile_opt.Plan.from_json(files[0].read_text())
+    assert plan.saved_bytes == recompile_opt.last_plans()[-1].saved_bytes
+
+
+@pytest.mark.slow
+def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, inputs = tiny_mlp()
+
+    def compile_and_run(options):
+        torch._dynamo.reset()
+        recompile_opt.reset_plans()
+        torch.compile(model, backend="recompile_opt", options=options)(*inputs).backward()
+        return recompile_opt.last_plans()
+
+    (cold,) = compile_and_run({"memory_budget": 0.0})
+    (hit,) = compile_and_run({"memory_budget": 0.0})
+    assert any("plan cache" in n for n in hit.notes), "expected an Inductor cache hit"
+    assert hit.saved_names() == cold.saved_names()
+    (other,) = compile_and_run({"memory_budget": 1.0})
+    assert not any("plan cache" in n for n in other.notes)
+    assert other.saved_bytes > cold.saved_bytes
+
+
+def test_plan_names_the_number_of_graphs_when_the_model_breaks():
+    class Breaks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x).relu()
+            torch._dynamo.graph_break()
+            return self.b(x).sum()
+
+    with pytest.raises(MultipleGraphsError, match="breaks into 2 graphs"):
+        recompile_opt.plan(Breaks(), (torch.randn(2, 4),))
