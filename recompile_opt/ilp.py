@@ -59,7 +59,7 @@ class Solution:
 
 
 def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solver: str = "cbc",
-          time_limit_s: float = 30.0, minimize_memory: bool = False) -> Solution:
+          time_limit_s: float = 30.0, mip_gap: float = 0.0, minimize_memory: bool = False) -> Solution:
     """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes."""
     start = time.perf_counter()
     m = _Model(problem)
@@ -71,7 +71,7 @@ def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solv
         m.add_budget(budget)
     m.add_peak(peak)
     m.set_objective(minimize_memory=minimize_memory)
-    status, gap = _run(m.lp, solver, time_limit_s)
+    status, gap = _run(m.lp, solver, time_limit_s, mip_gap)
     ok = status in ("optimal", "feasible")
     return Solution(m.chosen(m.r) - m.chosen(m.s) if ok else set(), m.chosen(m.s) if ok else set(),
                     status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())
@@ -114,7 +114,7 @@ class _Model:
                 self.lp += self.z[v.storage] >= self.s[v.name], self.row("sto")
 
     def kept_bytes_expr(self):
-        rng = [self.r[v.name] for v in self.p.values.values()
+        rng = [v.copies * self.r[v.name] for v in self.p.values.values()
                if v.random and v.in_forward and v.name in self.r]
         return (pulp.lpSum(self.p.storage_bytes[s] * z for s, z in self.z.items())
                 + self.p.rng_state_bytes * pulp.lpSum(rng))
@@ -168,11 +168,12 @@ class _Model:
 
 
 def _peak_steps(problem: Problem) -> list[int]:
-    """Backward steps where the live set can grow: first uses and background maxima (subsampled)."""
+    """Steps where the live bytes can peak: first and last uses (kept and recomputed bytes only change
+    there) and the background's local maxima; subsampled beyond MAX_PEAK_STEPS."""
     n = len(problem.bwd_background)
     if n == 0:
         return []
-    steps = {v.first_use for v in problem.values.values() if v.first_use < n}
+    steps = {t for v in problem.values.values() for t in (v.first_use, v.last_use) if 0 <= t < n}
     bg = problem.bwd_background
     steps |= {t for t in range(n) if (t == 0 or bg[t] >= bg[t - 1]) and (t == n - 1 or bg[t] >= bg[t + 1])}
     steps = sorted(steps)
@@ -182,30 +183,32 @@ def _peak_steps(problem: Problem) -> list[int]:
     return steps
 
 
-def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float) -> tuple[str, float | None]:
-    if solver == "highs":
-        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
-    else:
-        with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of pulp[cbc]
-            warnings.simplefilter("ignore", DeprecationWarning)
-            cmd = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float) -> tuple[str, float | None]:
+    """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance)."""
     try:
-        lp.solve(cmd)
-    except pulp.PulpSolverError as e:
-        return f"error: {e}", None
+        lp.solve(_command(solver, time_limit_s, mip_gap, presolve=False))
+    except pulp.PulpSolverError:
+        # CBC without preprocessing can stop at an early infeasibility proof without writing a
+        # solution file; with preprocessing it reports the status properly.
+        try:
+            lp.solve(_command(solver, time_limit_s, mip_gap, presolve=True))
+        except pulp.PulpSolverError as e:
+            return f"error: {e}", None
     if lp.status == pulp.LpStatusInfeasible:
         return "infeasible", None
     if lp.sol_status == pulp.LpSolutionOptimal:
-        return "optimal", 0.0
+        return "optimal", mip_gap
     if lp.sol_status == pulp.LpSolutionIntegerFeasible:
-        return "feasible", _gap(cmd)
+        return "feasible", None
     return f"error: solver status {pulp.LpStatus.get(lp.status, lp.status)}", None
 
 
-def _gap(cmd) -> float | None:
-    """The optimality gap where the solver reports a bound (HiGHS does; PuLP's CBC wrapper does not)."""
-    model = getattr(cmd, "solverModel", None)
-    try:
-        return float(model.getInfo().mip_gap)
-    except Exception:
-        return None
+def _command(solver: str, time_limit_s: float, mip_gap: float, *, presolve: bool):
+    if solver == "highs":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap)
+    with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of pulp[cbc]
+        warnings.simplefilter("ignore", DeprecationWarning)
+        # CBC's preprocessing can return a slightly worse plan labelled optimal ("postprocessing
+        # changed objective ... possible tolerance issue"); the problems are small, so turn it off.
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap,
+                                 options=[] if presolve else ["preprocess off"])

@@ -39,6 +39,7 @@ class Options:
     policy: str = "auto"
     solver: str = "cbc"
     time_limit_s: float = 30.0
+    mip_gap: float = 0.01  # stop when proven within this relative gap of the optimum
     plan_dir: str | None = None
     roofline: dict = field(default_factory=dict)  # {"flops_per_s": ..., "bytes_per_s": ...}
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
@@ -117,6 +118,11 @@ def parse_options(raw: dict | Options | None) -> Options:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise OptionError(f"option 'time_limit_s': got {t!r}; expected a positive number of seconds")
         out["time_limit_s"] = float(t)
+    if "mip_gap" in raw:
+        g = raw["mip_gap"]
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < 1:
+            raise OptionError(f"option 'mip_gap': got {g!r}; expected a relative gap in [0, 1)")
+        out["mip_gap"] = float(g)
     if raw.get("plan_dir") is not None:
         out["plan_dir"] = str(raw["plan_dir"])
     if "roofline" in raw:

@@ -91,7 +91,7 @@ class Plan:
             f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline",
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
-            + (f", gap {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
+            + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
             + f" ({self.solver.get('n_vars', 0)} vars, {self.solver.get('n_constraints', 0)} constraints)",
         ]
         lines += [f"  note: {n}" for n in self.notes]

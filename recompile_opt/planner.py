@@ -11,6 +11,7 @@ import logging
 import warnings
 
 from recompile_opt import ilp
+from recompile_opt.blocks import BlockReduction, reduce_blocks
 from recompile_opt.options import OptionError, Options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.policies import POLICIES, attention_cores
@@ -46,15 +47,18 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "") -> Plan:
 
 
 def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str]):
-    kw = dict(solver=options.solver, time_limit_s=options.time_limit_s)
+    kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap,
+              peak=options.peak_memory)
+    # identical blocks are solved once; a peak limit needs the whole backward schedule, so not then
+    reduction = reduce_blocks(problem) if options.peak_memory is None else None
     min_bytes = None
     budget = options.memory_budget
     if isinstance(budget, float):
-        min_bytes = _least_bytes(problem, kw)
+        min_bytes = _least_bytes(problem, reduction, kw)
         budget = int(min_bytes + budget * (baseline - min_bytes)) if min_bytes is not None else None
-    sol = ilp.solve(problem, budget=budget, peak=options.peak_memory, **kw)
+    sol = _solve(problem, reduction, budget, kw, notes)
     if sol.status == "infeasible":
-        sol, min_bytes = _infeasible(problem, options, budget, kw, notes)
+        sol, min_bytes = _infeasible(problem, options, budget, kw, notes, reduction)
     elif sol.status.startswith("error"):
         msg = f"recompile_opt: the ILP solver failed ({sol.status}); using a greedy plan instead"
         warnings.warn(msg)
@@ -67,16 +71,43 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     return sol, _solver_info(options, sol), budget, min_bytes
 
 
-def _least_bytes(problem: Problem, kw: dict) -> int | None:
-    sol = ilp.solve(problem, budget=None, minimize_memory=True, **kw)
+def _solve(problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str],
+           **extra) -> ilp.Solution:
+    """Solve the reduced problem and expand it. The first block reads the embedding where the template
+    reads its own copy, so the expanded plan can keep a little more than the reduced one claimed:
+    tighten the budget by that excess and re-solve (twice at most), else solve in full."""
+    target = budget
+    for _ in range(3 if reduction is not None else 0):
+        sol = ilp.solve(reduction.reduced, budget=target, **kw, **extra)
+        if sol.status not in ("optimal", "feasible"):
+            break
+        full = ilp.Solution(reduction.expand(sol.recompute), reduction.expand(sol.keep), sol.status,
+                            sol.solve_s, sol.gap, sol.n_vars, sol.n_constraints)
+        kept = problem.kept_bytes(*problem.needed_closure(full.recompute, full.keep))
+        if budget is None or extra.get("minimize_memory") or kept <= budget:
+            _note_once(notes, f"{reduction.repeats} identical blocks solved once "
+                              f"({len(reduction.reduced.values)} of {len(problem.values)} values)")
+            return full
+        claimed = reduction.reduced.kept_bytes(*reduction.reduced.needed_closure(sol.recompute, sol.keep))
+        target = claimed - (kept - budget) - 1
+    return ilp.solve(problem, budget=budget, **kw, **extra)
+
+
+def _note_once(notes: list[str], note: str) -> None:
+    if note not in notes:
+        notes.append(note)
+
+
+def _least_bytes(problem: Problem, reduction: BlockReduction | None, kw: dict) -> int | None:
+    sol = _solve(problem, reduction, None, kw, [], minimize_memory=True)
     if sol.status not in ("optimal", "feasible"):
         return None
     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
     return problem.kept_bytes(saved, recomputed)
 
 
-def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: list[str]):
-    min_bytes = _least_bytes(problem, kw)
+def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: list[str], reduction):
+    min_bytes = _least_bytes(problem, reduction, kw)
     what = []
     if budget is not None and (min_bytes is None or budget < min_bytes):
         what.append(f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
@@ -89,7 +120,7 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     msg += "; using the least-memory plan"
     warnings.warn(msg)
     notes.append(msg)
-    sol = ilp.solve(problem, budget=min_bytes, **kw)
+    sol = _solve(problem, reduction, min_bytes, kw, notes)
     if sol.status not in ("optimal", "feasible"):
         sol = ilp.Solution(greedy_recompute(problem, 0), status=sol.status, solve_s=sol.solve_s)
     return sol, min_bytes

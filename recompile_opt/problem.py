@@ -24,6 +24,7 @@ class Value:
     flops: int = 0
     first_use: int = 0  # backward step at which it could first be needed (for the peak model)
     last_use: int = 0  # backward step of its last direct use
+    copies: int = 1  # identical blocks this value stands for (a reduced problem, see blocks.py)
     tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
 
@@ -71,7 +72,8 @@ class Problem:
 
     def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
         storages = {self.values[n].storage for n in saved} - {""}
-        rng = sum(1 for n in recomputed if self.values[n].random and self.values[n].in_forward)
+        rng = sum(self.values[n].copies for n in recomputed
+                  if self.values[n].random and self.values[n].in_forward)
         return sum(self.storage_bytes[s] for s in storages) + rng * self.rng_state_bytes
 
     def recompute_seconds(self, recomputed: set[str]) -> float:

@@ -1,0 +1,317 @@
+"""The Plan a compiled graph gets: built through the real pipeline (``make_plan`` on a hand-built
+Problem, ILP included), round-tripped through JSON, printed and diffed.
+
+The problem is one MLP block, y = dropout(relu(x @ w1)) @ w2, in exact units: x is 512x512 fp32
+(1 MiB), the hidden activations 512x2048 fp32 (4 MiB), the weights are parameters (free). Saving is
+free, so the budget alone decides:
+
+    value      op              bytes  recompute  read by the backward at step
+    primals_1  x (input)       1 MiB  -          2
+    primals_2  w1 (param)      0      -          2
+    primals_3  w2 (param)      0      -          0
+    mm         x @ w1          4 MiB  10 us      (only to recompute relu)
+    relu       relu(mm)        4 MiB  1 us       1
+    t          relu.t() view   -      0.1 us     1
+    dropout    dropout(relu)   4 MiB  1 us       0   (random: recomputing keeps a 16 B RNG state)
+    mm_1       dropout @ w2    1 MiB  10 us      never
+
+Save-all keeps x + relu (shared by t) + dropout = 9 MiB. Under 6 MiB the cheapest plan recomputes
+dropout (kept 5 MiB + 16 B); under 5 MiB that no longer fits and mm, relu and t are recomputed instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+
+import pytest
+
+from recompile_opt.options import parse_options
+from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry
+from recompile_opt.planner import InfeasibleBudget, make_plan
+from recompile_opt.problem import Problem, Value
+
+MiB = 1 << 20
+US = 1e-6
+RNG = 16
+MLP = "blocks.0.mlp"
+
+
+def info(op, shape, module=MLP):
+    return {"op": op, "shape": shape, "dtype": "float32", "module": module, "source": "model.py:12"}
+
+
+def mlp_problem(**tags) -> Problem:
+    def v(name, storage, op, shape, **kw):
+        return Value(name, storage, tag=tags.get(name), info=info(op, shape, kw.pop("module", MLP)), **kw)
+
+    values = [
+        v("primals_1", "primals_1", "input", [512, 512], needed=True, can_recompute=False,
+          first_use=2, last_use=2, module=""),
+        v("primals_2", "primals_2", "input", [512, 2048], needed=True, can_recompute=False,
+          first_use=2, last_use=2, module=""),
+        v("primals_3", "primals_3", "input", [2048, 512], needed=True, can_recompute=False,
+          first_use=0, last_use=0, module=""),
+        v("mm", "mm", "mm", [512, 2048], inputs=("primals_1", "primals_2"), recompute_s=10 * US,
+          flops=2 * 512 * 512 * 2048, first_use=1, last_use=1),
+        v("relu", "relu", "relu", [512, 2048], inputs=("mm",), needed=True, recompute_s=1 * US,
+          flops=512 * 2048, first_use=1, last_use=1),
+        v("t", "relu", "t", [2048, 512], inputs=("relu",), needed=True, recompute_s=0.1 * US,
+          first_use=1, last_use=1),
+        v("dropout", "dropout", "native_dropout", [512, 2048], inputs=("relu",), needed=True,
+          random=True, recompute_s=1 * US, flops=512 * 2048, first_use=0, last_use=0),
+        v("mm_1", "mm_1", "mm", [512, 512], inputs=("dropout", "primals_3"), recompute_s=10 * US,
+          flops=2 * 512 * 512 * 2048, first_use=4, last_use=4),
+    ]
+    storage_bytes = {"primals_1": MiB, "primals_2": 0, "primals_3": 0, "mm": 4 * MiB,
+                     "relu": 4 * MiB, "dropout": 4 * MiB, "mm_1": MiB}
+    return Problem(values={x.name: x for x in values}, storage_bytes=storage_bytes,
+                   save_s={s: 0.0 for s in storage_bytes}, rng_state_bytes=RNG,
+                   bwd_background=[MiB, 2 * MiB, MiB, 0], fwd_transient=2 * MiB, step_s=100 * US)
+
+
+def plan_for(problem=None, **options) -> Plan:
+    return make_plan(problem or mlp_problem(), parse_options(options), graph="g0")
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    return {"none": plan_for(), "6MiB": plan_for(memory_budget="6MiB"),
+            "5MiB": plan_for(memory_budget="5MiB"), "0.0": plan_for(memory_budget=0.0)}
+
+
+# -- the plans themselves --------------------------------------------------------------------------
+
+def test_no_budget_keeps_what_eager_keeps(plans):
+    p = plans["none"]
+    assert p.saved_names() == {"primals_1", "primals_2", "primals_3", "relu", "t", "dropout"}
+    assert p.recomputed == []
+    assert p.saved_bytes == p.baseline_bytes == 9 * MiB
+    assert p.budget_bytes is None and p.min_bytes is None
+    assert p.solver["name"] == "cbc" and p.solver["status"] == "optimal"
+    # step 0: background 1 + x 1 + relu 4 + dropout 4 = 10 MiB; the forward: 9 kept + 2 transient
+    assert p.predicted_peak_bytes == 11 * MiB
+
+
+def test_budget_6mib_recomputes_dropout_with_its_rng_state(plans):
+    p = plans["6MiB"]
+    assert p.budget_bytes == 6 * MiB
+    assert p.recomputed_names() == {"dropout"}
+    assert p.saved_names() == {"primals_1", "primals_2", "primals_3", "relu", "t", "dropout.rng_state"}
+    assert p.saved_bytes == 5 * MiB + RNG
+    rng = next(e for e in p.saved if e.name == "dropout.rng_state")
+    assert (rng.op, rng.action, rng.reason, rng.bytes) == ("rng_state", KEEP, "rng", RNG)
+    assert p.recompute_flops == 512 * 2048
+    assert p.recompute_s == pytest.approx(1 * US)
+    assert p.recompute_share == pytest.approx(0.01)
+    # step 0: background 1 + x 1 + relu 4 + recomputed dropout 4
+    assert p.predicted_peak_bytes == 10 * MiB
+
+
+def test_budget_5mib_recomputes_the_block_instead(plans):
+    p = plans["5MiB"]
+    assert p.recomputed_names() == {"mm", "relu", "t"}
+    assert p.saved_names() == {"primals_1", "primals_2", "primals_3", "dropout"}
+    assert p.saved_bytes == 5 * MiB
+    assert p.recompute_flops == 2 * 512 * 512 * 2048 + 512 * 2048
+    assert p.recompute_s == pytest.approx(11.1 * US)
+    # step 1: background 2 + x 1 + recomputed mm 4 and relu 4 (t is a view: no bytes)
+    assert p.predicted_peak_bytes == 11 * MiB
+
+
+def test_fraction_zero_is_the_least_possible(plans):
+    p = plans["0.0"]
+    assert p.min_bytes == MiB + RNG  # x, and the RNG state to replay dropout
+    assert p.budget_bytes == p.saved_bytes == MiB + RNG
+    assert p.recomputed_names() == {"mm", "relu", "t", "dropout"}
+
+
+def test_entries_describe_each_value(plans):
+    p = plans["6MiB"]
+    kept = {e.name: e for e in p.saved}
+    assert (kept["primals_1"].reason, kept["primals_1"].bytes) == ("input", MiB)
+    assert (kept["primals_2"].reason, kept["primals_2"].bytes) == ("param", 0)
+    assert (kept["relu"].reason, kept["relu"].bytes) == ("ilp", 4 * MiB)
+    assert (kept["t"].reason, kept["t"].bytes) == ("ilp", 0)  # a view: relu's storage is charged once
+    assert sum(e.bytes for e in p.saved) == p.saved_bytes
+    (d,) = p.recomputed
+    assert (d.name, d.op, d.action, d.shape, d.dtype, d.module, d.source) == (
+        "dropout", "native_dropout", RECOMPUTE, [512, 2048], "float32", MLP, "model.py:12")
+    assert d.flops == 512 * 2048 and d.recompute_s == pytest.approx(US) and d.bytes == 0
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["none", "6MiB", "5MiB", "0.0"])
+def test_json_round_trip(plans, name):
+    p = plans[name]
+    back = Plan.from_json(p.to_json())
+    assert back == p
+    for f in ("saved", "recomputed", "saved_bytes", "baseline_bytes", "min_bytes", "budget_bytes",
+              "recompute_flops", "recompute_s", "predicted_peak_bytes", "solver", "notes", "options"):
+        assert getattr(back, f) == getattr(p, f), f
+    assert all(isinstance(e, PlanEntry) for e in back.saved + back.recomputed)
+    assert Plan.from_json(p.to_json(indent=None)) == p
+
+
+def test_json_keys(plans):
+    d = json.loads(plans["6MiB"].to_json())
+    for key in ("saved", "recomputed", "saved_bytes", "baseline_bytes", "recompute_flops",
+                "predicted_peak_bytes", "solver", "recompute_share", "graph", "policy", "notes"):
+        assert key in d, key
+    entry_keys = {"name", "op", "action", "reason", "shape", "dtype", "bytes", "flops", "recompute_s",
+                  "module", "source"}
+    assert d["saved"] and all(set(e) >= entry_keys for e in d["saved"])
+    assert d["recomputed"] and all(set(e) >= entry_keys for e in d["recomputed"])
+    relu = next(e for e in d["saved"] if e["name"] == "relu")
+    assert relu == {"name": "relu", "op": "relu", "action": "keep", "reason": "ilp", "shape": [512, 2048],
+                    "dtype": "float32", "bytes": 4 * MiB, "flops": 0, "recompute_s": 0.0,
+                    "module": MLP, "source": "model.py:12"}
+    (drop,) = d["recomputed"]
+    assert (drop["name"], drop["op"], drop["flops"]) == ("dropout", "native_dropout", 512 * 2048)
+    assert (d["saved_bytes"], d["baseline_bytes"]) == (5 * MiB + RNG, 9 * MiB)
+    assert (d["recompute_flops"], d["predicted_peak_bytes"]) == (512 * 2048, 10 * MiB)
+    assert d["solver"]["name"] == "cbc" and d["solver"]["status"] == "optimal"
+    assert {"solve_s", "gap", "n_vars", "n_constraints"} <= set(d["solver"])
+    assert d["options"]["memory_budget"] == 6 * MiB
+
+
+def test_from_json_ignores_unknown_keys(plans):
+    d = json.loads(plans["5MiB"].to_json())
+    d["added_by_a_later_version"] = 1
+    assert Plan.from_json(json.dumps(d)) == plans["5MiB"]
+
+
+# -- diff ------------------------------------------------------------------------------------------
+
+def diff_rows(text: str) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in text.splitlines()[1:]:
+        m = re.match(r"^\s+(\S+)\s+(\S+) -> (\S+)", line)
+        if m:
+            rows[m.group(1)] = (m.group(2), m.group(3))
+    return rows
+
+
+def test_diff_lists_what_moves(plans):
+    text = plans["6MiB"].diff(plans["5MiB"])
+    first = text.splitlines()[0]
+    assert first == ("plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.07 GFLOP, "
+                     "peak 10.00 MiB -> 11.00 MiB")
+    assert diff_rows(text) == {
+        "relu": ("keep", "recompute"),
+        "t": ("keep", "recompute"),
+        "mm": ("-", "recompute"),
+        "dropout": ("recompute", "keep"),
+        "dropout.rng_state": ("keep", "-"),
+    }
+    assert "(same decisions)" not in text
+    relu_line = next(line for line in text.splitlines() if line.strip().startswith("relu "))
+    assert "relu" in relu_line and MLP in relu_line
+
+
+def test_diff_from_save_all(plans):
+    rows = diff_rows(plans["none"].diff(plans["6MiB"]))
+    assert rows == {"dropout": ("keep", "recompute"), "dropout.rng_state": ("-", "keep")}
+
+
+def test_diff_of_identical_plans(plans):
+    for p in plans.values():
+        text = p.diff(p)
+        assert text.splitlines()[1:] == ["  (same decisions)"]
+    # the ILP without a budget and with free saving decides what the save-all policy does
+    text = plan_for(policy="save-all").diff(plans["none"])
+    assert text.splitlines()[1:] == ["  (same decisions)"]
+
+
+# -- printing --------------------------------------------------------------------------------------
+
+def table_sections(text: str) -> dict[str, list[str]]:
+    sections, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(kept|recomputed) \((\d+)", line)
+        if m:
+            current = m.group(1)
+            sections[current] = []
+        elif current:
+            sections[current].append(line)
+    return sections
+
+
+def names_in(lines: list[str]) -> list[str]:
+    # columns: dtype[shape]  size  op  name  reason  module  source
+    return [re.split(r"\s{1,}", line.split("]", 1)[1].strip())[3] for line in lines]
+
+
+@pytest.mark.parametrize("name, kept, recomputed", [
+    ("none", ["primals_1", "relu", "t", "dropout"], []),
+    ("6MiB", ["primals_1", "relu", "t", "dropout.rng_state"], ["dropout"]),
+    ("5MiB", ["primals_1", "dropout"], ["mm", "relu", "t"]),
+])
+def test_str_has_one_line_per_non_parameter_value(plans, name, kept, recomputed):
+    p = plans[name]
+    text = str(p)
+    sections = table_sections(text)
+    assert names_in(sections["kept"]) == kept
+    assert names_in(sections["recomputed"]) == recomputed
+    assert f"kept ({len(p.saved)}, of which 2 parameters and their views, free and not listed):" in text
+    assert f"recomputed ({len(p.recomputed)}):" in text
+    assert "primals_2" not in text and "primals_3" not in text
+
+
+def test_str_summary_lines(plans):
+    lines = str(plans["6MiB"]).splitlines()
+    assert lines[0] == "recompile_opt plan  graph=g0  policy=auto  budget=6.00 MiB"
+    assert lines[1] == "  kept for backward : 5.00 MiB of 9.00 MiB save-all (55.6%)"
+    assert lines[2] == ("  recompute         : 1.05 MFLOP, est. 0.001 ms = 1.0% of the est. step "
+                        "(0.100 ms)")
+    assert lines[3] == "  predicted peak    : 10.00 MiB above the pre-step baseline"
+    assert re.fullmatch(r"  solver            : cbc optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)",
+                        lines[4])
+    assert lines[5].startswith("kept (")
+    zero = str(plans["0.0"]).splitlines()
+    assert zero[1] == "  kept for backward : 1.00 MiB of 9.00 MiB save-all (11.1%), least possible 1.00 MiB"
+
+
+def test_str_line_columns(plans):
+    sections = table_sections(str(plans["6MiB"]))
+    relu = next(line for line in sections["kept"] if " relu " in line and "native" not in line)
+    assert re.match(r"^\s+float32\[512x2048\]\s+4\.00 MiB\s+relu\s+relu\s+ilp\s+blocks\.0\.mlp\s+"
+                    r"model\.py:12$", relu)
+    (drop,) = sections["recomputed"]
+    assert re.match(r"^\s+float32\[512x2048\]\s+1\.05 MFLOP\s+native_dropout\s+dropout\s+rng\s+"
+                    r"blocks\.0\.mlp\s+model\.py:12$", drop)
+
+
+# -- tags, notes and limits through the pipeline ---------------------------------------------------
+
+def test_prefer_save_overridden_is_noted():
+    p = plan_for(mlp_problem(relu="prefer_save"), memory_budget="5MiB")
+    assert "relu" in p.recomputed_names()
+    relu = next(e for e in p.recomputed if e.name == "relu")
+    assert relu.reason == "user"
+    assert "relu: PREFER_SAVE overridden, the budget forces a recompute" in p.notes
+    assert "  note: relu: PREFER_SAVE overridden, the budget forces a recompute" in str(p)
+    assert Plan.from_json(p.to_json()) == p
+
+
+def test_must_save_changes_the_plan():
+    p = plan_for(mlp_problem(dropout="must_save"), memory_budget="6MiB")
+    assert p.recomputed_names() == {"mm", "relu", "t"}  # as under 5 MiB: dropout may not be recomputed
+    assert next(e for e in p.saved if e.name == "dropout").reason == "user"
+
+
+def test_infeasible_budget_strict_raises():
+    with pytest.raises(InfeasibleBudget, match="below the least any plan can keep"):
+        plan_for(memory_budget=MiB, strict=True)
+
+
+def test_infeasible_budget_falls_back_to_the_least_memory_plan():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan_for(memory_budget=MiB)
+    assert any("below the least any plan can keep" in str(w.message) for w in caught)
+    assert p.saved_bytes == p.min_bytes == MiB + RNG
+    assert any("using the least-memory plan" in n for n in p.notes)
+    assert Plan.from_json(p.to_json()) == p
