@@ -15,6 +15,8 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.cost_model import is_view_node, node_cost, storage_bytes, tensor_bytes
+from recompile_opt.peak import materialised
+from recompile_opt.policies import block_of
 from recompile_opt.problem import Problem, Value
 
 
@@ -119,6 +121,7 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
         if not _is_value(node):
             continue
         value = values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
+        value.live_bytes = _own_bytes(node)
         if value.random and not replay_random:
             value.can_recompute = False
     _propagate_first_use(jg, values)
@@ -163,11 +166,14 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
 
 
 def _propagate_first_use(jg: JointGraph, values: dict[str, Value]) -> None:
-    """A value could be needed as soon as anything computed from it is: first_use flows backwards."""
+    """A value could be needed as soon as anything recomputed from it is: first_use flows backwards
+    through forward users, within a transformer block (good plans keep block boundaries, so a block's
+    values are recomputed in that block's backward, not when the next block's backward starts)."""
     for name in reversed(list(values)):
         v = values[name]
+        block = block_of(v.info.get("module", ""))
         for u in jg.name_to_node[name].users:
-            if u.name in values:
+            if u.name in values and (block is None or block_of(values[u.name].info.get("module", "")) == block):
                 v.first_use = min(v.first_use, values[u.name].first_use)
         v.last_use = max(v.last_use, v.first_use)
 
@@ -192,9 +198,10 @@ def _bwd_background(jg: JointGraph) -> list[int]:
 
 
 def _own_bytes(node: fx.Node) -> int:
-    """Bytes a node allocates: its tensor unless it is a view (tuples count through their getitems)."""
+    """Bytes a node allocates: its tensor unless it is a view (tuples count through their getitems)
+    or a pointwise op Inductor fuses into its consumer (see recompile_opt.peak)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and not is_view_node(node):
+    if isinstance(val, torch.Tensor) and not is_view_node(node) and materialised(node, set()):
         return tensor_bytes(val)
     return 0
 

@@ -140,7 +140,7 @@ class _Model:
                 last[v.storage] = max(last.get(v.storage, -1), v.last_use)
         for t in _peak_steps(self.p):
             live = [self.p.storage_bytes[s] * z for s, z in self.z.items() if t <= last.get(s, -1)]
-            live += [self.p.storage_bytes[v.name] * self.r[v.name] for v in self.p.values.values()
+            live += [self.p.recomputed_bytes(v) * self.r[v.name] for v in self.p.values.values()
                      if v.name in self.r and v.storage == v.name and v.storage in self.z
                      and v.first_use <= t <= v.last_use]
             self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, self.row("peak")

@@ -24,6 +24,7 @@ class Value:
     flops: int = 0
     first_use: int = 0  # backward step at which it could first be needed (for the peak model)
     last_use: int = 0  # backward step of its last direct use
+    live_bytes: int = -1  # bytes it occupies when recomputed (0 if fused away); -1: its storage's
     copies: int = 1  # identical blocks this value stands for (a reduced problem, see blocks.py)
     tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
@@ -90,9 +91,12 @@ class Problem:
             for n in recomputed:
                 v = self.values[n]
                 if v.storage == n and v.first_use <= t <= v.last_use:  # views add no bytes
-                    live += self.storage_bytes[n]
+                    live += self.recomputed_bytes(v)
             peak = max(peak, live)
         return peak
+
+    def recomputed_bytes(self, v: Value) -> int:
+        return self.storage_bytes.get(v.storage, 0) if v.live_bytes < 0 else v.live_bytes
 
     def _storage_last_use(self, saved: set[str]) -> dict[str, int]:
         last: dict[str, int] = {}
