@@ -100,8 +100,8 @@ def _note_once(notes: list[str], note: str) -> None:
 
 def _least_bytes(problem: Problem, reduction: BlockReduction | None, kw: dict) -> int | None:
     sol = _solve(problem, reduction, None, kw, [], minimize_memory=True)
-    if sol.status not in ("optimal", "feasible"):
-        return None
+    if sol.status not in ("optimal", "feasible"):  # the greedy fallback's least, so budgets stay defined
+        sol = ilp.Solution(greedy_recompute(problem, 0))
     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
     return problem.kept_bytes(saved, recomputed)
 
@@ -137,7 +137,7 @@ def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
     kept = problem.kept_bytes(saved, rec)
     while budget is not None and kept > budget:
         best, best_ratio = None, 0.0
-        for name in saved:
+        for name in sorted(saved):  # sorted: ties break the same way in every process
             if not problem.values[name].can_recompute:
                 continue
             s2, r2 = problem.needed_closure(recompute | {name})
@@ -152,6 +152,10 @@ def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
         recompute.add(best)
         saved, rec = problem.needed_closure(recompute)
         kept = problem.kept_bytes(saved, rec)
+    if budget is not None and kept > budget:  # stalled: no single value frees bytes; recompute all
+        everything = problem.needed_closure(set(problem.values))
+        if problem.kept_bytes(*everything) < kept:
+            return everything[1]
     return rec
 
 
