@@ -188,7 +188,7 @@ def _reason(v, action: str, policy: str, free: bool) -> str:
         return "param"
     if v.tag:
         return "user"
-    if v.random:
+    if v.random and action == RECOMPUTE:
         return "rng"
     if not v.can_recompute:
         op = v.info.get("op", "")
