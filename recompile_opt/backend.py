@@ -67,7 +67,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random())
-        plan = make_plan(problem, self.options, graph=graph_id(gm))
+        def simulate(saved: set, recomputed: set) -> int:
+            fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=num_fwd_outputs,
+                               static_lifetime_input_indices=static)
+            return predict_peak(fw, bw)
+
+        plan = make_plan(problem, self.options, graph=graph_id(gm), simulate=simulate)
         if not self.replay_random() and any(v.random for v in problem.values.values()):
             plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
                               "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")

@@ -14,22 +14,25 @@ Variables
 Objective (lexicographic, by weights)
     min  Σ_v c_v r_v + Σ_S w_S z_S                 recompute and saving time (µs)
        + W · Σ_{v: prefer tag violated} 1           user PREFER_* tags, W > any time total
-       + ε · p                                       then the least predicted peak
-    → implemented in _set_objective()
+       + ε · Σ_S b_S z_S                             then the fewest kept bytes
+    → implemented in set_objective()
 
 Constraints
-    s_v + r_v ≥ 1                 for v read by the backward                 → _add_availability()
-    r_v ≤ s_u + r_u               for u ∈ in(v): a recompute needs its inputs → _add_dependencies()
-    z_S ≥ s_v                     for S(v) = S: a kept view keeps its base    → _add_storages()
-    Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → _add_budget()
+    s_v + r_v ≥ 1                 for v read by the backward                 → add_availability()
+    r_v ≤ s_u + r_u               for u ∈ in(v): a recompute needs its inputs → add_dependencies()
+    z_S ≥ s_v                     for S(v) = S: a kept view keeps its base    → add_storages()
+    Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → add_budget()
         (ρ: the RNG state a replayed random op keeps)
-    s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → _add_user_tags()
+    s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → add_user_tags()
     g_t + Σ_{S: t ≤ last_S} b_S z_S + Σ_{v owns S(v), first_v ≤ t ≤ last_v} b_S r_v ≤ p
-                                  for sampled backward steps t               → _add_peak()
-    p ≤ P  and  Σ_S b_S z_S + fwd_transient ≤ P    when peak_memory is given  → _add_peak()
+                                  for sampled backward steps t               → add_peak()
+    p ≤ P  and  Σ_S b_S z_S + fwd_transient ≤ P    when peak_memory is given  → add_peak()
 
-The peak rows are linear because recomputation is scheduled just before first use (so a recomputed
-value lives over [first_v, last_v]) and a kept storage lives from the forward until its last use.
+The peak rows (only with ``peak_memory``) are linear because recomputation is scheduled just before
+first use (a recomputed value lives over [first_v, last_v]) and a kept storage lives from the forward
+until its last use. They are conservative: measured against the simulated schedule of the partitioned
+graphs (recompile_opt.peak, what plans report) they over-estimate, so a met limit is met with margin.
+Ties are broken towards fewer kept bytes rather than this coarse peak.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solv
     m.add_user_tags()
     if budget is not None:
         m.add_budget(budget)
-    m.add_peak(peak)
+    if peak is not None:
+        m.add_peak(peak)
     m.set_objective(minimize_memory=minimize_memory)
     status, gap = _run(m.lp, solver, time_limit_s, mip_gap)
     ok = status in ("optimal", "feasible")
@@ -160,7 +164,7 @@ class _Model:
         if minimize_memory:  # the caller re-solves under the bytes found, for the least time
             self.lp += self.kept_bytes_expr() * (1.0 / total_bytes)
         else:
-            self.lp += time_cost + pref + 1e-3 * self.peak / total_bytes
+            self.lp += time_cost + pref + 1e-3 * self.kept_bytes_expr() / total_bytes
 
     @staticmethod
     def chosen(variables: dict) -> set[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 from recompile_opt import ilp
 from recompile_opt.blocks import BlockReduction, reduce_blocks
@@ -24,13 +25,22 @@ class InfeasibleBudget(OptionError):
     """``strict=True`` and no plan meets ``memory_budget`` / ``peak_memory``."""
 
 
-def make_plan(problem: Problem, options: Options, *, graph: str = "") -> Plan:
+# Kept-byte levels (fractions of the range least-possible .. save-all) tried for the least peak.
+PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
+
+Simulate = Callable[[set, set], int]  # (saved, recomputed) -> predicted peak bytes
+
+
+def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
+              ) -> Plan:
+    """``simulate`` predicts a plan's peak (the partitioner passes one that partitions and simulates
+    the graphs); with it, a fractional budget's 0.0 end is the plan of least predicted peak."""
     baseline_saved, _ = problem.needed_closure(set())
     baseline = problem.kept_bytes(baseline_saved)
     notes: list[str] = []
     keep: set[str] = set()
     if options.policy == "auto":
-        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes)
+        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes, simulate)
         recompute, keep = sol.recompute, sol.keep
     else:
         recompute = POLICIES[options.policy](problem)
@@ -46,7 +56,8 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "") -> Plan:
     return plan
 
 
-def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str]):
+def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str],
+                simulate: Simulate | None = None):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap,
               peak=options.peak_memory)
     # identical blocks are solved once; a peak limit needs the whole backward schedule, so not then
@@ -55,7 +66,12 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     budget = options.memory_budget
     if isinstance(budget, float):
         min_bytes = _least_bytes(problem, reduction, kw)
-        budget = int(min_bytes + budget * (baseline - min_bytes)) if min_bytes is not None else None
+        floor, least_peak = min_bytes, None
+        if simulate is not None and budget < 1.0:
+            floor, least_peak = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+        if budget == 0.0 and least_peak is not None:
+            return least_peak, _solver_info(options, least_peak), floor, min_bytes
+        budget = int(floor + budget * (baseline - floor))
     sol = _solve(problem, reduction, budget, kw, notes)
     if sol.status == "infeasible":
         sol, min_bytes = _infeasible(problem, options, budget, kw, notes, reduction)
@@ -91,6 +107,31 @@ def _solve(problem: Problem, reduction: BlockReduction | None, budget, kw: dict,
         claimed = reduction.reduced.kept_bytes(*reduction.reduced.needed_closure(sol.recompute, sol.keep))
         target = claimed - (kept - budget) - 1
     return ilp.solve(problem, budget=budget, **kw, **extra)
+
+
+def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline: int,
+                simulate: Simulate, notes: list[str]) -> tuple[int, ilp.Solution | None]:
+    """The plan with the least predicted peak over a ladder of kept-byte budgets, and its kept bytes.
+
+    Below some budget, keeping fewer bytes only raises the peak: a recomputed value lives from its
+    first to its last use in the backward, so recomputing the whole forward holds all of it at once
+    (PyTorch's knapsack at 0.05 keeps 2 MiB yet peaks higher than at 0.5). A fraction's 0.0 end is
+    therefore the least-peak plan, not the least-kept one; an int budget can still go lower."""
+    best = None
+    for f in PEAK_LADDER:
+        level = int(min_bytes + f * (baseline - min_bytes))
+        sol = _solve(problem, reduction, level, kw, [])
+        if sol.status not in ("optimal", "feasible"):
+            continue
+        saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
+        kept, peak = problem.kept_bytes(saved, recomputed), simulate(saved, recomputed)
+        if best is None or peak < best[0]:
+            best = (peak, kept, sol)
+    if best is None:
+        return min_bytes, None
+    notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best[1])}, predicted peak "
+                 f"{fmt_bytes(best[0])} (keeping less only raises the peak)")
+    return best[1], best[2]
 
 
 def _note_once(notes: list[str], note: str) -> None:
