@@ -137,7 +137,7 @@ class _Model:
             elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
                 self.penalties.append(self.s[v.name])
 
-    def add_peak(self, limit: int | None):
+    def add_peak(self, limit: int):
         last = {}
         for v in self.p.values.values():
             if v.storage in self.z:
@@ -148,9 +148,8 @@ class _Model:
                      if v.name in self.r and v.storage == v.name and v.storage in self.z
                      and v.first_use <= t <= v.last_use]
             self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, self.row("peak")
-        if limit is not None:
-            self.lp += self.peak <= limit, "peak_limit"
-            self.lp += self.kept_bytes_expr() + self.p.fwd_transient <= limit, "fwd_peak_limit"
+        self.lp += self.peak <= limit, "peak_limit"
+        self.lp += self.kept_bytes_expr() + self.p.fwd_transient <= limit, "fwd_peak_limit"
 
     def set_objective(self, *, minimize_memory: bool):
         us = 1e6  # seconds -> microseconds keeps coefficients near 1
