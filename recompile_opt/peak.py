@@ -22,40 +22,78 @@ from recompile_opt.cost_model import is_view_node, tensor_bytes
 
 
 def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
-    """Simulated peak of running ``fw`` then ``bw``; forward outputs stay alive into the backward."""
-    live, peak, kept = _run_graph(fw, live=0, keep_outputs=True, inputs_baseline=True)
-    saved = {n.name for n in bw.graph.find_nodes(op="placeholder") if n.name in kept}
-    live = sum(kept[name] for name in saved) + (live - sum(kept.values()))
-    bw_live, bw_peak, _ = _run_graph(bw, live=live, keep_outputs=True, inputs_baseline=False,
-                                     input_sizes={k: kept[k] for k in saved})
-    return max(peak, bw_peak)
+    """Simulated peak of running ``fw`` then ``bw``; forward outputs stay alive into the backward.
+
+    A kept value may be a view: the backward's input then holds its base's whole buffer, shared with
+    every other kept view of that base and freed after the last of them is used."""
+    live, peak, buffers, owner = _run_forward(fw)
+    keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
+    used = set(keys.values())
+    live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
+    return max(peak, _run_backward(bw, live, keys, buffers))
 
 
-def _run_graph(gm: fx.GraphModule, *, live: int, keep_outputs: bool, inputs_baseline: bool,
-               input_sizes: dict[str, int] | None = None) -> tuple[int, int, dict[str, int]]:
+def _run_forward(gm: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
+    """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     nodes = list(gm.graph.nodes)
-    output = next(n for n in nodes if n.op == "output")
+    output = nodes[-1]
     outs = {_base(a) for a in output.all_input_nodes}
+    sizes = {n: _nbytes(n) for n in nodes
+             if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
+    live, peak = _sweep(nodes, sizes, keep=outs, live=0)
+    buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
+    owner = {a.name: _base(a).name for a in output.all_input_nodes if _base(a).name in buffers}
+    return live, peak, buffers, owner
+
+
+def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int]) -> int:
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    outs = {_base(a) for a in output.all_input_nodes}
+    sizes = {n: _nbytes(n) for n in nodes
+             if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
+    sizes.update({n: _nbytes(n) for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")})
+    live += sum(sizes.get(n, 0) for n in nodes if n.op == "placeholder")
+    # kept inputs sharing a base are one buffer: free it after the last use of any of them
+    last_of_key: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            if _base(a) in keys:
+                last_of_key[keys[_base(a)]] = i
+    last = _last_uses(nodes)
+    peak = live
+    for i, n in enumerate(nodes):
+        live += sizes.get(n, 0) if n.op == "call_function" else 0
+        peak = max(peak, live)
+        for a in {_base(a) for a in n.all_input_nodes}:
+            if a in keys:
+                if last_of_key.get(keys[a]) == i and buffers.get(keys[a]):
+                    live -= buffers.pop(keys[a])
+            elif last.get(a) == i and a not in outs and a in sizes:
+                live -= sizes.pop(a)
+    return peak
+
+
+def _sweep(nodes: list[fx.Node], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int
+           ) -> tuple[int, int]:
+    last = _last_uses(nodes)
+    sizes = dict(sizes)
+    peak = live
+    for i, n in enumerate(nodes):
+        live += sizes.get(n, 0) if n.op == "call_function" else 0
+        peak = max(peak, live)
+        for a in {_base(a) for a in n.all_input_nodes}:
+            if last.get(a) == i and a not in keep and a in sizes:
+                live -= sizes.pop(a)
+    return live, peak
+
+
+def _last_uses(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     last = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last[_base(a)] = i
-    sizes: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n.op == "placeholder" and not inputs_baseline:
-            sizes[n] = (input_sizes or {}).get(n.name, _nbytes(n) if n.name.startswith("tangents") else 0)
-        elif n.op == "call_function" and not is_view_node(n) and materialised(n, outs):
-            sizes[n] = _nbytes(n)
-    peak = live
-    for i, n in enumerate(nodes):
-        if n.op == "call_function":
-            live += sizes.get(n, 0)
-            peak = max(peak, live)
-        for a in {_base(a) for a in n.all_input_nodes}:
-            if last.get(a) == i and a not in outs and a in sizes:
-                live -= sizes.pop(a)
-    kept = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
-    return live, peak, kept
+    return last
 
 
 def _base(node: fx.Node) -> fx.Node:
