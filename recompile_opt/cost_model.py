@@ -81,9 +81,18 @@ def node_cost(node: fx.Node, roofline: dict) -> NodeCost:
     return NodeCost(int(flops), int(traffic), seconds)
 
 
+_aten = torch.ops.aten
+# Ops without a formula of their own that share another's argument layout (torch 2.13).
+_SAME_FLOPS_AS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def _flops(node: fx.Node, out) -> int:
     packet = getattr(node.target, "_overloadpacket", None)
-    formula = flop_registry.get(packet)
+    formula = flop_registry.get(_SAME_FLOPS_AS.get(packet, packet))
     if formula is None:
         return 0
     args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))

@@ -48,7 +48,8 @@ def test_mutated_buffers_keep_gradients_and_running_stats_equal(budget):
 def test_megatron_selective_on_sdpa_recomputes_the_sdpa_call_and_says_so():
     model, inputs = tiny_llama()
     plan = recompile_opt.plan(model, inputs, policy="megatron-selective")
-    assert any("scaled_dot_product" in e.op for e in plan.recomputed)
+    sdpa = [e for e in plan.recomputed if "scaled_dot_product" in e.op]
+    assert sdpa and all(e.flops == 4 * 2 * 16 * 16 * 32 for e in sdpa)  # 4bs^2h: b=2, s=16, h=32
     assert any("no s x s tensor exists" in n for n in plan.notes)
 
 
