@@ -35,11 +35,7 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 
 def _run_forward(gm: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
-    nodes = list(gm.graph.nodes)
-    output = nodes[-1]
-    outs = {_base(a) for a in output.all_input_nodes}
-    sizes = {n: _nbytes(n) for n in nodes
-             if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
+    nodes, output, outs, sizes = _buffers(gm)
     live, peak = _sweep(nodes, sizes, keep=outs, live=0)
     buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
     owner = {a.name: _base(a).name for a in output.all_input_nodes if _base(a).name in buffers}
@@ -47,11 +43,7 @@ def _run_forward(gm: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str
 
 
 def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int]) -> int:
-    nodes = list(gm.graph.nodes)
-    output = nodes[-1]
-    outs = {_base(a) for a in output.all_input_nodes}
-    sizes = {n: _nbytes(n) for n in nodes
-             if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
+    nodes, _, outs, sizes = _buffers(gm)
     sizes.update({n: _nbytes(n) for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")})
     live += sum(sizes.get(n, 0) for n in nodes if n.op == "placeholder")
     # kept inputs sharing a base are one buffer: free it after the last use of any of them
@@ -72,6 +64,16 @@ def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffe
             elif last.get(a) == i and a not in outs and a in sizes:
                 live -= sizes.pop(a)
     return peak
+
+
+def _buffers(gm: fx.GraphModule):
+    """Nodes, the output node, the bases it returns, and the bytes of every buffer Inductor would make."""
+    nodes = list(gm.graph.nodes)
+    output = nodes[-1]
+    outs = {_base(a) for a in output.all_input_nodes}
+    sizes = {n: _nbytes(n) for n in nodes
+             if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
+    return nodes, output, outs, sizes
 
 
 def _sweep(nodes: list[fx.Node], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int
