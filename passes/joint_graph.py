@@ -14,8 +14,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.cost_model import is_view_node, node_cost, storage_bytes, tensor_bytes
-from recompile_opt.peak import materialised
+from recompile_opt.cost_model import base_of, is_view_node, node_cost, storage_bytes, tensor_bytes
+from recompile_opt.peak import materialised, sweep
 from recompile_opt.policies import block_of
 from recompile_opt.problem import Problem, Value
 
@@ -52,11 +52,6 @@ def _is_value(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, (torch.Tensor, tuple, list)) or node.op == "get_attr"
 
-
-def _base(node: fx.Node) -> fx.Node:
-    while is_view_node(node):
-        node = node.all_input_nodes[0]
-    return node
 
 
 def _source(node: fx.Node) -> str:
@@ -141,7 +136,7 @@ def _step_seconds(jg: JointGraph, roofline: dict) -> float:
 def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict) -> Value:
     val = node.meta.get("val")
     is_tensor = isinstance(val, torch.Tensor)
-    base = _base(node)
+    base = base_of(node)
     storage = base.name if is_tensor else ""
     if is_tensor and storage not in storage_bytes_:
         free = base.op == "get_attr" or base in jg.static_primals
@@ -183,8 +178,8 @@ def _bwd_background(jg: JointGraph) -> list[int]:
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(jg.bwd_nodes):
         for a in n.all_input_nodes:
-            last_use[_base(a)] = i
-    outputs = {_base(a) for a in jg.gm.graph.find_nodes(op="output")[0].all_input_nodes}
+            last_use[base_of(a)] = i
+    outputs = {base_of(a) for a in jg.gm.graph.find_nodes(op="output")[0].all_input_nodes}
     live, out, frees = 0, [], {}
     for n, i in last_use.items():
         if n in jg.bwd_set and n not in outputs:
@@ -209,15 +204,4 @@ def _own_bytes(node: fx.Node) -> int:
 def _fwd_transient(jg: JointGraph) -> int:
     """The forward's own working set at its widest point, not counting what is kept for backward."""
     order = [n for n in jg.fwd_nodes if n.op == "call_function" and n in jg.required_fw]
-    last = {}
-    for i, n in enumerate(order):
-        for a in n.all_input_nodes:
-            last[_base(a)] = i
-    live, peak = 0, 0
-    for i, n in enumerate(order):
-        live += _own_bytes(n)
-        peak = max(peak, live)
-        for a in {_base(a) for a in n.all_input_nodes}:
-            if last.get(a) == i and a.op == "call_function":
-                live -= _own_bytes(a)
-    return peak
+    return sweep(order, {n: _own_bytes(n) for n in order}, keep=set(), live=0)[1]

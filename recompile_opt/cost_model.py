@@ -65,6 +65,13 @@ def is_view_node(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
+def base_of(node: fx.Node) -> fx.Node:
+    """The node that owns the buffer ``node`` views (itself unless it is a view)."""
+    while is_view_node(node):
+        node = node.all_input_nodes[0]
+    return node
+
+
 def _tensors(vals) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
 

@@ -18,7 +18,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from recompile_opt.cost_model import is_view_node, tensor_bytes
+from recompile_opt.cost_model import base_of, is_view_node, tensor_bytes
 
 
 def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
@@ -36,33 +36,17 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 def _run_forward(gm: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     nodes, output, outs, sizes = _buffers(gm)
-    live, peak = _sweep(nodes, sizes, keep=outs, live=0)
+    live, peak = sweep(nodes, sizes, keep=outs, live=0)
     buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
-    owner = {a.name: _base(a).name for a in output.all_input_nodes if _base(a).name in buffers}
+    owner = {a.name: base_of(a).name for a in output.all_input_nodes if base_of(a).name in buffers}
     return live, peak, buffers, owner
 
 
 def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int]) -> int:
     nodes, _, outs, sizes = _buffers(gm)
-    sizes.update({n: _nbytes(n) for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")})
-    live += sum(sizes.get(n, 0) for n in nodes if n.op == "placeholder")
-    # kept inputs sharing a base are one buffer: free it after the last use of any of them
-    last_of_key: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            if _base(a) in keys:
-                last_of_key[keys[_base(a)]] = i
-    last = _last_uses(nodes)
-    peak = live
-    for i, n in enumerate(nodes):
-        live += sizes.get(n, 0) if n.op == "call_function" else 0
-        peak = max(peak, live)
-        for a in {_base(a) for a in n.all_input_nodes}:
-            if a in keys:
-                if last_of_key.get(keys[a]) == i and buffers.get(keys[a]):
-                    live -= buffers.pop(keys[a])
-            elif last.get(a) == i and a not in outs and a in sizes:
-                live -= sizes.pop(a)
+    tangents = {n: _nbytes(n) for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    sizes.update(tangents)
+    _, peak = sweep(nodes, sizes, keep=outs, live=live + sum(tangents.values()), shared=(keys, buffers))
     return peak
 
 
@@ -70,22 +54,32 @@ def _buffers(gm: fx.GraphModule):
     """Nodes, the output node, the bases it returns, and the bytes of every buffer Inductor would make."""
     nodes = list(gm.graph.nodes)
     output = nodes[-1]
-    outs = {_base(a) for a in output.all_input_nodes}
+    outs = {base_of(a) for a in output.all_input_nodes}
     sizes = {n: _nbytes(n) for n in nodes
              if n.op == "call_function" and not is_view_node(n) and materialised(n, outs)}
     return nodes, output, outs, sizes
 
 
-def _sweep(nodes: list[fx.Node], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int
-           ) -> tuple[int, int]:
+def sweep(nodes: list[fx.Node], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int,
+          shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None) -> tuple[int, int]:
+    """Run the schedule: allocate each buffer when made, free it after its last use unless kept.
+    ``shared`` maps inputs to the kept buffer they view: one buffer, freed after the last of them."""
+    keys, buffers = shared or ({}, {})
     last = _last_uses(nodes)
-    sizes = dict(sizes)
+    last_of_key: dict[str, int] = {}
+    for n, i in last.items():
+        if n in keys:
+            last_of_key[keys[n]] = max(last_of_key.get(keys[n], -1), i)
+    sizes, buffers = dict(sizes), dict(buffers)
     peak = live
     for i, n in enumerate(nodes):
         live += sizes.get(n, 0) if n.op == "call_function" else 0
         peak = max(peak, live)
-        for a in {_base(a) for a in n.all_input_nodes}:
-            if last.get(a) == i and a not in keep and a in sizes:
+        for a in {base_of(a) for a in n.all_input_nodes}:
+            if a in keys:
+                if last_of_key[keys[a]] == i:
+                    live -= buffers.pop(keys[a], 0)
+            elif last.get(a) == i and a not in keep and a in sizes:
                 live -= sizes.pop(a)
     return live, peak
 
@@ -94,14 +88,9 @@ def _last_uses(nodes: list[fx.Node]) -> dict[fx.Node, int]:
     last = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
-            last[_base(a)] = i
+            last[base_of(a)] = i
     return last
 
-
-def _base(node: fx.Node) -> fx.Node:
-    while is_view_node(node):
-        node = node.all_input_nodes[0]
-    return node
 
 
 def _nbytes(node: fx.Node) -> int:

@@ -1,6 +1,5 @@
 """The command line, plan_dir, the plan cache on an Inductor cache hit, and the multi-graph error."""
 
-import json
 import subprocess
 import sys
 
