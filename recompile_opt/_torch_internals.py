@@ -7,6 +7,7 @@ and grouped by the torch module it comes from (pinned: torch 2.13).
 from __future__ import annotations
 
 import torch
+from torch._dynamo import config as dynamo_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.aot_autograd import make_boxed_func
@@ -33,7 +34,7 @@ from torch.utils.flop_counter import flop_registry
 __all__ = [
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
-    "flop_registry", "functionalize_rng_ops", "get_hash_for_files", "inductor_config",
+    "dynamo_config", "flop_registry", "functionalize_rng_ops", "get_hash_for_files", "inductor_config",
     "inductor_partition_fn", "is_sym_node", "make_boxed_func", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
     "rng_state_bytes",

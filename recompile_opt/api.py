@@ -8,48 +8,77 @@ and inputs may live on the ``meta`` device, so a GPT-3-sized layer plans on a la
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import torch
 import torch.fx as fx
 
+from recompile_opt import _torch_internals as ti
+from recompile_opt import budget_split
 from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager
-from recompile_opt.options import OptionError, parse_options
-from recompile_opt.plan import Plan
+from recompile_opt.options import OptionError, Options, parse_options
+from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.planner import InfeasibleBudget
 
 
-class MultipleGraphsError(RuntimeError):
-    """The model breaks into several graphs; multi-graph plans are not supported yet."""
+def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) -> Plan | list[Plan]:
+    """Plan ``model`` (or its ``torch.compile`` wrapper) for ``example_inputs`` under the options.
 
-
-def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) -> Plan:
-    """Plan ``model`` (or its ``torch.compile`` wrapper) for ``example_inputs`` under the options."""
+    A model that Dynamo breaks into several graphs gets a list, one plan per graph in execution order.
+    An int budget is then one budget for the whole model: the graphs are learned first and the budget
+    split over them (:mod:`recompile_opt.budget_split`); the split is registered, so compiling the
+    model with the same budget afterwards uses it."""
     module = getattr(model, "_orig_mod", model)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     raw = {**options, "memory_budget": memory_budget}
+    aten_random = raw.get("compiler") == "eager"  # capture the graphs that compilation will see
     raw.setdefault("compiler", "eager")
     opts = parse_options(raw)
-    partitioner = RecompilePartitioner(opts)
-    graphs: list[fx.GraphModule] = []
+    if isinstance(opts.memory_budget, int) and opts.policy == "auto":
+        learned = _capture(module, inputs, dataclasses.replace(opts, memory_budget=1.0), aten_random)
+        if len(learned) > 1:
+            _split_budget(opts, learned)
+    plans = _capture(module, inputs, opts, aten_random)
+    _PLANS.extend(plans)
+    return plans[0] if len(plans) == 1 else plans
 
-    def capture(gm: fx.GraphModule, inputs):
-        graphs.append(gm)
-        compile_eager(gm, inputs, partitioner, aten_random=False)
+
+def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Plan]:
+    """Run Dynamo over the model with a backend that plans each graph and computes nothing."""
+    partitioner = RecompilePartitioner(opts)
+
+    def capture(gm: fx.GraphModule, graph_inputs):
+        compile_eager(gm, graph_inputs, partitioner, aten_random=aten_random)
         return _empty_outputs(gm)
 
-    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    # every capture is a new backend for the same code: lift Dynamo's recompile limit (8), or the
+    # ninth plan of a model in one process would silently run eagerly and capture nothing
+    limits = {"recompile_limit": 10**6, "accumulated_recompile_limit": 10**6}
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), ti.dynamo_config.patch(limits):
             torch.compile(module, backend=capture, dynamic=False)(*inputs)
     except torch._dynamo.exc.BackendCompilerFailed as e:  # show our own error, not Dynamo's wrapper
         if isinstance(e.inner_exception, OptionError):
             raise e.inner_exception from None
         raise
-    if len(graphs) != 1:
-        raise MultipleGraphsError(
-            f"recompile_opt.plan: the model breaks into {len(graphs)} graphs; plans for several graphs "
-            "are not supported yet (see torch._dynamo.explain for the breaks)")
     if not partitioner.plans:
-        raise RuntimeError("recompile_opt.plan: the graph needs no backward (no input requires grad)")
-    _PLANS.extend(partitioner.plans)
-    return partitioner.plans[0]
+        raise RuntimeError("recompile_opt.plan: no graph with a backward was captured (no parameter or "
+                           "input requires grad, or Dynamo ran the model eagerly: see TORCH_LOGS=graph_breaks)")
+    return partitioner.plans
+
+
+def _split_budget(opts: Options, learned: list[Plan]) -> None:
+    budget = opts.memory_budget
+    graphs = [(p.graph, p.min_bytes, p.baseline_bytes) for p in learned]
+    least = sum(lo for _, lo, _ in graphs)
+    if budget < least:
+        msg = (f"recompile_opt: memory_budget={fmt_bytes(budget)} is below the least the model's "
+               f"{len(graphs)} graphs can keep together ({fmt_bytes(least)}, {least} bytes)")
+        if opts.strict:
+            raise InfeasibleBudget(msg + " (strict=True)")
+        warnings.warn(msg + "; each graph gets its least-memory plan")
+    budget_split.register(budget, budget_split.split(budget, graphs))
 
 
 def _empty_outputs(gm: fx.GraphModule):
@@ -67,4 +96,5 @@ def _empty_like(meta):
     if not isinstance(meta, torch.Tensor):
         return meta
     shape = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in meta.shape]
-    return torch.empty(shape, dtype=meta.dtype, device=meta.device)
+    # requires_grad as in the real run: a later graph that reads this output differentiates it
+    return torch.empty(shape, dtype=meta.dtype, device=meta.device, requires_grad=meta.requires_grad)

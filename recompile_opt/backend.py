@@ -18,12 +18,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt import budget_split
 from recompile_opt.options import Options, parse_options
 from recompile_opt.peak import predict_peak
 from recompile_opt.plan import Plan
@@ -72,7 +74,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
                                static_lifetime_input_indices=static)
             return predict_peak(fw, bw)
 
-        plan = make_plan(problem, self.options, graph=graph_id(gm), simulate=simulate)
+        gid = graph_id(gm)
+        options, split_note = budget_split.options_for_graph(self.options, gid)
+        plan = make_plan(problem, options, graph=gid, simulate=simulate)
+        if split_note:
+            plan.notes.insert(0, split_note)
         if not self.replay_random() and any(v.random for v in problem.values.values()):
             plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
                               "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
@@ -92,11 +98,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         return self.options.compiler == "eager" or not ti.inductor_config.fallback_random
 
     def uuid(self) -> str:
-        return _code_hash(self.options)
+        split = budget_split.state_key(self.options)
+        return _code_hash(self.options) + (hashlib.sha256(split.encode()).hexdigest()[:8] if split else "")
 
 
 def graph_id(gm: fx.GraphModule) -> str:
-    return hashlib.sha256(gm.code.encode()).hexdigest()[:12]
+    """A hash of the graph's code with device names removed, so a graph captured on the meta device
+    has the id it has on the device it trains on (the budget split is keyed by it)."""
+    code = re.sub(r"device\(type='[a-z]+'(, index=\d+)?\)", "device", gm.code)
+    return hashlib.sha256(code.encode()).hexdigest()[:12]
 
 
 def recompile_opt_backend(gm: fx.GraphModule, example_inputs, options=None, **kwargs):

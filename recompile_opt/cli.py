@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -45,17 +46,24 @@ def cmd_plan(args) -> None:
     options = {"policy": args.policy, "solver": args.solver}
     if args.peak:
         options["peak_memory"] = parse_budget_arg(args.peak)
-    plan = recompile_opt.plan(model, inputs, memory_budget=parse_budget_arg(args.budget), **options)
-    print(plan)
-    if args.json:
-        Path(args.json).write_text(plan.to_json())
+    plans = recompile_opt.plan(model, inputs, memory_budget=parse_budget_arg(args.budget), **options)
+    plans = plans if isinstance(plans, list) else [plans]
+    for i, plan in enumerate(plans):
+        if len(plans) > 1:
+            print(f"== graph {i + 1} of {len(plans)} ==")
+        print(plan)
+    if args.json:  # one plan: a plan object; several graphs: a list of them
+        data = [p.to_dict() for p in plans]
+        Path(args.json).write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
         print(f"wrote {args.json}")
 
 
 def cmd_show(args) -> None:
     from recompile_opt.plan import Plan
 
-    print(Plan.from_json(Path(args.plan).read_text()))
+    data = json.loads(Path(args.plan).read_text())
+    for d in data if isinstance(data, list) else [data]:
+        print(Plan.from_json(json.dumps(d)))
 
 
 def cmd_diff(args) -> None:

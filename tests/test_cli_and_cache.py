@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt.api import MultipleGraphsError
 from recompile_opt.cli import main
 
 from helpers import tiny_mlp
@@ -64,18 +63,3 @@ def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path
     (other,) = compile_and_run({"memory_budget": 1.0})
     assert not any("plan cache" in n for n in other.notes)
     assert other.saved_bytes > cold.saved_bytes
-
-
-def test_plan_names_the_number_of_graphs_when_the_model_breaks():
-    class Breaks(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
-        def forward(self, x):
-            x = self.a(x).relu()
-            torch._dynamo.graph_break()
-            return self.b(x).sum()
-
-    with pytest.raises(MultipleGraphsError, match="breaks into 2 graphs"):
-        recompile_opt.plan(Breaks(), (torch.randn(2, 4),))

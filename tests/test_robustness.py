@@ -6,7 +6,7 @@ import torch
 import recompile_opt
 from recompile_opt import ilp
 
-from helpers import tiny_gpt, tiny_llama, train_side_by_side
+from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 
 
 def test_solver_failure_falls_back_to_a_correct_plan_with_a_warning(monkeypatch):
@@ -64,3 +64,10 @@ def test_time_limit_returns_a_plan_and_reports_it():
     elif status != "optimal":
         assert any("greedy plan" in n for n in plan.notes)
     assert plan.saved_bytes <= plan.budget_bytes
+
+
+def test_plan_can_be_called_more_often_than_dynamos_recompile_limit():
+    model, inputs = tiny_mlp()
+    budgets = [i / 10 for i in range(11)]  # 11 captures of the same code; Dynamo's limit is 8
+    saved = [recompile_opt.plan(model, inputs, memory_budget=b).saved_bytes for b in budgets]
+    assert saved == sorted(saved)
