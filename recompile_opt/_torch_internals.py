@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo import config as dynamo_config
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.compile_utils import raise_getitems
@@ -16,6 +17,7 @@ from torch._functorch.partitioners import (
     _extract_fwd_bwd_modules,
     classify_nodes,
     functionalize_rng_ops,
+    min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
 )
 from torch._guards import detect_fake_mode
@@ -32,13 +34,30 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
+    "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
-    "dynamo_config", "flop_registry", "functionalize_rng_ops", "get_hash_for_files", "inductor_config",
-    "inductor_partition_fn", "is_sym_node", "make_boxed_func", "raise_getitems",
+    "dynamo_config", "flop_registry", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
+    "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
+    "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
     "rng_state_bytes",
 ]
+
+
+def concrete_size(x) -> int:
+    """A number for a possibly symbolic size: its upper bound where the shape environment has a finite
+    one (``torch._dynamo.mark_dynamic(t, dim, max=...)``), else its hint (its value at the first call)."""
+    if not isinstance(x, torch.SymInt):
+        return int(x)
+    node = x.node
+    try:
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        if upper.is_number and upper.is_finite and int(upper) < 2**62:
+            return int(upper)
+    except (AttributeError, TypeError, ValueError):
+        pass
+    return int(node.hint) if node.hint is not None else 1
 
 
 def is_random_op(target) -> bool:

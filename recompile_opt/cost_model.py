@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from recompile_opt._torch_internals import flop_registry
+from recompile_opt._torch_internals import concrete_size, flop_registry
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,9 @@ class NodeCost:
 
 
 def _hint(x) -> int:
-    """A concrete number for a possibly symbolic size (its hint), so costs stay numbers."""
-    if isinstance(x, torch.SymInt):
-        return int(x.node.hint) if x.node.hint is not None else 1
-    return int(x)
+    """A concrete number for a possibly symbolic size, so costs stay numbers: its upper bound when
+    Dynamo was given one (then a byte budget holds at every allowed size), else its hint."""
+    return concrete_size(x)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
