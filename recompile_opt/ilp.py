@@ -28,11 +28,12 @@ Constraints
                                   for sampled backward steps t               → add_peak()
     p ≤ P  and  Σ_S b_S z_S + fwd_transient ≤ P    when peak_memory is given  → add_peak()
 
-The peak rows (only with ``peak_memory``) are linear because recomputation is scheduled just before
-first use (a recomputed value lives over [first_v, last_v]) and a kept storage lives from the forward
-until its last use. They are conservative: measured against the simulated schedule of the partitioned
-graphs (recompile_opt.peak, what plans report) they over-estimate, so a met limit is met with margin.
-Ties are broken towards fewer kept bytes rather than this coarse peak.
+The peak rows are linear because recomputation is scheduled just before first use (a recomputed value
+lives over [first_v, last_v]) and a kept storage lives from the forward until its last use. They are
+conservative: against the simulated schedule of the partitioned graphs (recompile_opt.peak, what plans
+report) they over-estimate up to 2x, since they cannot see Inductor's fusion. So the planner uses them
+only for a problem it cannot simulate; with the graphs at hand it judges ``peak_memory`` by simulation
+(planner._fit_peak). Ties are broken towards fewer kept bytes rather than this coarse peak.
 """
 
 from __future__ import annotations

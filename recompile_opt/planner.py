@@ -30,6 +30,8 @@ PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 # Predicted peaks this close are ties (the simulation is within about 4% of the measured peak); a tie
 # goes to the plan that recomputes less.
 PEAK_TIE = 0.05
+# Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
+PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 
 Simulate = Callable[[set, set], int]  # (saved, recomputed) -> predicted peak bytes
 
@@ -63,8 +65,10 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
                 simulate: Simulate | None = None):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap,
               peak=options.peak_memory)
-    # identical blocks are solved once; a peak limit needs the whole backward schedule, so not then
-    reduction = reduce_blocks(problem) if options.peak_memory is None else None
+    # identical blocks are solved once; the ILP's own peak rows need the whole backward schedule, so
+    # not when they are used (a peak limit without a simulator)
+    fit_peak = options.peak_memory is not None and simulate is not None
+    reduction = reduce_blocks(problem) if options.peak_memory is None or fit_peak else None
     min_bytes = None
     budget = options.memory_budget
     if isinstance(budget, float):
@@ -75,6 +79,8 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
         if budget == 0.0 and least_peak is not None:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))
+    if fit_peak:
+        return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
     sol = _solve(problem, reduction, budget, kw, notes)
     if sol.status == "infeasible":
         sol, min_bytes = _infeasible(problem, options, budget, kw, notes, reduction)
@@ -139,6 +145,39 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
                  "recomputes least is taken)")
     return kept, sol
+
+
+def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: int, min_bytes,
+              kw: dict, notes: list[str], simulate: Simulate):
+    """``peak_memory`` judged by the simulated schedule, the peak every plan reports. The ILP's linear
+    peak rows over-estimate it up to 2x (they cannot see Inductor's fusion), so they would refuse
+    limits that plans meet; instead walk kept-byte levels from the byte budget down and take the
+    first plan whose simulated peak fits: the least recompute among the levels tried."""
+    kw = {**kw, "peak": None}
+    if min_bytes is None:
+        min_bytes = _least_bytes(problem, reduction, kw)
+    top = baseline if budget is None else min(budget, baseline)
+    best = None
+    for f in PEAK_SEARCH:
+        sol = _solve(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, [])
+        if sol.status not in ("optimal", "feasible"):
+            continue
+        peak = simulate(*problem.needed_closure(sol.recompute, sol.keep))
+        if peak <= options.peak_memory:
+            notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: the least-recompute plan whose "
+                         f"simulated peak fits ({fmt_bytes(peak)}), over kept-byte levels")
+            return sol, _solver_info(options, sol), budget, min_bytes
+        if best is None or peak < best[0]:
+            best = (peak, sol)
+    msg = (f"recompile_opt: peak_memory={fmt_bytes(options.peak_memory)} cannot be met; the least "
+           f"predicted peak found is {fmt_bytes(best[0]) if best else 'none'}")
+    if options.strict:
+        raise InfeasibleBudget(msg + " (strict=True)")
+    warnings.warn(msg + "; using that plan")
+    notes.append(msg)
+    if best is None:
+        best = (0, ilp.Solution(greedy_recompute(problem, budget)))
+    return best[1], _solver_info(options, best[1]), budget, min_bytes
 
 
 def _note_once(notes: list[str], note: str) -> None:

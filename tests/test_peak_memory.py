@@ -1,0 +1,47 @@
+"""``peak_memory``: a hard limit on the step's predicted peak, judged by the simulated schedule."""
+
+import pytest
+import torch
+
+import recompile_opt
+from recompile_opt.planner import InfeasibleBudget
+
+from helpers import tiny_gpt, train_side_by_side
+
+
+@pytest.fixture(scope="module")
+def ends():
+    model, inputs = tiny_gpt()
+    return (recompile_opt.plan(model, inputs), recompile_opt.plan(model, inputs, memory_budget=0.0))
+
+
+def test_a_peak_limit_between_the_ends_is_met_with_less_recompute_than_the_least_peak_plan(ends):
+    save_all, least = ends
+    assert least.predicted_peak_bytes < save_all.predicted_peak_bytes
+    limit = (save_all.predicted_peak_bytes + least.predicted_peak_bytes) // 2
+    model, inputs = tiny_gpt()
+    plan = recompile_opt.plan(model, inputs, peak_memory=limit)
+    assert plan.predicted_peak_bytes <= limit
+    assert plan.recompute_s <= least.recompute_s
+    assert any("simulated peak fits" in n for n in plan.notes)
+
+
+def test_a_peak_limit_below_any_plan_warns_or_raises(ends):
+    _, least = ends
+    model, inputs = tiny_gpt()
+    limit = least.predicted_peak_bytes // 2
+    with pytest.raises(InfeasibleBudget, match="peak_memory=.*cannot be met"):
+        recompile_opt.plan(model, inputs, peak_memory=limit, strict=True)
+    with pytest.warns(UserWarning, match="cannot be met"):
+        plan = recompile_opt.plan(model, inputs, peak_memory=limit)
+    assert plan.predicted_peak_bytes <= least.predicted_peak_bytes * 1.05
+
+
+def test_gradients_equal_eager_under_a_peak_limit(ends):
+    save_all, least = ends
+    limit = (save_all.predicted_peak_bytes + least.predicted_peak_bytes) // 2
+    model, inputs = tiny_gpt(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):  # eager's dropout masks, replayed
+        plan = train_side_by_side(model, inputs, options={"peak_memory": limit, "compiler": "eager"},
+                                  rtol=1e-4, atol=1e-5)
+    assert plan.predicted_peak_bytes <= limit
