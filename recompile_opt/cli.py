@@ -4,6 +4,7 @@
     recompile-opt show plan.json
     recompile-opt diff a.json b.json
     recompile-opt demo [--budget 0.3]
+    recompile-opt frontier [MODULE:FACTORY] [--budgets 0,0.1,...] [--out frontier] [--measure] [--no-pytorch]
 """
 
 from __future__ import annotations
@@ -79,6 +80,23 @@ def cmd_demo(args) -> None:
     run_demo(budget=parse_budget_arg(args.budget), steps=args.steps, compiler=args.compiler)
 
 
+def cmd_frontier(args) -> None:
+    import time
+
+    from recompile_opt import frontier
+
+    model, inputs = load_factory(args.factory)
+    budgets = frontier.BUDGETS if args.budgets is None else [float(b) for b in args.budgets.split(",")]
+    t0 = time.perf_counter()
+    points = frontier.sweep(model, inputs, budgets, measure=args.measure, steps=args.steps,
+                            pytorch_budgets=() if args.no_pytorch else frontier.PYTORCH_BUDGETS,
+                            compiler=args.compiler)
+    print(frontier.table(points))
+    print(f"\n{len(points)} points in {time.perf_counter() - t0:.1f} s")
+    for path in frontier.draw(points, args.out, title=args.factory):
+        print(f"wrote {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recompile-opt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("frontier", help="sweep the budget: kept memory against recompute, with the fixed "
+                       "policies and PyTorch's knapsack; a table, PNG and SVG")
+    p.add_argument("factory", nargs="?", default="recompile_opt.models:demo_gpt")
+    p.add_argument("--budgets", help="comma-separated fractions in [0, 1] (default 0,0.05,...,1)")
+    p.add_argument("--out", default="frontier", help="path stem: writes STEM.png and STEM.svg")
+    p.add_argument("--measure", action="store_true", help="also train each strategy a few steps and measure")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per strategy")
+    p.add_argument("--compiler", default="eager", choices=("inductor", "eager"),
+                   help="how measured strategies compile (eager: same partitions, no code generation)")
+    p.add_argument("--no-pytorch", action="store_true", help="leave out PyTorch's knapsack")
+    p.set_defaults(func=cmd_frontier)
     return parser
 
 
