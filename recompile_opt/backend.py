@@ -134,9 +134,6 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
         return ti.make_boxed_func(g.forward)
 
     part = functools.partial(ti.inductor_partition_fn, partitioner_fn_override=partitioner)
-    backend = ti.aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=part,
-                              decompositions=ti.select_decomp_table(),
-                              keep_inference_input_mutations=True)
     fake_mode = ti.detect_fake_mode(example_inputs) or ti.FakeTensorMode(allow_non_fake_inputs=True)
     patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
@@ -144,6 +141,11 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
         # fold the whole graph away; on real devices it only folds true constants.
         patches["joint_graph_constant_folding"] = False
     with ti.V.set_fake_mode(fake_mode), ti.inductor_config.patch(patches):
+        # the decomposition table depends on fallback_random: build it inside the patch, or dropout
+        # would decompose into Inductor's rand + compare and draw other masks than eager's
+        backend = ti.aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=part,
+                                  decompositions=ti.select_decomp_table(),
+                                  keep_inference_input_mutations=True)
         return backend(gm, example_inputs)
 
 

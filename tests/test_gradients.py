@@ -38,3 +38,10 @@ def test_dropout_replays_the_same_mask(setting):
                                   atol=1e-5)
     if setting in (0.0, "full"):
         assert any(e.reason == "rng" for e in plan.recomputed), "expected a replayed random op"
+
+
+def test_eager_compiler_draws_eagers_dropout_masks_without_a_config_patch():
+    """compiler="eager" keeps aten's random ops, so even without fallback_random the masks are eager's."""
+    module, inputs = tiny_gpt(dropout=0.1)
+    train_side_by_side(module, inputs, options={"memory_budget": 0.0, "compiler": "eager"}, steps=2,
+                       rtol=1e-4, atol=1e-5)
