@@ -7,6 +7,8 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -72,10 +74,16 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     min_bytes = None
     budget = options.memory_budget
     if isinstance(budget, float):
-        min_bytes = _least_bytes(problem, reduction, kw)
-        floor, least_peak = min_bytes, None
-        if simulate is not None and budget < 1.0:
-            floor, least_peak = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+        key = _fingerprint(problem, options) if simulate is not None and budget < 1.0 else None
+        if key in _RANGE_ENDS:  # another fraction of the same graph: same range, same least-peak plan
+            min_bytes, floor, least_peak, note = _RANGE_ENDS[key]
+            notes.extend([note] if note else [])
+        else:
+            min_bytes = _least_bytes(problem, reduction, kw)
+            floor, least_peak = min_bytes, None
+            if key is not None:
+                floor, least_peak = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+                _RANGE_ENDS[key] = (min_bytes, floor, least_peak, notes[-1] if least_peak else None)
         if budget == 0.0 and least_peak is not None:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))
@@ -145,6 +153,19 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
                  "recomputes least is taken)")
     return kept, sol
+
+
+# The ends of a fractional budget's range per graph and options (the least-peak search partitions and
+# simulates a ladder of plans): fractions of one graph, e.g. a frontier sweep, search once.
+_RANGE_ENDS: dict[str, tuple] = {}
+
+
+def _fingerprint(problem: Problem, options: Options) -> str:
+    """Everything the range ends depend on: the problem's data and the options but the budget."""
+    rest = dataclasses.replace(options, memory_budget=None, plan_dir=None, strict=False)
+    blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_background, problem.rng_state_bytes,
+                 [dataclasses.astuple(v)[:-1] for v in problem.values.values()], rest.key()))
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: int, min_bytes,
