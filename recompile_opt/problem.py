@@ -82,17 +82,21 @@ class Problem:
 
     def predicted_bwd_peak(self, saved: set[str], recomputed: set[str]) -> int:
         """Peak of the backward under the linear model the ILP uses (see ilp.py, "peak")."""
-        peak = 0
+        n_steps = len(self.bwd_background)
+        delta = [0] * (n_steps + 1)  # live-byte changes: kept storages until their last use,
+        for s, last in self._storage_last_use(saved).items():  # recomputed values over their window
+            if last >= 0:
+                delta[0] += self.storage_bytes[s]
+                delta[min(last, n_steps - 1) + 1] -= self.storage_bytes[s]
+        for n in recomputed:
+            v = self.values[n]
+            if v.storage == n and v.first_use <= v.last_use and v.first_use < n_steps:  # views: no bytes
+                delta[max(v.first_use, 0)] += self.recomputed_bytes(v)
+                delta[min(v.last_use, n_steps - 1) + 1] -= self.recomputed_bytes(v)
+        peak, live = 0, 0
         for t, background in enumerate(self.bwd_background):
-            live = background
-            for s, last in self._storage_last_use(saved).items():
-                if t <= last:
-                    live += self.storage_bytes[s]
-            for n in recomputed:
-                v = self.values[n]
-                if v.storage == n and v.first_use <= t <= v.last_use:  # views add no bytes
-                    live += self.recomputed_bytes(v)
-            peak = max(peak, live)
+            live += delta[t]
+            peak = max(peak, background + live)
         return peak
 
     def recomputed_bytes(self, v: Value) -> int:
