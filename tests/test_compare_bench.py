@@ -1,0 +1,181 @@
+"""bench/compare.py: aggregation, the markdown table, the Pareto check on synthetic rows, and one tiny
+real run through ``main()`` (eager-selective and ours with the eager compiler: no Inductor code
+generation; two workers at once, < 60 s)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+MiB = 1 << 20
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "compare.py"
+_spec = importlib.util.spec_from_file_location("bench_compare", _PATH)
+compare = importlib.util.module_from_spec(_spec)
+sys.modules["bench_compare"] = compare
+_spec.loader.exec_module(compare)
+
+
+def run(name, step_ms, peak_mib, *, rnd=1, cache="cold", **extra):
+    """A fake worker result: every step takes ``step_ms``."""
+    return {"strategy": name, "round": rnd, "cache": cache, "first_step_s": 60.0 if cache == "cold" else 5.0,
+            "step_s": [step_ms / 1e3] * 5, "step_median_s": step_ms / 1e3, "max_grad_diff": 0.0,
+            "graphs": 1, "recompiles": 0, "loadavg_1m": 0.0, "saved_bytes": peak_mib * MiB // 2,
+            "peak_bytes": peak_mib * MiB, **extra}
+
+
+def point(name, step_ms, peak_mib):
+    return {"strategy": name, "step_ms": step_ms, "peak_bytes": peak_mib * MiB}
+
+
+def test_aggregate_medians_spread_and_cold_warm_compile():
+    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9),
+            run("ours-0.5", 120, 30, rnd=2, cache="warm"),
+            run("ours-0.5", 110, 30, rnd=3, cache="warm")]
+    runs[1]["step_s"] = [0.09, 0.12, 0.15]
+    row = compare.aggregate("ours-0.5", runs)
+    assert row["processes"] == 3
+    assert row["step_ms"] == pytest.approx(110)  # median of the process medians
+    assert (row["step_ms_min"], row["step_ms_max"]) == (pytest.approx(90), pytest.approx(150))
+    assert row["compile_s"] == 60.0 and row["warm_first_s"] == 5.0  # compile time from the cold run only
+    assert row["recompute_flops"] == 2e9  # counted in round 1 only (warm caches skip the pass)
+    assert "notes" not in row
+
+
+def test_aggregate_error_row_and_partial_failure():
+    runs = [{"strategy": "rockmate", "error": "RuntimeError: rockmate 1.0.1: no solution", "round": 1}]
+    row = compare.aggregate("rockmate", runs)
+    assert row["processes"] == 0 and row["error"].startswith("RuntimeError")
+    table = compare.markdown_table([row])
+    assert "ERROR: RuntimeError: rockmate 1.0.1: no solution" in table
+    assert table.splitlines()[-1].count("—") >= 10  # no figures, no crash
+
+    row = compare.aggregate("ours-0.2", [run("ours-0.2", 100, 30), {"strategy": "ours-0.2", "error": "x"}])
+    assert row["processes"] == 1 and row["error"] == "x" and row["step_ms"] == 100
+
+    row = compare.aggregate("compile", [])
+    assert row["notes"] == ["not run (interrupted)"]
+
+
+def test_aggregate_flags_memory_spread():
+    row = compare.aggregate("eager", [run("eager", 100, 30), run("eager", 100, 31, rnd=2)])
+    assert any("peak_bytes varies" in n for n in row["notes"])
+
+
+def test_markdown_header_marks_measured_counted_estimated():
+    header = compare.markdown_table([]).splitlines()[0]
+    assert "peak MiB [M]" in header and "recompute GFLOP [C]" in header and "plan peak MiB [E]" in header
+    assert "**M** measured" in compare.LEGEND and "**E** our" in compare.LEGEND
+
+
+def test_dominance_needs_lower_peak_and_more_than_noise_faster():
+    a, b = point("a", 100, 30), point("b", 115, 30)
+    assert compare.dominates(a, b)  # same peak, 13% faster
+    assert not compare.dominates(a, point("c", 105, 30))  # within the 10% noise
+    assert not compare.dominates(a, point("d", 200, 29))  # faster but more memory
+    assert compare.covers(point("e", 108, 29), point("f", 100, 30))  # on or below: 8% slower counts
+    assert not compare.covers(point("g", 112, 29), point("h", 100, 30))
+
+
+def test_pareto_check_statuses():
+    rows = [point("eager", 200, 48), point("compile", 180, 46), point("compile-amb-0.5", 158, 30),
+            point("eager-full-ckpt", 300, 29), point("compile-amb-0.0", 250, 20),
+            point("ours-none", 175, 46), point("ours-0.5", 220, 32), point("ours-0.0", 260, 24),
+            {"strategy": "rockmate", "error": "boom"}]
+    check = compare.pareto_check(rows, noise=0.10)
+    ours = {e["strategy"]: e for e in check["ours"]}
+    assert ours["ours-none"]["status"] == "frontier"
+    assert ours["ours-0.5"] == {"strategy": "ours-0.5", "status": "dominated", "by": ["compile-amb-0.5"]}
+    assert ours["ours-0.0"]["status"] == "frontier"  # compile-amb-0.0 has less memory but is not faster
+
+    others = {e["strategy"]: e for e in check["others"]}
+    assert others["eager"]["status"] == "dominated" and others["eager"]["by"] == ["ours-none"]
+    assert others["compile"] == {"strategy": "compile", "status": "matched", "by": ["ours-none"]}
+    assert others["eager-full-ckpt"]["status"] == "dominated" and others["eager-full-ckpt"]["by"] == ["ours-0.0"]
+    amb = others["compile-amb-0.5"]
+    assert amb["status"] == "not covered"
+    assert amb["nearest"]["strategy"] == "ours-0.0" and amb["nearest"]["slowdown"] == pytest.approx(260 / 158)
+    assert others["compile-amb-0.0"] == {"strategy": "compile-amb-0.0", "status": "not covered", "by": [],
+                                         "least_ours_peak_bytes": 24 * MiB}
+    assert check["no_figures"] == ["rockmate"]
+
+    text = compare.pareto_markdown(rows, check)
+    assert "`ours-0.5` (32.00 MiB, 220.0 ms): dominated by `compile-amb-0.5` (30.00 MiB, 158.0 ms)" in text
+    assert "`ours-none` (46.00 MiB, 175.0 ms): on the frontier" in text
+    assert "is 1.65x slower" in text and "no ours point reaches its peak (least ours peak 24.00 MiB)" in text
+    assert "Summary: ours is on or below 3 of 5 other measured points; not below `compile-amb-0.5`, " \
+           "`compile-amb-0.0`." in text
+
+
+def test_group_configs_presets_and_overrides():
+    args = compare.parse_args(["--model", "gpt,llama", "--size", "small,medium", "--layers", "3",
+                               "--dropout", "0.1"])
+    cfgs = compare.group_configs(args)
+    assert [(c["model"], c["size"]) for c in cfgs] == [("gpt", "small"), ("gpt", "medium"),
+                                                       ("llama", "small"), ("llama", "medium")]
+    assert all(c["layers"] == 3 for c in cfgs)  # an explicit flag overrides every preset
+    assert cfgs[1]["embd"] == compare.SIZES["medium"]["embd"]
+    assert cfgs[0]["dropout"] == 0.1 and cfgs[2]["dropout"] == 0.0  # Llama has no dropout
+    with pytest.raises(SystemExit):
+        compare.group_configs(compare.parse_args(["--size", "huge"]))
+
+
+def test_external_runner_missing_is_an_error_row(tmp_path, monkeypatch):
+    args = compare.parse_args(["--rockmate-python", sys.executable])
+    cfg = compare.group_configs(args)[0]
+    monkeypatch.setitem(compare.STRATEGIES, "rockmate",
+                        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "nope.py"})
+    assert compare.spawn_worker("rockmate", cfg, args) == {"strategy": "rockmate",
+                                                           "error": "bench/nope.py missing"}
+    args = compare.parse_args(["--rockmate-python", str(tmp_path / "python")])
+    monkeypatch.setitem(compare.STRATEGIES, "rockmate",
+                        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "compare.py"})
+    assert "no interpreter at" in compare.spawn_worker("rockmate", cfg, args)["error"]
+
+
+def test_tiny_run_through_main(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    argv = ["--layers", "1", "--embd", "32", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
+            "--repeats", "1", "--strategies", "eager-selective,ours-0.5", "--ours-compiler", "eager", "--jobs", "2",
+            "--json", str(out), "--csv", str(tmp_path / "out.csv"), "--md", str(tmp_path / "out.md")]
+    assert compare.main(argv) == 0
+    data = json.loads(out.read_text())
+    (group,) = data["groups"]
+    assert group["config"]["model"] == "gpt" and group["config"]["embd"] == 32
+    rows = {r["strategy"]: r for r in group["rows"]}
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        for key in ("step_ms", "compile_s", "saved_bytes", "peak_bytes", "max_grad_diff"):
+            assert row[key] is not None, (name, key)
+        assert row["max_grad_diff"] < 1e-5
+    # selective recompute reruns QK^T, 2 (b heads) s^2 d FLOPs; checkpoint's early stop skips @V,
+    # whose output no backward reads
+    assert rows["eager-selective"]["recompute_flops"] == 2 * (2 * 4) * 16 * 16 * 8
+    assert rows["eager-selective"]["saved_bytes"] < 148612  # eager's saved bytes (torch 2.13)
+    assert rows["ours-0.5"]["plan_saved_bytes"] > 0 and rows["ours-0.5"]["plan_recompute_flops"] >= 0
+    assert "recompute_flops" not in rows["ours-0.5"]  # no Inductor post-grad pass with compiler=eager
+    assert {e["strategy"] for e in group["pareto"]["ours"]} == {"ours-0.5"}
+    report = (tmp_path / "out.md").read_text()
+    assert "| eager-selective |" in report and "Pareto check" in report
+    assert (tmp_path / "out.csv").read_text().startswith("model,size,strategy,")
+
+
+def test_job_lock_keeps_timed_sections_alone(tmp_path):
+    import fcntl
+
+    path = str(tmp_path / "lock")
+    compiling, timing, probe = compare.JobLock(path), compare.JobLock(path), compare.JobLock(path)
+    compiling.shared()
+    timing.shared()  # starts and compiles overlap
+    with pytest.raises(BlockingIOError):  # a timed section waits while anyone compiles
+        fcntl.flock(probe.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    compiling.release()
+    with timing.exclusive():
+        with pytest.raises(BlockingIOError):  # and a new start waits while someone is timed
+            fcntl.flock(probe.file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(probe.file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    probe.release()
+    timing.release()
+    with compare.JobLock("").exclusive():  # --jobs 1: no lock file, nothing to wait for
+        pass
