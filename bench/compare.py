@@ -310,29 +310,6 @@ def prepare(spec: dict, model, args):
 
 
 @functools.cache
-def _graph_flops_pass():
-    """An Inductor post-grad pass that sums the FLOPs of each forward and backward graph it sees."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    from recompile_opt.cost_model import node_cost
-    from recompile_opt.options import DEFAULT_ROOFLINE
-
-    class GraphFlops(CustomGraphPass):
-        def __init__(self):
-            self.forward: list[int] = []
-            self.backward: list[int] = []
-
-        def __call__(self, graph) -> None:
-            flops = sum(node_cost(n, DEFAULT_ROOFLINE["cpu"]).flops for n in graph.nodes)
-            backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-            (self.backward if backward else self.forward).append(flops)
-
-        def uuid(self) -> str:  # constant: the pass changes nothing, caching stays on
-            return "bench-compare-graph-flops-1"
-
-    return GraphFlops()
-
-
 def _flop_mapping() -> dict:
     """Formulas for the CPU flash-attention ops, which ``FlopCounterMode`` lacks (torch 2.13)."""
     import torch
@@ -350,6 +327,56 @@ def _flop_mapping() -> dict:
             raw(flop_registry[aten._scaled_dot_product_flash_attention]),
             aten._scaled_dot_product_flash_attention_for_cpu_backward:
             raw(flop_registry[aten._scaled_dot_product_flash_attention_backward])}
+
+
+def node_flops(node) -> int:
+    """FLOPs of one node of an FX graph from its fake values, by ``torch.utils.flop_counter``'s formulas.
+
+    An op run inside an RNG-state higher-order op (``run_and_save_rng_state``, ``run_with_rng_state``,
+    ``graphsafe_run_with_rng_state``: a random op saved or replayed, e.g. SDPA, which takes a
+    dropout_p) counts as that op."""
+    import torch
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+    from torch.utils.flop_counter import flop_registry
+
+    if node.op != "call_function":
+        return 0
+    op, args, kwargs = node.target, node.args, dict(node.kwargs)
+    if not isinstance(op, torch._ops.OpOverload):  # a HOP: find the op it runs
+        inner = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
+        if not inner:
+            return 0
+        op, args = args[inner[0]], args[inner[0] + 1:]
+        kwargs.pop("rng_state", None)
+    packet = op._overloadpacket
+    formula = _flop_mapping().get(packet) or flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
+    out = node.meta.get("val") if node.target is op else None
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+@functools.cache
+def _graph_flops_pass():
+    """An Inductor post-grad pass that sums the FLOPs of each forward and backward graph it sees."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class GraphFlops(CustomGraphPass):
+        def __init__(self):
+            self.forward: list[int] = []
+            self.backward: list[int] = []
+
+        def __call__(self, graph) -> None:
+            flops = sum(node_flops(n) for n in graph.nodes)
+            backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+            (self.backward if backward else self.forward).append(flops)
+
+        def uuid(self) -> str:  # constant: the pass changes nothing, caching stays on
+            return "bench-compare-graph-flops-2"
+
+    return GraphFlops()
 
 
 def count_flops(fn, idx, tgt) -> tuple[int, int]:
