@@ -1,4 +1,4 @@
-"""Deep stacks: a small-width GPT of 12, 24, 48 and 96 layers planned with identical blocks solved once
+"""Deep stacks: a small-width GPT of 12, 24, 48 and 96 layers planned with identical blocks solved as groups
 (``recompile_opt.blocks``) and in full, at the same byte budget.
 
 Usage::
@@ -12,7 +12,7 @@ AOTAutograd, Inductor's joint passes and our partition run, no step is computed 
 and the captured :class:`~recompile_opt.problem.Problem` is then planned twice with
 :func:`recompile_opt.planner.make_plan`, the function the partitioner calls:
 
-* ``reuse``: as shipped — ``reduce_blocks`` finds the identical blocks and one template is solved;
+* ``reuse``: as shipped — ``reduce_blocks`` finds the identical blocks and solves one template per group of blocks;
 * ``full``: ``planner.reduce_blocks`` patched to return None, so the whole graph is one ILP.
 
 Both see one int byte budget: ``least + fraction * (save_all - least)`` (``least`` from the reduced
@@ -175,7 +175,7 @@ def solve(problem: Problem, budget: int, *, reuse: bool, time_limit_s: float, mi
     return {"plan_s": round(wall, 3), "ilp_s": round(sum(solves), 3), "n_solves": len(solves),
             "status": s["status"], "gap": s["gap"], "n_vars": s["n_vars"],
             "n_constraints": s["n_constraints"],
-            "reused": any("identical blocks solved once" in n for n in plan.notes),
+            "reused": any("identical blocks solved as" in n for n in plan.notes),
             "recompute_us": plan.recompute_s * 1e6, "objective_us": objective_s(problem, plan) * 1e6,
             "saved_bytes": plan.saved_bytes, "cbc_lower_bound_us": lower, "notes": plan.notes}
 

@@ -41,14 +41,16 @@ class Problem:
     step_s: float = 0.0  # estimated forward + backward time without recompute
     device: str = "cpu"
 
-    def needed_closure(self, recompute: set[str], keep: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+    def needed_closure(self, recompute: set[str], keep: set[str] = frozenset(), *,
+                       feasible: set[str] | None = None) -> tuple[set[str], set[str]]:
         """Given which values are recomputed, derive (saved, recomputed) — what the backward reads.
 
         Values only the backward uses (``in_forward=False``, e.g. a transposed weight or an upcast for a
         backward formula) are computed in the backward, as eager autograd would, unless they cannot be.
+        ``feasible``: :meth:`recomputable`, passed in by callers that ask many times.
         """
         saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
-        feasible = self.recomputable()
+        feasible = self.recomputable() if feasible is None else feasible
         while todo:
             name = todo.pop()
             if name in saved or name in recomputed:
