@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", help="bytes, a size like 512MiB, or a fraction in [0, 1]")
     p.add_argument("--peak", help="limit on the predicted step peak (bytes or size with units)")
     p.add_argument("--policy", default="auto", choices=POLICIES)
-    p.add_argument("--solver", default="cbc", choices=SOLVERS)
+    p.add_argument("--solver", default="highs", choices=SOLVERS)
     p.add_argument("--json", help="also write the plan as JSON here")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("show", help="print a plan saved as JSON")

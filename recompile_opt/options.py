@@ -37,7 +37,7 @@ class Options:
     peak_memory: int | None = None  # bytes: hard limit on the predicted step peak
     strict: bool = False  # an unmeetable limit raises instead of warning
     policy: str = "auto"
-    solver: str = "cbc"
+    solver: str = "highs"
     time_limit_s: float = 30.0
     mip_gap: float = 0.01  # stop when proven within this relative gap of the optimum
     plan_dir: str | None = None

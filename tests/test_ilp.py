@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recompile_opt import ilp
+from recompile_opt.options import SOLVERS
 from recompile_opt.planner import greedy_recompute
 from recompile_opt.problem import Problem, Value
 
@@ -366,9 +367,11 @@ def test_cbc_preprocessing_returns_a_suboptimal_optimal():
     best_saved, best_rec = p.needed_closure({"d", "v"})
     assert p.kept_bytes(best_saved, best_rec) == budget and p.recompute_seconds(best_rec) == 0
     with exact_cbc():
-        _, _, recomputed, _ = solve_ok(p, budget=budget)
+        _, _, recomputed, _ = solve_ok(p, budget=budget, solver="cbc")
         assert recomputed == {"d", "v"}
-    _, saved, recomputed, kept = solve_ok(p, budget=budget)  # the product's default solver settings
+    _, saved, recomputed, kept = solve_ok(p, budget=budget, solver="cbc")  # ilp._run's CBC settings
+    assert p.recompute_seconds(recomputed) == 0, (recomputed, kept)
+    _, saved, recomputed, kept = solve_ok(p, budget=budget)  # the product's default solver (HiGHS)
     assert p.recompute_seconds(recomputed) == 0, (recomputed, kept)
 
 
@@ -463,12 +466,13 @@ def close(a: float, b: float) -> bool:
 
 
 @PROPERTY
-@given(problems())
-def test_ilp_is_optimal_against_brute_force(p):
+@pytest.mark.parametrize("solver", SOLVERS)
+@given(p=problems())
+def test_ilp_is_optimal_against_brute_force(solver, p):
     plans = all_plans(p)
     for budget in [None, *budgets(p, plans)]:
         fits = [c for _, _, k, c in plans if budget is None or k <= budget]
-        sol = solve_exact(p, budget=budget)
+        sol = solve_exact(p, budget=budget, solver=solver)
         if not fits:
             assert sol.status == "infeasible", (budget, sol)
             continue

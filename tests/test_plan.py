@@ -89,7 +89,7 @@ def test_no_budget_keeps_what_eager_keeps(plans):
     assert p.recomputed == []
     assert p.saved_bytes == p.baseline_bytes == 9 * MiB
     assert p.budget_bytes is None and p.min_bytes is None
-    assert p.solver["name"] == "cbc" and p.solver["status"] == "optimal"
+    assert p.solver["name"] == "highs" and p.solver["status"] == "optimal"
     # step 0: background 1 + x 1 + relu 4 + dropout 4 = 10 MiB; the forward: 9 kept + 2 transient
     assert p.predicted_peak_bytes == 11 * MiB
 
@@ -172,7 +172,7 @@ def test_json_keys(plans):
     assert (drop["name"], drop["op"], drop["flops"]) == ("dropout", "native_dropout", 512 * 2048)
     assert (d["saved_bytes"], d["baseline_bytes"]) == (5 * MiB + RNG, 9 * MiB)
     assert (d["recompute_flops"], d["predicted_peak_bytes"]) == (512 * 2048, 10 * MiB)
-    assert d["solver"]["name"] == "cbc" and d["solver"]["status"] == "optimal"
+    assert d["solver"]["name"] == "highs" and d["solver"]["status"] == "optimal"
     assert {"solve_s", "gap", "n_vars", "n_constraints"} <= set(d["solver"])
     assert d["options"]["memory_budget"] == 6 * MiB
 
@@ -267,7 +267,7 @@ def test_str_summary_lines(plans):
     assert lines[2] == ("  recompute         : 1.05 MFLOP, est. 0.001 ms = 1.0% of the est. step "
                         "(0.100 ms)")
     assert lines[3] == "  predicted peak    : 10.00 MiB above the pre-step baseline"
-    assert re.fullmatch(r"  solver            : cbc optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)",
+    assert re.fullmatch(r"  solver            : highs optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)",
                         lines[4])
     assert lines[5].startswith("kept (")
     zero = str(plans["0.0"]).splitlines()
