@@ -80,6 +80,10 @@ def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solv
     if not m.s and not m.r:  # nothing the backward reads from the forward: nothing to decide
         return Solution(set(), set(), "optimal", time.perf_counter() - start, 0.0)
     status, gap = _run(m.lp, solver, time_limit_s, mip_gap)
+    if status.startswith("error") and solver == "highs":
+        # HiGHS 1.x answers "Solve error" on some small infeasible models (found by the brute-force
+        # property test): ask CBC before calling it a solver failure
+        status, gap = _run(m.lp, "cbc", time_limit_s, mip_gap)
     ok = status in ("optimal", "feasible")
     return Solution(m.chosen(m.r) - m.chosen(m.s) if ok else set(), m.chosen(m.s) if ok else set(),
                     status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())

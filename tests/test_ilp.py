@@ -375,6 +375,17 @@ def test_cbc_preprocessing_returns_a_suboptimal_optimal():
     assert p.recompute_seconds(recomputed) == 0, (recomputed, kept)
 
 
+def test_highs_solve_error_on_an_infeasible_model_is_answered_by_cbc():
+    """Found by test_ilp_is_optimal_against_brute_force[highs]: on this infeasible model (v9 and v10
+    each need 1 MiB kept, the budget is 1 byte short of 2 MiB) HiGHS says "Solve error", not
+    infeasible; the solve must still report "infeasible" so that the planner names the least budget."""
+    p = problem(inp("v0"), inp("v1"), inp("v2", 1), op("v3", ["v0", "v1"], None, 0, needed=False, storage="v0"),
+                op("v4", ["v0"], 1, 0, needed=False), op("v8", ["v0"], 1, 0, needed=False, can_recompute=False),
+                op("v9", ["v0", "v2"], 1, 0), op("v10", ["v0", "v8", "v2"], 1, 0))
+    assert ilp.solve(p, budget=2 * MiB - 1, solver="highs").status == "infeasible"
+    assert ilp.solve(p, budget=2 * MiB, solver="highs").status == "optimal"
+
+
 # -- random problems -------------------------------------------------------------------------------
 
 @st.composite
