@@ -1,0 +1,99 @@
+"""The kernel model behind the predicted peak (recompile_opt.kernels, recompile_opt.peak): fusion,
+in-place writes, and the prediction against the measured peak of real compiled steps.
+
+Unit graphs use 256x256 fp32 tensors, so every buffer is 256 KiB and peaks are small multiples of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import recompile_opt
+from recompile_opt import kernels, measure, models, peak
+
+UNIT = 256 * 256 * 4
+
+
+def graph(fn, n_args: int):
+    return make_fx(fn, tracing_mode="fake")(*[torch.randn(256, 256) for _ in range(n_args)])
+
+
+def swiglu_backward(a, b, g, w):
+    """The shape of a SwiGLU backward: three outputs from the same inputs, each read by a matmul."""
+    s = torch.sigmoid(a)
+    h = a * s
+    return (h * b) @ w, (g * h) @ w, (g * b * s * (1 + a * (1 - s))) @ w
+
+
+def gelu_backward(x, g, w):
+    """A GELU and its backward: the incoming gradient ``d`` is read by one output only."""
+    y, d = x @ w, g @ w
+    act = torch.nn.functional.gelu(y)
+    dy = d * (0.5 * (1 + torch.erf(y * 0.7071)) + y * torch.exp(-0.5 * y * y) * 0.3989)
+    return act @ w, dy @ w
+
+
+def test_swiglu_gradients_are_one_kernel_with_three_buffers():
+    order, sizes, outs = kernels.schedule(graph(swiglu_backward, 4))
+    fused = [k for k in order if not k.extern]
+    assert len(fused) == 1 and len(fused[0].outputs) == 3, [[n.name for n in k.nodes] for k in fused]
+    assert [k.extern for k in order] == [False, True, True, True]  # the matmuls read its outputs
+    # the three gradients live at once, then the first matmul's output: 4 buffers
+    assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 4 * UNIT
+
+
+def test_an_output_is_written_over_the_input_only_it_reads():
+    order, sizes, outs = kernels.schedule(graph(gelu_backward, 3))
+    fused = next(k for k in order if not k.extern)
+    assert len(fused.outputs) == 2
+    # y, d, then the activation; the gradient is written over d (its only reader), y is read by both
+    assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 3 * UNIT
+
+
+def test_views_and_getitems_are_not_kernels():
+    def f(x, w):
+        return (x.t() @ w).relu().view(-1).sum()
+    order, _, _ = kernels.schedule(graph(f, 2))
+    names = [n.name for k in order for n in k.nodes]
+    assert not any(n.startswith(("t", "view")) and not n.startswith("tanh") for n in names), names
+
+
+# -- against measured peaks ------------------------------------------------------------------------
+
+SMALL = dict(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)  # bench/compare.py small
+
+
+def _measured_and_predicted(model_cls, config_cls, options):
+    torch._dynamo.reset()
+    recompile_opt.reset_plans()
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL))
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, 512, (4, 256), generator=g) for _ in range(2))
+    compiled = torch.compile(model, backend="recompile_opt", options=options)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        compiled(idx, tgt).backward()
+    model.zero_grad(set_to_none=True)
+    measured = measure.peak_memory(lambda: compiled(idx, tgt).backward())
+    (plan,) = recompile_opt.last_plans()
+    torch._dynamo.reset()
+    return measured, plan.predicted_peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("options", [{"policy": "full"}, {"memory_budget": 0.0}], ids=["full", "0.0"])
+def test_predicted_peak_within_ten_percent_of_measured(name, options):
+    """Through Inductor, fp32, one thread: the node-by-node model missed the Llama by up to 31%."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as bench/compare.py: per-thread attention scratch stays small
+    try:
+        cls, cfg = (models.GPT, models.GPTConfig) if name == "gpt" else (models.Llama, models.LlamaConfig)
+        measured, predicted = _measured_and_predicted(cls, cfg, options)
+    finally:
+        torch.set_num_threads(threads)
+    assert abs(predicted / measured - 1) <= 0.10, (
+        f"{name} {options}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
