@@ -197,16 +197,20 @@ def run(args, out: dict) -> None:
     out.update(torch=torch.__version__, threads=torch.get_num_threads())
     models = load_file_module("ro_models", REPO / "recompile_opt" / "models.py")
     measure = load_file_module("ro_measure", REPO / "recompile_opt" / "measure.py")
-    if args.model != "gpt":
-        raise ValueError("rockmate runner: --model gpt only")
-    config = models.GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
-                              block_size=args.seq, vocab_size=args.vocab, dropout=args.dropout)
+    if args.model == "gpt":
+        config = models.GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
+                                  block_size=args.seq, vocab_size=args.vocab, dropout=args.dropout)
+    elif args.model == "llama":
+        config = models.LlamaConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
+                                    block_size=args.seq, vocab_size=args.vocab)
+    else:
+        raise ValueError(f"rockmate runner: --model gpt or llama, got {args.model!r}")
     if min(args.seq, args.vocab) < 128:
         # rkgb 1.0.1 re-creates integer inputs as torch.randint(128, ...) to time each
         # node: torch.embedding then raises "IndexError: index out of range in self".
         out["warning"] = "rkgb 1.0.1 needs --seq and --vocab >= 128"
     torch.manual_seed(0)
-    model = models.GPT(config)
+    model = models.GPT(config) if args.model == "gpt" else models.Llama(config)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
