@@ -130,7 +130,11 @@ STRATEGIES: dict[str, dict] = {
     **{f"ours-{b}": {"kind": "ours", "options": {"memory_budget": b}} for b in BUDGETS},
     **{f"ours-{p}": {"kind": "ours", "options": {"policy": p}}
        for p in ("save-all", "full", "megatron-selective")},
-    "rockmate": {"kind": "external", "runner": ROCKMATE_RUNNER, "runner_args": ["--budget-frac", "0.5"],
+    # one budget pair and 15 s per block ILP: a bounded attempt (bench/ROCKMATE.md: CBC found no
+    # solution in 15 s or 90 s per solve, nor in 15 min without a limit); it holds the timing lock
+    "rockmate": {"kind": "external", "runner": ROCKMATE_RUNNER,
+                 "runner_args": ["--budget-frac", "0.5", "--nb-budget-save", "1", "--nb-budget-peak", "1",
+                                 "--ilp-seconds", "15"],
                  "note": "budget 0.5 x eager's saved bytes"},
 }
 DEFAULT_STRATEGIES = [
