@@ -75,7 +75,10 @@ def schedule(gm: fx.GraphModule) -> tuple[list[Kernel], dict[fx.Node, int], set[
     groups = _fuse(compute, nodes)
     kernels = _kernels(compute, groups, outs)
     sizes = {n: nbytes(n) for k in kernels for n in k.outputs}
-    return _order(kernels), sizes, outs
+    order = _order(kernels)
+    for n in nodes:  # the graph goes on to Inductor: leave its metadata as it was
+        n.meta.pop("_pos", None)
+    return order, sizes, outs
 
 
 class _Groups:

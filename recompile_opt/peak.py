@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from recompile_opt.cost_model import base_of, is_view_node, tensor_bytes
+from recompile_opt.cost_model import base_of, is_view_node
 from recompile_opt.kernels import Kernel, is_extern, nbytes, schedule
 
 
@@ -201,12 +201,6 @@ def _last_uses(nodes: list[fx.Node]) -> dict[fx.Node, int]:
         for a in n.all_input_nodes:
             last[base_of(a)] = i
     return last
-
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return tensor_bytes(val) if isinstance(val, torch.Tensor) else 0
 
 
 def _is_pointwise(node: fx.Node) -> bool:
