@@ -22,13 +22,15 @@ from pathlib import Path
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO, REPO / "bench"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
 
 import recompile_opt  # noqa: E402
-from recompile_opt import backend, ilp, models, planner  # noqa: E402
+from depth import grab_problems  # noqa: E402  (bench/depth.py: records each graph's Problem)
+from recompile_opt import ilp, models, planner  # noqa: E402
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
 
@@ -39,17 +41,8 @@ def capture(model_name: str):
     model = cls(cfg(**SMALL))
     g = torch.Generator().manual_seed(1)
     idx, tgt = (torch.randint(0, 512, (4, 256), generator=g) for _ in range(2))
-    problems, original = [], backend.make_plan
-
-    def recording(problem, options, **kw):
-        problems.append(problem)
-        return original(problem, options, **kw)
-
-    backend.make_plan = recording
-    try:
+    with grab_problems() as problems:
         recompile_opt.plan(model, (idx, tgt), policy="save-all")
-    finally:
-        backend.make_plan = original
     return problems[-1]
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from recompile_opt.policies import find_blocks
 from recompile_opt.problem import Problem, Value
 
-MIN_REPEATS = 3
+MIN_REPEATS = 4  # fewer blocks make as many groups as blocks (1+1+1): nothing to gain
 
 
 @dataclass
@@ -75,8 +75,6 @@ def reduce_blocks(problem: Problem) -> BlockReduction | None:
     if any(s != sigs[0] for s in sigs):
         return None  # not all identical: solve in full
     sizes = group_sizes(len(order))
-    if len(sizes) == len(order):
-        return None  # every group one block: nothing to gain
     groups, start = [], 0
     for k in sizes:
         groups.append(order[start:start + k])
