@@ -27,7 +27,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt import budget_split
 from recompile_opt.options import Options, parse_options
-from recompile_opt.peak import predict_peak
+from recompile_opt.peak import peak_breakdown, predict_peak
 from recompile_opt.plan import Plan
 from recompile_opt.planner import make_plan
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
@@ -87,7 +87,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         self.last_backward = bw
-        plan.predicted_peak_bytes = predict_peak(fw, bw)
+        plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
+        plan.predicted_peak_bytes = plan.peak_breakdown["total"]
         return fw, bw
 
     def replay_random(self) -> bool:

@@ -22,6 +22,7 @@ as held for a later allocation only within ``POOL_SPAN`` kernels.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -30,40 +31,102 @@ from recompile_opt.cost_model import base_of, is_view_node
 from recompile_opt.kernels import Kernel, is_extern, nbytes, schedule
 
 
+@dataclass
+class PeakTrace:
+    """What is alive at the peak of a sweep: buffer (node, or kept base name) -> bytes, and the kernel
+    that was running (``at``: its index; -1 before the first)."""
+    start: dict = field(default_factory=dict)  # buffers alive before the first kernel
+    at: int = -1
+    alive: dict = field(default_factory=dict)
+    dead: set = field(default_factory=set)  # alive buffers no kernel reads again (pooled for reuse)
+
+
 def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
     """Simulated peak of running ``fw`` then ``bw`` as Inductor's kernels (recompile_opt.kernels);
     forward outputs stay alive into the backward.
 
     A kept value may be a view: the backward's input then holds its base's whole buffer, shared with
     every other kept view of that base and freed after the last of them is used."""
-    live, peak, buffers, owner = _run_forward(fw)
+    return _simulate(fw, bw)[0]
+
+
+def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset()) -> dict:
+    """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
+    for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
+    the plan recomputes), ``temporaries`` (the backward's other buffers; in the forward, everything
+    not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it tells a user what a lower budget can still remove (kept, recomputed) and what
+    it cannot (gradients, the backward's own working set), i.e. the floor of the peak."""
+    peak, phase, gm, trace = _simulate(fw, bw, traced=True)
+    outs = {base_of(a) for a in next(iter(reversed(gm.graph.nodes))).all_input_nodes}
+    kinds: dict[str, int] = {}
+    largest = []
+    for buf, size in trace.alive.items():
+        kind = "pooled" if buf in trace.dead else _kind(buf, phase, outs, recomputed)
+        kinds[kind] = kinds.get(kind, 0) + size
+        largest.append((size, buf if isinstance(buf, str) else buf.name, kind))
+    order = schedule(gm)[0]
+    kernel = order[trace.at] if trace.at >= 0 else None
+    return {"phase": phase, "kernel": trace.at, "kernels": len(order),
+            "kernel_ops": sorted({_op(n) for n in kernel.nodes}) if kernel else [],
+            "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "total": peak,
+            "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]]}
+
+
+def _kind(buf, phase: str, outs: set, recomputed: set[str]) -> str:
+    if isinstance(buf, str) or (phase == "forward" and buf in outs):
+        return "kept"
+    if buf.op == "placeholder":
+        return "tangents" if buf.name.startswith("tangents") else "kept"
+    if buf in outs:
+        return "gradients"
+    return "recomputed" if buf.name in recomputed else "temporaries"
+
+
+def _op(node: fx.Node) -> str:
+    packet = getattr(node.target, "_overloadpacket", None)
+    return str(packet).replace("aten.", "") if packet is not None else getattr(node.target, "__name__", "?")
+
+
+def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
+    """(peak, phase of the peak, that phase's graph, its PeakTrace or None)."""
+    fw_trace = PeakTrace() if traced else None
+    live, peak, buffers, owner = _run_forward(fw, fw_trace)
     keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
     used = set(keys.values())
     live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
-    return max(peak, _run_backward(bw, live, keys, buffers))
+    bw_trace = PeakTrace(start={k: buffers[k] for k in used}) if traced else None
+    bw_peak = _run_backward(bw, live, keys, buffers, bw_trace)
+    if peak > bw_peak:
+        return peak, "forward", fw, fw_trace
+    return bw_peak, "backward", bw, bw_trace
 
 
-def _run_forward(gm: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
+def _run_forward(gm: fx.GraphModule, trace: PeakTrace | None = None
+                 ) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     order, sizes, outs = schedule(gm)
-    live, peak = sweep_kernels(order, sizes, keep=outs, live=0)
+    live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace)
     output = next(iter(reversed(gm.graph.nodes)))
     buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
     owner = {a.name: base_of(a).name for a in output.all_input_nodes if base_of(a).name in buffers}
     return live, peak, buffers, owner
 
 
-def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int]) -> int:
+def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int],
+                  trace: PeakTrace | None = None) -> int:
     order, sizes, outs = schedule(gm)
     tangents = {n: nbytes(n) for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
     sizes.update(tangents)
+    if trace is not None:
+        trace.start.update(tangents)
     _, peak = sweep_kernels(order, sizes, keep=outs, live=live + sum(tangents.values()),
-                            shared=(keys, buffers))
+                            shared=(keys, buffers), trace=trace)
     return peak
 
 
 def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int,
-                  shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None) -> tuple[int, int]:
+                  shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None,
+                  trace: PeakTrace | None = None) -> tuple[int, int]:
     """Run the kernels as Inductor's wrapper code does: allocate a kernel's output buffers before it,
     free the buffers it was the last to read after it (unless kept). ``shared`` maps graph inputs to
     the kept buffer they view: one buffer, freed after the last of them is read.
@@ -74,7 +137,9 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
     * the wrapper's memory planning (``memory_plan_reuse``) does not free a dead buffer that a later
       allocation of the same dtype and size can take: it stays allocated until then (last freed,
       first taken). Measured on a 2-layer Llama: the last layer's 2.75 MiB SwiGLU buffers stay
-      allocated until the first layer's backward takes them over."""
+      allocated until the first layer's backward takes them over.
+
+    ``trace``: filled with what is alive at the peak (its ``start`` must hold what ``live`` counts)."""
     keys, buffers = shared or ({}, {})
     last: dict = {}
     for i, k in enumerate(order):
@@ -83,10 +148,23 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
     size = {**{n: sizes.get(n, 0) for n in sizes}, **buffers}
     free_after, taken = _plan_reuse(order, size, last, keep, keys)
     peak = live
+    alive = dict(trace.start) if trace is not None else None
+    if trace is not None:
+        trace.alive = dict(alive)
     for i, k in enumerate(order):
-        live += sum(size.get(n, 0) for n in k.outputs if n not in taken)
+        made = [n for n in k.outputs if n not in taken]
+        live += sum(size.get(n, 0) for n in made)
+        if alive is not None:
+            alive.update((n, size.get(n, 0)) for n in made)
+            alive.update((n, alive.pop(taken[n], 0)) for n in k.outputs if n in taken)
+            if live > peak:
+                trace.at, trace.alive = i, dict(alive)
+                trace.dead = {b for b in alive if b not in made and b not in keep and last.get(b, i) < i}
         peak = max(peak, live)
         live -= sum(size.get(b, 0) for b in free_after.get(i, ()))
+        if alive is not None:
+            for b in free_after.get(i, ()):
+                alive.pop(b, None)
     return live, peak
 
 
@@ -94,13 +172,13 @@ POOL_SPAN = 16  # kernels: see the module docstring
 
 
 def _plan_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
-                ) -> tuple[dict[int, list], set[fx.Node]]:
-    """Which kernel frees each buffer, and which outputs take over a buffer instead of allocating:
+                ) -> tuple[dict[int, list], dict]:
+    """Which kernel frees each buffer, and which outputs take over which buffer instead of allocating:
     in place (a fused kernel's dying input of the same size), or from Inductor's pool of dead
     buffers (per dtype and size, last in first out). Graph outputs and kept buffers are never freed."""
     pool: dict[tuple, list] = {}
     free_after: dict[int, list] = {}
-    taken: set[fx.Node] = set()
+    taken: dict = {}  # output -> the dead buffer it writes into
     for i, k in enumerate(order):
         dying = [keys.get(r, r) for r in k.reads if last.get(keys.get(r, r)) == i]
         dying = [d for d in dict.fromkeys(dying) if d not in keep and size.get(d, 0)]
@@ -110,10 +188,9 @@ def _plan_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node],
             same = [d for d in dying if _key(d, size) == key and sole.get(d) is n]
             if same:  # in place
                 dying.remove(same[0])
-                taken.add(n)
+                taken[n] = same[0]
             elif _wrapper_allocated(n) and pool.get(key) and i - pool[key][-1][1] <= POOL_SPAN:
-                pool[key].pop()
-                taken.add(n)
+                taken[n] = pool[key].pop()[0]
         dying += [n for n in k.outputs if n not in last and n not in keep]  # never read
         for d in dying:
             if _poolable(d):

@@ -43,6 +43,8 @@ class Plan:
     recompute_s: float  # estimated recompute time
     step_s: float  # estimated forward + backward time without recompute
     predicted_peak_bytes: int
+    # where the predicted peak lies and what is alive there, by kind (recompile_opt.peak.peak_breakdown)
+    peak_breakdown: dict = field(default_factory=dict)
     solver: dict = field(default_factory=dict)  # name, status, solve_s, gap, n_vars, n_constraints
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
@@ -89,6 +91,7 @@ class Plan:
             f"  recompute         : {fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms "
             f"= {100 * self.recompute_share:.1f}% of the est. step ({self.step_s * 1e3:.3f} ms)",
             f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline",
+            *self._peak_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
@@ -96,6 +99,18 @@ class Plan:
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _peak_lines(self) -> list[str]:
+        """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
+        budget could still remove: kept and recomputed; the rest is the floor any plan pays there)."""
+        bd = self.peak_breakdown
+        if not bd.get("bytes"):
+            return []
+        kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in bd["bytes"].items())
+        ops = "+".join(bd.get("kernel_ops", [])[:4]) or "-"
+        where = (f"{bd['phase']} kernel {bd['kernel'] + 1}/{bd['kernels']} ({ops})" if bd.get("kernel", -1) >= 0
+                 else f"start of the {bd['phase']}")
+        return [f"  at the peak       : {where}: {kinds}"]
 
     def table(self) -> str:
         out = []

@@ -52,6 +52,28 @@ def test_an_output_is_written_over_the_input_only_it_reads():
     assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 3 * UNIT
 
 
+def test_the_peak_trace_names_what_is_alive_at_the_peak():
+    order, sizes, outs = kernels.schedule(graph(swiglu_backward, 4))
+    trace = peak.PeakTrace()
+    assert peak.sweep_kernels(order, sizes, keep=outs, live=0, trace=trace)[1] == 4 * UNIT
+    assert trace.at == 1 and order[1].extern  # the first matmul, with the three gradients still alive
+    assert sum(trace.alive.values()) == 4 * UNIT
+    assert set(order[0].outputs) <= set(trace.alive) and set(order[1].outputs) <= set(trace.alive)
+
+
+def test_plan_peak_breakdown_adds_up_to_the_predicted_peak():
+    model, batch = models.demo_gpt(n_layer=2, n_embd=64, seq=32, batch=2)
+    for budget in (None, 0.0):
+        plan = recompile_opt.plan(model, batch, memory_budget=budget)
+        bd = plan.peak_breakdown
+        assert sum(bd["bytes"].values()) == bd["total"] == plan.predicted_peak_bytes
+        assert set(bd["bytes"]) <= {"kept", "tangents", "gradients", "recomputed", "temporaries", "pooled"}
+        assert bd["bytes"].get("kept", 0) <= plan.saved_bytes
+        if bd["phase"] == "backward":
+            assert bd["bytes"].get("recomputed", 0) == 0 or plan.recomputed
+        assert "at the peak" in plan.summary()
+
+
 def test_views_and_getitems_are_not_kernels():
     def f(x, w):
         return (x.t() @ w).relu().view(-1).sum()
