@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.cost_model import base_of, is_view_node, node_cost, storage_bytes, tensor_bytes
+from recompile_opt.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
+                                     tensor_bytes)
 from recompile_opt.peak import materialised, sweep
 from recompile_opt.policies import block_of
 from recompile_opt.problem import Problem, Value
@@ -142,7 +143,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         free = base.op == "get_attr" or base in jg.static_primals
         storage_bytes_[storage] = 0 if free else storage_bytes(base.meta["val"])
     bwd_uses = [pos[u] for u in node.users if u in pos]
-    cost = node_cost(node, roofline)
+    cost = node_cost(node, roofline, fused=_fuses_when_recomputed(jg, node))
     is_primal = node.op == "placeholder"
     target = node.target
     impure = node.op == "call_function" and (node.is_impure() and not ti.is_random_op(target))
@@ -158,6 +159,23 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         first_use=min(bwd_uses, default=len(jg.bwd_nodes)), last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )
+
+
+def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:
+    """A pointwise op whose backward readers are all fusible too: recomputed, it lives inside their
+    kernel. One that a backward matmul reads (a GELU output for the weight gradient) is written out."""
+    if not is_fusible_pointwise(node):
+        return False
+    readers = [u for u in _consumers(node) if u in jg.bwd_set]
+    return all(is_fusible_pointwise(u) for u in readers)
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """Users of a buffer, looking through views."""
+    out = []
+    for u in node.users:
+        out.extend(_consumers(u) if is_view_node(u) else [u])
+    return out
 
 
 def _propagate_first_use(jg: JointGraph, values: dict[str, Value]) -> None:

@@ -132,21 +132,26 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     Below some budget, keeping fewer bytes only raises the peak: a recomputed value lives from its
     first to its last use in the backward, so recomputing the whole forward holds all of it at once
     (PyTorch's knapsack at 0.05 keeps 2 MiB yet peaks higher than at 0.5). A fraction's 0.0 end is
-    therefore the least-peak plan, not the least-kept one; an int budget can still go lower."""
-    candidates = []
-    for f in PEAK_LADDER:
-        level = int(min_bytes + f * (baseline - min_bytes))
-        sol = _solve(problem, reduction, level, kw, [])
+    therefore the least-peak plan, not the least-kept one; an int budget can still go lower.
+
+    Peaks within ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least.
+    The ladder is coarse and the peaks along it are not monotone (a 4 KiB norm statistic kept or
+    recomputed can move the peak by 3 MiB), so this is a search, not a proof of the least peak;
+    ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen."""
+    def candidate(f: float):
+        sol = _solve(problem, reduction, int(min_bytes + f * (baseline - min_bytes)), kw, [])
         if sol.status not in ("optimal", "feasible"):
-            continue
+            return None
         saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-        candidates.append((simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                           problem.kept_bytes(saved, recomputed), sol))
+        return (simulate(saved, recomputed), problem.recompute_seconds(recomputed),
+                problem.kept_bytes(saved, recomputed), sol)
+
+    candidates = [c for c in map(candidate, PEAK_LADDER) if c is not None]
     if not candidates:
         return min_bytes, None
     least = min(c[0] for c in candidates)
-    peak, _, kept, sol = min((c for c in candidates if c[0] <= least * (1 + PEAK_TIE)),
-                             key=lambda c: (c[1], c[0]))
+    best = min((c for c in candidates if c[0] <= least * (1 + PEAK_TIE)), key=lambda c: (c[1], c[0]))
+    peak, _, kept, sol = best
     notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(kept)}, predicted peak "
                  f"{fmt_bytes(peak)} (keeping less only raises the peak; peaks within "
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
