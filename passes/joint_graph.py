@@ -28,7 +28,7 @@ class JointGraph:
         self.gm = gm
         self.num_fwd_outputs = num_fwd_outputs
         self.static_indices = list(static_lifetime_input_indices or [])
-        info = ti.classify_nodes(gm, self.static_indices, num_fwd_outputs)
+        self.info = info = ti.classify_nodes(gm, self.static_indices, num_fwd_outputs)
         self.required_fw = set(info.required_fw_nodes)
         self.bwd_nodes = [n for n in gm.graph.nodes if n in info.required_bw_nodes and n.op != "output"]
         self.bwd_set = set(self.bwd_nodes)

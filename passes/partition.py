@@ -17,9 +17,11 @@ from recompile_opt import _torch_internals as ti
 
 
 def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_fwd_outputs: int,
-              static_lifetime_input_indices=None) -> tuple[fx.GraphModule, fx.GraphModule]:
+              static_lifetime_input_indices=None, info=None) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times."""
     nodes = list(gm.graph.nodes)
-    info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
+    if info is None:
+        info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
     bwd = set(info.required_bw_nodes)
     replayed = _tag_replayed_random_ops(nodes, recomputed)
     saved_values = [n for n in nodes if n.name in saved]

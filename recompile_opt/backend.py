@@ -69,10 +69,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random())
+        peaks: dict[tuple, int] = {}  # the least-peak ladders meet some plans more than once
+
         def simulate(saved: set, recomputed: set) -> int:
-            fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=num_fwd_outputs,
-                               static_lifetime_input_indices=static)
-            return predict_peak(fw, bw)
+            key = (frozenset(saved), frozenset(recomputed))
+            if key not in peaks:
+                fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=num_fwd_outputs,
+                                   static_lifetime_input_indices=static, info=jg.info)
+                peaks[key] = predict_peak(fw, bw)
+            return peaks[key]
 
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)

@@ -29,9 +29,12 @@ class InfeasibleBudget(OptionError):
 
 # Kept-byte levels (fractions of the range least-possible .. save-all) tried for the least peak.
 PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
+# A second ladder over kept bytes weighted by how long they stay alive in the backward (see
+# _lifetime_weighted): it finds plans of the same least peak that recompute less.
+LIFETIME_LADDER = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 # Predicted peaks this close are ties (the simulation is within about 4% of the measured peak); a tie
 # goes to the plan that recomputes less.
-PEAK_TIE = 0.05
+PEAK_TIE = 0.02
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 
@@ -138,15 +141,22 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     The ladder is coarse and the peaks along it are not monotone (a 4 KiB norm statistic kept or
     recomputed can move the peak by 3 MiB), so this is a search, not a proof of the least peak;
     ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen."""
-    def candidate(f: float):
-        sol = _solve(problem, reduction, int(min_bytes + f * (baseline - min_bytes)), kw, [])
+    def candidate(prob: Problem, red, lo: int, hi: int, f: float):
+        sol = _solve(prob, red, int(lo + f * (hi - lo)), kw, [])
         if sol.status not in ("optimal", "feasible"):
             return None
         saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
         return (simulate(saved, recomputed), problem.recompute_seconds(recomputed),
                 problem.kept_bytes(saved, recomputed), sol)
 
-    candidates = [c for c in map(candidate, PEAK_LADDER) if c is not None]
+    ladders = [(problem, reduction, min_bytes, baseline, PEAK_LADDER)]
+    if reduction is None and problem.bwd_background:  # deep stacks: one ladder (compile time)
+        weighted = _lifetime_weighted(problem)
+        low = _least_bytes(weighted, None, kw)
+        ladders.append((weighted, None, low, weighted.kept_bytes(weighted.needed_closure(set())[0]),
+                        LIFETIME_LADDER))
+    candidates = [c for prob, red, lo, hi, levels in ladders for f in levels
+                  if (c := candidate(prob, red, lo, hi, f)) is not None]
     if not candidates:
         return min_bytes, None
     least = min(c[0] for c in candidates)
@@ -157,6 +167,22 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
                  "recomputes least is taken)")
     return kept, sol
+
+
+def _lifetime_weighted(problem: Problem) -> Problem:
+    """The problem with each storage's bytes scaled by the share of the backward it stays alive (from
+    the forward's end to its last use). Why: the plain ladder's budget counts a byte of the last
+    block, freed early in the backward, like a byte of the first block, alive to its end, but only
+    the latter sits under every later peak. On a 2-layer Llama the least predicted peak (29.1 MiB)
+    comes at 16 ms of estimated recompute this way, 32 ms on the plain ladder."""
+    steps = len(problem.bwd_background)
+    last: dict[str, int] = {}
+    for v in problem.values.values():
+        if v.storage:
+            last[v.storage] = max(last.get(v.storage, -1), v.last_use)
+    share = {s: max((last.get(s, steps - 1) + 1) / steps, 0.02) for s in problem.storage_bytes}
+    return dataclasses.replace(problem, storage_bytes={s: int(b * share[s])
+                                                      for s, b in problem.storage_bytes.items()})
 
 
 # The ends of a fractional budget's range per graph and options (the least-peak search partitions and
