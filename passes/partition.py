@@ -11,14 +11,19 @@ its first use instead of all at the start (what the peak model assumes).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 
 
 def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_fwd_outputs: int,
-              static_lifetime_input_indices=None, info=None) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times."""
+              static_lifetime_input_indices=None, info=None, for_simulation: bool = False
+              ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times.
+    ``for_simulation``: graphs only to read (recompile_opt.peak), made faster: no Python code is
+    generated for them, so they cannot run."""
     nodes = list(gm.graph.nodes)
     if info is None:
         info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
@@ -27,13 +32,14 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
     saved_values = [n for n in nodes if n.name in saved]
     saved_sym_nodes = [n for n in nodes if ti.is_sym_node(n) and n not in bwd
                        and any(u in bwd or u.name in recomputed for u in n.users)]
-    fw, bw = ti._extract_fwd_bwd_modules(
-        gm, saved_values, saved_sym_nodes=saved_sym_nodes, num_fwd_outputs=num_fwd_outputs,
-        static_lifetime_input_nodes=info.static_lifetime_input_nodes)
-    if replayed:
-        fw, bw = ti.functionalize_rng_ops(gm, fw, bw, len(saved_sym_nodes))
-    bw = ti.reordering_to_mimic_autograd_engine(bw)
-    return ti.raise_getitems(fw), ti.raise_getitems(bw)
+    with ti.no_graph_codegen() if for_simulation else contextlib.nullcontext():
+        fw, bw = ti._extract_fwd_bwd_modules(
+            gm, saved_values, saved_sym_nodes=saved_sym_nodes, num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=info.static_lifetime_input_nodes)
+        if replayed:
+            fw, bw = ti.functionalize_rng_ops(gm, fw, bw, len(saved_sym_nodes))
+        bw = ti.reordering_to_mimic_autograd_engine(bw)
+        return ti.raise_getitems(fw), ti.raise_getitems(bw)
 
 
 def _tag_replayed_random_ops(nodes: list[fx.Node], recomputed: set[str]) -> list[fx.Node]:

@@ -6,6 +6,8 @@ and grouped by the torch module it comes from (pinned: torch 2.13).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._dynamo import config as dynamo_config
 from torch._dynamo.backends.common import aot_autograd
@@ -41,8 +43,21 @@ __all__ = [
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
-    "rng_state_bytes",
+    "rng_state_bytes", "no_graph_codegen",
 ]
+
+
+@contextlib.contextmanager
+def no_graph_codegen():
+    """GraphModules built inside skip their Python code generation (``GraphModule.recompile``): the
+    least-peak search partitions a graph 10-20 times only to read the partitioned graphs' nodes, and
+    codegen was a third of that time. Such modules cannot be called."""
+    saved = torch.fx.GraphModule.recompile
+    torch.fx.GraphModule.recompile = lambda self: None
+    try:
+        yield
+    finally:
+        torch.fx.GraphModule.recompile = saved
 
 
 def concrete_size(x) -> int:

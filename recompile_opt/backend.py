@@ -75,7 +75,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             key = (frozenset(saved), frozenset(recomputed))
             if key not in peaks:
                 fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=num_fwd_outputs,
-                                   static_lifetime_input_indices=static, info=jg.info)
+                                   static_lifetime_input_indices=static, info=jg.info, for_simulation=True)
                 peaks[key] = predict_peak(fw, bw)
             return peaks[key]
 
