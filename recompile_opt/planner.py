@@ -209,7 +209,8 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     """``peak_memory`` judged by the simulated schedule, the peak every plan reports. The ILP's linear
     peak rows over-estimate it up to 2x (they cannot see Inductor's fusion), so they would refuse
     limits that plans meet; instead walk kept-byte levels from the byte budget down and take the
-    first plan whose simulated peak fits: the least recompute among the levels tried."""
+    first plan whose simulated peak fits: the least recompute among the levels tried. When none
+    fits, the least-peak search (the 0.0 end of a fractional budget) is the last try."""
     kw = {**kw, "peak": None}
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
@@ -223,6 +224,17 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
         if peak <= options.peak_memory:
             notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: the least-recompute plan whose "
                          f"simulated peak fits ({fmt_bytes(peak)}), over kept-byte levels")
+            return sol, _solver_info(options, sol), budget, min_bytes
+        if best is None or peak < best[0]:
+            best = (peak, sol)
+    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
+    _, sol = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, [])
+    if sol is not None and (budget is None or problem.kept_bytes(*problem.needed_closure(
+            sol.recompute, sol.keep)) <= budget):
+        peak = simulate(*problem.needed_closure(sol.recompute, sol.keep))
+        if peak <= options.peak_memory:
+            notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: no kept-byte level fits; the "
+                         f"least-peak plan does ({fmt_bytes(peak)})")
             return sol, _solver_info(options, sol), budget, min_bytes
         if best is None or peak < best[0]:
             best = (peak, sol)
