@@ -152,13 +152,32 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
         needed=bool(bwd_uses),
         can_save=is_tensor,
-        can_recompute=not (is_primal or node.op == "get_attr" or impure or ti.is_collective_op(target)),
+        can_recompute=not (is_primal or node.op == "get_attr" or impure or ti.is_collective_op(target)
+                           or _upcasts_low_precision(node)),
         in_forward=node in jg.required_fw or is_primal,
         random=node.op == "call_function" and ti.is_random_op(target),
         recompute_s=cost.seconds, flops=cost.flops,
         first_use=min(bwd_uses, default=len(jg.bwd_nodes)), last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _upcasts_low_precision(node: fx.Node) -> bool:
+    """Mixed-precision arithmetic: an op that reads a computed bf16/fp16 float and a wider float and
+    makes the wider one (under autocast: the fp32 residual add of a bf16 projection; an upcast, or a
+    bf16 parameter times an fp32 value, is not one). Kept, never recomputed: Inductor can fuse the producer's rounding away
+    in the forward (its bias add done in fp32) while a recompute reads the rounded kept value, so the
+    backward would see a different value than the forward made (measured: gradients off by 2e-2 on a
+    tiny GPT under bf16 autocast through Inductor; exact with the eager compiler)."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dtype in _LOW_PRECISION:
+        return False
+    tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    low = [a for a in tensors if a.meta["val"].dtype in _LOW_PRECISION and base_of(a).op == "call_function"]
+    return bool(low) and any(a.meta["val"].dtype == out.dtype for a in tensors)
 
 
 def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:

@@ -80,10 +80,13 @@ def test_autocast_bf16_gradients_and_real_sizes(budget):
 
 
 @pytest.mark.slow
-def test_autocast_bf16_through_inductor():
-    """Through Inductor's code generation (here it agrees with eager autocast to about 1e-8; the bf16
-    tolerance leaves room for kernels that round differently)."""
-    _train_autocast_side_by_side({"memory_budget": 0.5}, **BF16_TOL)
+@pytest.mark.parametrize("budget", [0.5, 0.0])
+def test_autocast_bf16_through_inductor(budget):
+    """Through Inductor's code generation (within 1.2e-4 of eager autocast; the bf16 tolerance leaves
+    room for kernels that round differently). A recomputed fp32 residual add of a bf16 projection was
+    off by 2e-2 here (Inductor rounds the projection differently in the forward than the kept copy the
+    recompute reads): such upcasts are kept (passes/joint_graph.py, _upcasts_low_precision)."""
+    _train_autocast_side_by_side({"memory_budget": budget}, **BF16_TOL)
     plan = recompile_opt.last_plans()[-1]
     assert any(e.dtype == "bfloat16" and e.bytes > 0 for e in plan.saved), str(plan)
     assert plan.saved_bytes <= plan.budget_bytes
