@@ -34,8 +34,8 @@ PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 LIFETIME_LADDER = (0.1, 0.15, 0.2, 0.25)
 # The lowest-peak levels found get probes this far on either side (a quarter of a ladder step).
 PEAK_PROBES, PEAK_PROBE_STEP = 2, 0.0125
-# Predicted peaks this close are ties (the simulation is within about 4% of the measured peak); a tie
-# goes to the plan that recomputes less.
+# Predicted peaks this close are ties, and a tie goes to the plan that recomputes less. 0.0 means the
+# least memory, so the tie only absorbs near-equal predictions (it was 5%, which traded peak for speed).
 PEAK_TIE = 0.02
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
