@@ -215,26 +215,26 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
     top = baseline if budget is None else min(budget, baseline)
+
+    def tries():
+        for f in PEAK_SEARCH:
+            yield (_solve(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, []),
+                   "the least-recompute plan whose simulated peak fits ({}), over kept-byte levels")
+        # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
+        sol = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, [])[1]
+        if sol is not None:
+            yield sol, "no kept-byte level fits; the least-peak plan does ({})"
+
     best = None
-    for f in PEAK_SEARCH:
-        sol = _solve(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, [])
+    for sol, why in tries():
         if sol.status not in ("optimal", "feasible"):
             continue
-        peak = simulate(*problem.needed_closure(sol.recompute, sol.keep))
+        saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
+        if budget is not None and problem.kept_bytes(saved, recomputed) > budget:
+            continue
+        peak = simulate(saved, recomputed)
         if peak <= options.peak_memory:
-            notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: the least-recompute plan whose "
-                         f"simulated peak fits ({fmt_bytes(peak)}), over kept-byte levels")
-            return sol, _solver_info(options, sol), budget, min_bytes
-        if best is None or peak < best[0]:
-            best = (peak, sol)
-    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
-    _, sol = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, [])
-    if sol is not None and (budget is None or problem.kept_bytes(*problem.needed_closure(
-            sol.recompute, sol.keep)) <= budget):
-        peak = simulate(*problem.needed_closure(sol.recompute, sol.keep))
-        if peak <= options.peak_memory:
-            notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: no kept-byte level fits; the "
-                         f"least-peak plan does ({fmt_bytes(peak)})")
+            notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: " + why.format(fmt_bytes(peak)))
             return sol, _solver_info(options, sol), budget, min_bytes
         if best is None or peak < best[0]:
             best = (peak, sol)
