@@ -16,6 +16,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
                                      tensor_bytes)
+from recompile_opt.kernels import consumers
 from recompile_opt.peak import materialised, sweep
 from recompile_opt.policies import block_of
 from recompile_opt.problem import Problem, Value
@@ -168,10 +169,11 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def _upcasts_low_precision(node: fx.Node) -> bool:
     """Mixed-precision arithmetic: an op that reads a computed bf16/fp16 float and a wider float and
     makes the wider one (under autocast: the fp32 residual add of a bf16 projection; an upcast, or a
-    bf16 parameter times an fp32 value, is not one). Kept, never recomputed: Inductor can fuse the producer's rounding away
-    in the forward (its bias add done in fp32) while a recompute reads the rounded kept value, so the
-    backward would see a different value than the forward made (measured: gradients off by 2e-2 on a
-    tiny GPT under bf16 autocast through Inductor; exact with the eager compiler)."""
+    bf16 parameter times an fp32 value, is not one). Kept, never recomputed: Inductor can fuse the
+    producer's rounding away in the forward (its bias add done in fp32) while a recompute reads the
+    rounded kept value, so the backward would see a different value than the forward made (measured:
+    gradients off by 2e-2 on a tiny GPT under bf16 autocast through Inductor; exact with the eager
+    compiler)."""
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dtype in _LOW_PRECISION:
         return False
@@ -185,16 +187,8 @@ def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:
     kernel. One that a backward matmul reads (a GELU output for the weight gradient) is written out."""
     if not is_fusible_pointwise(node):
         return False
-    readers = [u for u in _consumers(node) if u in jg.bwd_set]
+    readers = [u for u in consumers(node) if u in jg.bwd_set]
     return all(is_fusible_pointwise(u) for u in readers)
-
-
-def _consumers(node: fx.Node) -> list[fx.Node]:
-    """Users of a buffer, looking through views."""
-    out = []
-    for u in node.users:
-        out.extend(_consumers(u) if is_view_node(u) else [u])
-    return out
 
 
 def _propagate_first_use(jg: JointGraph, values: dict[str, Value]) -> None:

@@ -149,10 +149,11 @@ def _fuse(compute: list[fx.Node], nodes: list[fx.Node]) -> _Groups:
     return groups
 
 
-def _consumers(node: fx.Node) -> list[fx.Node]:
+def consumers(node: fx.Node) -> list[fx.Node]:
+    """Users of a buffer, looking through views."""
     out = []
     for u in node.users:
-        out.extend(_consumers(u) if is_view_node(u) else [u])
+        out.extend(consumers(u) if is_view_node(u) else [u])
     return out
 
 
@@ -179,7 +180,7 @@ def _kernels(compute: list[fx.Node], groups: _Groups, outs: set[fx.Node]) -> lis
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        if k.extern or n in outs or any(kernel_of.get(c) is not k for c in _consumers(n)):
+        if k.extern or n in outs or any(kernel_of.get(c) is not k for c in consumers(n)):
             k.outputs.append(n)
     for k in kernels:
         k.reads -= set(k.nodes)

@@ -37,6 +37,8 @@ class PeakTrace:
     that was running (``at``: its index; -1 before the first)."""
     start: dict = field(default_factory=dict)  # buffers alive before the first kernel
     at: int = -1
+    kernel: Kernel | None = None  # the kernel at ``at``
+    kernels: int = 0  # kernels in the sweep
     alive: dict = field(default_factory=dict)
     dead: set = field(default_factory=set)  # alive buffers no kernel reads again (pooled for reuse)
 
@@ -54,8 +56,9 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
     the plan recomputes), ``temporaries`` (the backward's other buffers; in the forward, everything
-    not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it tells a user what a lower budget can still remove (kept, recomputed) and what
-    it cannot (gradients, the backward's own working set), i.e. the floor of the peak."""
+    not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it
+    tells a user what a lower budget can still remove (kept, recomputed) and what it cannot
+    (gradients, the backward's own working set), i.e. the floor of the peak."""
     peak, phase, gm, trace = _simulate(fw, bw, traced=True)
     outs = {base_of(a) for a in next(iter(reversed(gm.graph.nodes))).all_input_nodes}
     kinds: dict[str, int] = {}
@@ -64,10 +67,8 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
         kind = "pooled" if buf in trace.dead else _kind(buf, phase, outs, recomputed)
         kinds[kind] = kinds.get(kind, 0) + size
         largest.append((size, buf if isinstance(buf, str) else buf.name, kind))
-    order = schedule(gm)[0]
-    kernel = order[trace.at] if trace.at >= 0 else None
-    return {"phase": phase, "kernel": trace.at, "kernels": len(order),
-            "kernel_ops": sorted({_op(n) for n in kernel.nodes}) if kernel else [],
+    return {"phase": phase, "kernel": trace.at, "kernels": trace.kernels,
+            "kernel_ops": sorted({_op(n) for n in trace.kernel.nodes}) if trace.kernel else [],
             "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "total": peak,
             "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]]}
 
@@ -150,7 +151,7 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
     peak = live
     alive = dict(trace.start) if trace is not None else None
     if trace is not None:
-        trace.alive = dict(alive)
+        trace.alive, trace.kernels = dict(alive), len(order)
     for i, k in enumerate(order):
         made = [n for n in k.outputs if n not in taken]
         live += sum(size.get(n, 0) for n in made)
@@ -158,7 +159,7 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
             alive.update((n, size.get(n, 0)) for n in made)
             alive.update((n, alive.pop(taken[n], 0)) for n in k.outputs if n in taken)
             if live > peak:
-                trace.at, trace.alive = i, dict(alive)
+                trace.at, trace.kernel, trace.alive = i, k, dict(alive)
                 trace.dead = {b for b in alive if b not in made and b not in keep and last.get(b, i) < i}
         peak = max(peak, live)
         live -= sum(size.get(b, 0) for b in free_after.get(i, ()))
