@@ -43,8 +43,27 @@ __all__ = [
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
-    "rng_state_bytes", "no_graph_codegen",
+    "rng_state_bytes", "no_graph_codegen", "allocator_records",
 ]
+
+
+def allocator_records(prof) -> list[tuple[int, int, int, torch.device]]:
+    """``(time_ns, address, signed_bytes, device)`` of every allocator report in a finished
+    ``torch.profiler.profile`` run, in time order. Why the experimental event tree rather than the kineto
+    ``[memory]`` events: only the tree carries the block's address, and the address is what tells a free
+    of a block allocated inside the window from a free of an older block (whose size the CPU allocator
+    may still know from an earlier profiling window, so it is reported)."""
+    from torch._C._profiler import _EventType
+
+    records, stack = [], list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # pre-order, so records with equal times keep the tree's order
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            records.append((node.start_time_ns, f.ptr, f.alloc_size, f.device))
+    records.sort(key=lambda r: r[0])  # stable
+    return records
 
 
 @contextlib.contextmanager

@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from ._torch_internals import allocator_records
+
 __all__ = [
     "SavedTensorsMeter",
     "SavedReport",
@@ -241,36 +243,28 @@ class PeakReport:
     alloc_bytes: int
 
 
-def _device_matches(evt: Any, device: torch.device) -> bool:
-    dev_type = evt.device_type().name  # torch._C._autograd.DeviceType enum member
+def _device_matches(record_device: torch.device, device: torch.device) -> bool:
     if device.type == "cpu":
-        return dev_type in _CPU_LIKE
-    if dev_type.lower() != device.type.lower() and not (
-        device.type == "cuda" and dev_type == "HIP"
-    ):
+        return record_device.type.upper() in _CPU_LIKE
+    if record_device.type != device.type and not (device.type == "cuda" and record_device.type == "hip"):
         return False
-    return device.index is None or evt.device_index() == device.index
+    return device.index is None or record_device.index == device.index
 
 
 def memory_profile(step_fn: Callable[[], Any], device: str | torch.device = "cpu") -> PeakReport:
     """Profile ``step_fn()`` and integrate its allocation/free records in time order.
 
-    Why the raw kineto records: ``prof.events()`` / ``key_averages()`` only
-    attribute memory to the op *enclosing* an allocation and drop many of the
-    standalone ``[memory]`` rows, so the live-bytes curve cannot be rebuilt
-    from them.  ``prof.profiler.kineto_results.events()`` keeps every allocator
-    report as an event named ``[memory]`` whose ``nbytes()`` is positive for an
-    allocation and negative for a free, with ``device_type()`` /
-    ``device_index()`` telling where.  Only allocations on ``device`` count
-    (CPU includes MKLDNN/IDEEP).
+    Why the allocator records (``_torch_internals.allocator_records``): ``prof.events()`` /
+    ``key_averages()`` only attribute memory to the op *enclosing* an allocation and drop many of the
+    standalone ``[memory]`` rows, so the live-bytes curve cannot be rebuilt from them.  Only allocations
+    on ``device`` count (CPU includes MKLDNN/IDEEP).
 
-    Caveat: the CPU allocator cannot report the size of a block allocated
-    before profiling started, so freeing such a block inside ``step_fn`` is
-    *not* recorded (torch warns "Memory block of unknown size ...").  The
-    figure is therefore "peak of bytes allocated during the call and still
-    live"; it equals the true peak above baseline when the call frees nothing
-    that existed before it -- e.g. a training step entered with grads set to
-    ``None`` and no previous graph alive.
+    Only frees of blocks allocated inside the call count: the figure is "peak of bytes allocated during
+    the call and still live", which equals the true peak above baseline when the call frees nothing that
+    existed before it -- e.g. a training step entered with grads set to ``None`` and no previous graph
+    alive.  Why match by address: the CPU allocator reports a free of an older block with its size when
+    an earlier profiling window saw that block (or one at the same address) allocated, and 0 otherwise,
+    so counting every reported free made the figure depend on what ran before.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -280,16 +274,20 @@ def memory_profile(step_fn: Callable[[], Any], device: str | torch.device = "cpu
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=True) as prof:
         step_fn()
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and _device_matches(e, device)]
-    events.sort(key=lambda e: e.start_ns())  # stable: ties keep record order
-    live = peak = allocated = 0
-    for e in events:
-        nbytes = e.nbytes()
+    live = peak = allocated = n_events = 0
+    allocated_here: dict[int, int] = {}  # address -> bytes, for blocks allocated inside the call
+    for _, address, nbytes, where in allocator_records(prof):
+        if not _device_matches(where, device):
+            continue
+        if nbytes > 0:
+            allocated_here[address] = nbytes
+            allocated += nbytes
+        elif nbytes < 0 and allocated_here.pop(address, None) is None:
+            continue  # a block from before the call
         live += nbytes
-        allocated += max(nbytes, 0)
+        n_events += 1
         peak = max(peak, live)
-    return PeakReport(peak_bytes=peak, end_bytes=live, n_events=len(events), alloc_bytes=allocated)
+    return PeakReport(peak_bytes=peak, end_bytes=live, n_events=n_events, alloc_bytes=allocated)
 
 
 def peak_memory(step_fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:

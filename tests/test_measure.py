@@ -165,6 +165,22 @@ def test_peak_memory_ignores_frees_of_older_blocks():
     assert report.end_bytes == 0
 
 
+def test_peak_memory_ignores_frees_of_blocks_an_earlier_profile_sized():
+    # The allocator learns a block's size when a profiling window sees it allocated, and reports its
+    # free with that size later: a block kept from one profiled call and freed in the next must not
+    # count as a free of the second call (it made that call's balance dip to -1 MiB).
+    holder = []
+    memory_profile(lambda: holder.append(torch.empty(N, N)))
+
+    def step():
+        holder.clear()
+        torch.empty(N, N)
+
+    report = memory_profile(step)
+    assert report.peak_bytes == MiB
+    assert report.end_bytes == 0
+
+
 def test_process_high_water_mark_grows():
     before = process_high_water_mark()
     big = torch.ones(64 * N, N)  # 64 MiB touched
