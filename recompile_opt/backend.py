@@ -27,9 +27,10 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt import budget_split
 from recompile_opt.options import Options, parse_options
-from recompile_opt.peak import peak_breakdown, predict_peak
+from recompile_opt.peak import peak_breakdown
 from recompile_opt.plan import Plan
 from recompile_opt.planner import make_plan
+from recompile_opt.simulator import PeakSimulator
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.partition import partition
 
@@ -69,15 +70,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random())
-        peaks: dict[tuple, int] = {}  # the least-peak ladders meet some plans more than once
-
-        def simulate(saved: set, recomputed: set) -> int:
-            key = (frozenset(saved), frozenset(recomputed))
-            if key not in peaks:
-                fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=num_fwd_outputs,
-                                   static_lifetime_input_indices=static, info=jg.info, for_simulation=True)
-                peaks[key] = predict_peak(fw, bw)
-            return peaks[key]
+        simulate = PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
+                                 info=jg.info)
 
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)

@@ -55,10 +55,10 @@ from recompile_opt.api import _empty_outputs
 from recompile_opt.backend import compile_eager, graph_id
 from recompile_opt.options import Options, parse_options
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
-from recompile_opt.passes.partition import partition
 from recompile_opt.peak import predict_peak
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner import make_plan
+from recompile_opt.simulator import PeakSimulator
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -142,15 +142,7 @@ class FrontierPartitioner:
         pristine = _copy(gm.graph)  # our partitions tag random ops; torch's rewrite the graph
         jg = JointGraph(gm, num_fwd_outputs=nfo, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type))
-        peaks: dict[tuple, int] = {}
-
-        def simulate(saved: set, recomputed: set) -> int:
-            key = (frozenset(saved), frozenset(recomputed))
-            if key not in peaks:
-                fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=nfo,
-                                   static_lifetime_input_indices=static)
-                peaks[key] = predict_peak(fw, bw)
-            return peaks[key]
+        simulate = PeakSimulator(gm, num_fwd_outputs=nfo, static_lifetime_input_indices=static, info=jg.info)
 
         def ours(**changes) -> tuple[_Figures, Plan]:
             plan = make_plan(problem, dataclasses.replace(self.options, **changes), graph=graph_id(gm),

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import models
+from recompile_opt import models, planner
+from recompile_opt.options import parse_options
 from recompile_opt.planner import InfeasibleBudget
 
 from helpers import tiny_gpt, train_side_by_side
+from test_ilp import MiB, inp, op, problem
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,27 @@ def test_gradients_equal_eager_under_a_peak_limit(ends):
         plan = train_side_by_side(model, inputs, options={"peak_memory": limit, "compiler": "eager"},
                                   rtol=1e-4, atol=1e-5)
     assert plan.predicted_peak_bytes <= limit
+
+
+class _FakeSimulator:
+    """Peaks by rule, not by partition: 8 MiB, or 6 MiB when ``b`` is kept (as if keeping it let the
+    backward recompute ``a`` after its peak instead of before), plus 1 MiB per other value kept."""
+
+    def __call__(self, saved, recomputed):
+        return (6 + len(saved - {"x", "b"}) if "b" in saved else 8) * MiB
+
+    def recomputed_at_peak(self, saved, recomputed):
+        return sorted(recomputed, reverse=True)
+
+
+def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(monkeypatch):
+    # One ladder level, no probes: the ILP's least-memory plan recomputes a, b and c. Keeping b is no
+    # kept-byte budget's cheapest plan here, so only the refinement around the peak can find it.
+    monkeypatch.setattr(planner, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(planner, "PEAK_PROBES", 0)
+    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
+                    op("c", ["b"], 4, 4), bwd_background=[])
+    plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
+    assert {e.name for e in plan.saved} == {"x", "b"}
+    assert plan.recomputed_names() == {"a", "c"}
+    assert any("kept on top of the ILP's choice, as it lowers the peak: b" in n for n in plan.notes)
