@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,12 +52,18 @@ V101_PATH = os.environ.get("ROCKMATE_101_PATH", "/work/rockmate-venv/rockmate-1.
 
 
 def load_file_module(name: str, path: Path):
-    """Import one of our modules by path: ``recompile_opt/__init__`` pulls the whole
-    package (and its ``passes`` sub-package mapped by pyproject), which the Rockmate
-    venv does not install; models.py and measure.py need only torch."""
-    spec = importlib.util.spec_from_file_location(name, path)
+    """Import one of our modules by path, as ``recompile_opt.<stem>`` of a bare package (our
+    source folder as its path, its ``__init__`` not run): ``recompile_opt/__init__`` pulls the
+    whole package (PuLP, networkx and the ``passes`` sub-package mapped by pyproject), which the
+    Rockmate venv does not install; models.py needs only torch, measure.py torch and our
+    ``_torch_internals`` (found through the bare package). ``name`` is an alias kept in sys.modules."""
+    if "recompile_opt" not in sys.modules:
+        package = types.ModuleType("recompile_opt")
+        package.__path__ = [str(path.parent)]
+        sys.modules["recompile_opt"] = package
+    spec = importlib.util.spec_from_file_location(f"recompile_opt.{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
+    sys.modules[spec.name] = sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 

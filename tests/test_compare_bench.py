@@ -179,3 +179,27 @@ def test_job_lock_keeps_timed_sections_alone(tmp_path):
     timing.release()
     with compare.JobLock("").exclusive():  # --jobs 1: no lock file, nothing to wait for
         pass
+
+
+def test_rockmate_runner_loads_measure_without_our_package():
+    """Rockmate's venv has torch but not recompile_opt (nor PuLP): the runner loads models.py and
+    measure.py by path, and measure.py reaches our _torch_internals through a bare package."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class NotInstalled(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "recompile_opt":
+                    raise ImportError("recompile_opt is not installed here")
+        sys.meta_path.insert(0, NotInstalled())
+        sys.path.insert(0, {str(_PATH.parent)!r})
+        import rockmate_runner, torch
+        measure = rockmate_runner.load_file_module(
+            "ro_measure", rockmate_runner.REPO / "recompile_opt" / "measure.py")
+        print(measure.memory_profile(lambda: torch.empty(1024, 256)).peak_bytes, "pulp" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(MiB), "False"]
