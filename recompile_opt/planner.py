@@ -46,6 +46,7 @@ REFINE_ROUNDS, REFINE_MOVES = 2, 16
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 
+
 class _Candidate(NamedTuple):
     """A plan met by the least-peak search: its predicted peak, recompute time and kept bytes, the ILP
     solution, where it came from (a ladder and level), and the values the refinement kept on top."""
@@ -167,7 +168,9 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     the plain ladder's best plan measured 28.6 MiB; the probe a quarter step beside its second best
     found one that measured 24.8 MiB). This is a search, not a proof of the least peak;
     ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen. Peaks within
-    ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least."""
+    ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least. The best
+    plan is then refined by keeping, one at a time, recomputed values alive at its peak
+    (:func:`_keep_moves`), for up to ``REFINE_ROUNDS`` rounds while the best changes."""
     def candidates_at(points: list[tuple[tuple, float]]) -> list[_Candidate]:
         sols = _solve_many([(prob, red, int(lo + f * (hi - lo))) for (prob, red, lo, hi), f in points], kw)
         out = []
