@@ -201,7 +201,8 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
         if best is previous:
             break
     least = min(c.peak for c in candidates)
-    refined = f"; kept on top of the ILP's choice, as it lowers the peak: {', '.join(best.refined)}"
+    refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
+               f"less): {', '.join(best.refined)}")
     notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
                  f"{fmt_bytes(best.peak)} (keeping less only raises the peak; peaks within "
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
