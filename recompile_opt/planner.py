@@ -191,7 +191,8 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
         return min_bytes, None
     lowest = sorted(candidates, key=lambda c: c.peak)[:PEAK_PROBES]  # the peak is spiky in the level
     candidates += candidates_at([(c.ladder, f) for c in lowest
-                                 for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP) if 0 <= f <= 1])
+                                 for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP)
+                                 if 0 <= f <= 1])
     best = _least_of(candidates)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
     # and its two rounds cost 12 s
