@@ -73,17 +73,17 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
             "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]]}
 
 
-def recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]) -> list[str]:
-    """Names of the recomputed values alive where the predicted peak lies, largest first. Why: a value
-    recomputed early, only because a value needed before the peak is recomputed from it, sits under
-    the peak; keeping one of these instead moves its inputs' recomputation past the peak (the
-    planner's least-peak refinement tries that)."""
-    _, phase, _, trace = _simulate(fw, bw, traced=True)
+def recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]) -> tuple[int, list[str]]:
+    """The predicted peak, and the names of the recomputed values alive where it lies, largest first.
+    Why: a value recomputed early, only because a value needed before the peak is recomputed from it,
+    sits under the peak; keeping one of these instead moves its inputs' recomputation past the peak
+    (the planner's least-peak refinement tries that)."""
+    peak, phase, _, trace = _simulate(fw, bw, traced=True)
     if phase != "backward":
-        return []
+        return peak, []
     alive = [(size, buf.name) for buf, size in trace.alive.items()
              if not isinstance(buf, str) and buf.name in recomputed]
-    return [name for _, name in sorted(alive, reverse=True)]
+    return peak, [name for _, name in sorted(alive, reverse=True)]
 
 
 def _kind(buf, phase: str, outs: set, recomputed: set[str]) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from recompile_opt.peak import predict_peak, recomputed_at_peak
 from recompile_opt.passes.partition import partition
+from recompile_opt.peak import recomputed_at_peak
 
 
 class PeakSimulator:
@@ -21,18 +21,22 @@ class PeakSimulator:
                  info=None):
         self.gm, self.info = gm, info
         self.num_fwd_outputs, self.static = num_fwd_outputs, static_lifetime_input_indices
-        self.peaks: dict[tuple, int] = {}
+        self.results: dict[tuple, tuple[int, list[str]]] = {}
 
     def __call__(self, saved: set, recomputed: set) -> int:
-        key = (frozenset(saved), frozenset(recomputed))
-        if key not in self.peaks:
-            self.peaks[key] = predict_peak(*self._partition(saved, recomputed))
-        return self.peaks[key]
+        return self._simulate(saved, recomputed)[0]
 
     def recomputed_at_peak(self, saved: set, recomputed: set) -> list[str]:
         """The recomputed values alive where this plan's peak lies, largest first."""
-        return recomputed_at_peak(*self._partition(saved, recomputed), recomputed)
+        return self._simulate(saved, recomputed)[1]
 
-    def _partition(self, saved: set, recomputed: set):
-        return partition(self.gm, saved=saved, recomputed=recomputed, num_fwd_outputs=self.num_fwd_outputs,
-                         static_lifetime_input_indices=self.static, info=self.info, for_simulation=True)
+    def _simulate(self, saved: set, recomputed: set) -> tuple[int, list[str]]:
+        """Partitioned and simulated once per plan, whichever search asks (the peak traced, so the
+        refinement's question costs nothing more)."""
+        key = (frozenset(saved), frozenset(recomputed))
+        if key not in self.results:
+            graphs = partition(self.gm, saved=saved, recomputed=recomputed,
+                               num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
+                               info=self.info, for_simulation=True)
+            self.results[key] = recomputed_at_peak(*graphs, recomputed)
+        return self.results[key]

@@ -86,3 +86,29 @@ def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(mon
     assert plan.recomputed_names() == {"a", "c"}
     assert any("kept on top of the ILP's choice, alive at its peak" in n and n.endswith(": b)")
                for n in plan.notes)
+
+
+class _FlatSimulator:
+    """Every plan peaks at 8 MiB; ``at_peak`` names the recomputed values the refinement may keep."""
+
+    def __init__(self, at_peak):
+        self.at_peak = at_peak
+
+    def __call__(self, saved, recomputed):
+        return 8 * MiB
+
+    def recomputed_at_peak(self, saved, recomputed):
+        return [n for n in self.at_peak if n in recomputed]
+
+
+@pytest.mark.parametrize(("at_peak", "kept"), [(["b"], set()), (["a"], {"a"})], ids=["tiny-gain", "real-gain"])
+def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(monkeypatch, at_peak, kept):
+    # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
+    # keeping a is worth its bytes and keeping b is not
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # the same problem under another simulator
+    monkeypatch.setattr(planner, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(planner, "PEAK_PROBES", 0)
+    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
+                    op("c", ["b"], 4, 4), bwd_background=[])
+    plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
+    assert {e.name for e in plan.saved} == {"x"} | kept
