@@ -89,6 +89,7 @@ import importlib
 import json
 import math
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -504,6 +505,14 @@ class JobLock:
             self._flock("LOCK_UN")
 
 
+def kernels_built() -> int | None:
+    """Shared objects in this worker's Inductor cache: one per C++ kernel module it compiled (on the
+    CPU each takes ~1 s of a cold compile with one compile thread, the bulk of it), so a plan that
+    recomputes in the backward shows here what its extra kernels cost. None without a private cache."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return sum(1 for _ in pathlib.Path(cache).rglob("*.so")) if cache else None
+
+
 def run_worker(name: str, args) -> dict:
     """Run one strategy; fill ``out`` stage by stage so a failure keeps partial figures."""
     out: dict = {"strategy": name}
@@ -539,9 +548,12 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
         torch._inductor.config.post_grad_custom_post_pass = _graph_flops_pass()
     fwd_bwd, train_step = make_steps(model, fn, idx, tgt)
 
+    built = kernels_built()
     t0 = time.perf_counter()
     fwd_bwd()  # the cold call: trace + compile forward and backward
     out["first_step_s"] = time.perf_counter() - t0
+    if built is not None:
+        out["kernels_built"] = kernels_built() - built
     out["max_grad_diff"] = grad_diff(model, ref)
     graphs = out["graphs"] = graph_count()
     if compiled:
@@ -729,6 +741,9 @@ def aggregate(name: str, runs: list[dict]) -> dict:
                loadavg_1m=max(r.get("loadavg_1m", 0.0) for r in ok))
     if cold:
         row.update(compile_s=_median(cold), compile_s_min=min(cold), compile_s_max=max(cold))
+    built = [r["kernels_built"] for r in ok if r.get("cache", "cold") == "cold" and "kernels_built" in r]
+    if built:
+        row["kernels_built"] = _median(built)
     if warm:
         row["warm_first_s"] = _median(warm)
     for key in ("saved_bytes", "peak_bytes", "rss_rise_bytes", "recompute_flops", "plan_saved_bytes",
@@ -773,7 +788,8 @@ def _notes(row: dict, cpus: int | None = None) -> str:
 
 # (header, kind) -- kind is what the legend says: measured, counted or estimated
 COLUMNS = [("strategy", ""), ("step ms median", "M"), ("step ms min–max", "M"),
-           ("compile s cold (min–max)", "M"), ("first step s warm", "M"), ("saved MiB", "M"),
+           ("compile s cold (min–max)", "M"), ("kernels built cold", "M"), ("first step s warm", "M"),
+           ("saved MiB", "M"),
            ("peak MiB", "M"), ("RSS rise MiB", "M"), ("max abs dgrad", "M"),
            ("recompute GFLOP", "C"), ("plan saved MiB", "E"), ("plan peak MiB", "E"),
            ("plan recompute GFLOP", "E"), ("notes", "")]
@@ -783,7 +799,8 @@ Columns: **M** measured in the worker process; **C** counted (FLOP formulas of
 backward graphs from an Inductor post-grad pass), minus eager's save-all backward; **E** our
 planner's estimates (`recompile_opt.last_plans()`). Step = forward + backward + SGD, median of the
 processes' medians, min–max over every timed step. Compile = first forward+backward with an empty
-Inductor cache; "warm" = later rounds, cache reused. Peak = forward + backward from grads `None`,
+Inductor cache; "warm" = later rounds, cache reused; kernels built = C++ kernel modules that cold
+compile produced (shared objects in its private cache). Peak = forward + backward from grads `None`,
 integrated from the profiler's allocation records; RSS rise = resident high-water mark of another
 such call minus the resident size before it (a cross-check: lower where the C allocator reuses
 memory it kept). Saved = `saved_tensors_hooks`, storages deduplicated, parameters excluded."""
@@ -800,6 +817,7 @@ def markdown_table(rows: list[dict], cpus: int | None = None) -> str:
                  f"{r['step_ms']:.1f}" if ok else "—",
                  f"{r['step_ms_min']:.1f}–{r['step_ms_max']:.1f}" if ok else "—",
                  compile_s,
+                 f"{r['kernels_built']:g}" if "kernels_built" in r else "—",
                  f"{r['warm_first_s']:.1f}" if "warm_first_s" in r else "—",
                  _mib(r.get("saved_bytes")), _mib(r.get("peak_bytes")), _mib(r.get("rss_rise_bytes")),
                  f"{r['max_grad_diff']:.1e}" if ok else "—",
@@ -906,8 +924,8 @@ def pareto_markdown(rows: list[dict], check: dict) -> str:
 
 
 CSV_KEYS = ["model", "size", "strategy", "processes", "step_ms", "step_ms_min", "step_ms_max",
-            "compile_s", "compile_s_min", "compile_s_max", "warm_first_s", "saved_bytes", "peak_bytes",
-            "rss_rise_bytes", "max_grad_diff", "recompute_flops", "plan_saved_bytes",
+            "compile_s", "compile_s_min", "compile_s_max", "kernels_built", "warm_first_s", "saved_bytes",
+            "peak_bytes", "rss_rise_bytes", "max_grad_diff", "recompute_flops", "plan_saved_bytes",
             "plan_predicted_peak_bytes", "plan_recompute_flops", "rss_hwm_bytes", "graphs",
             "recompiles", "loadavg_1m", "error"]
 

@@ -30,15 +30,16 @@ def point(name, step_ms, peak_mib):
 
 
 def test_aggregate_medians_spread_and_cold_warm_compile():
-    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9),
-            run("ours-0.5", 120, 30, rnd=2, cache="warm"),
-            run("ours-0.5", 110, 30, rnd=3, cache="warm")]
+    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9, kernels_built=30),
+            run("ours-0.5", 120, 30, rnd=2, cache="warm", kernels_built=0),
+            run("ours-0.5", 110, 30, rnd=3, cache="warm", kernels_built=0)]
     runs[1]["step_s"] = [0.09, 0.12, 0.15]
     row = compare.aggregate("ours-0.5", runs)
     assert row["processes"] == 3
     assert row["step_ms"] == pytest.approx(110)  # median of the process medians
     assert (row["step_ms_min"], row["step_ms_max"]) == (pytest.approx(90), pytest.approx(150))
     assert row["compile_s"] == 60.0 and row["warm_first_s"] == 5.0  # compile time from the cold run only
+    assert row["kernels_built"] == 30  # and the kernels it built (the warm runs built none)
     assert row["recompute_flops"] == 2e9  # counted in round 1 only (warm caches skip the pass)
     assert "notes" not in row
 
@@ -146,7 +147,7 @@ def test_tiny_run_through_main(tmp_path, capsys):
     rows = {r["strategy"]: r for r in group["rows"]}
     for name, row in rows.items():
         assert "error" not in row, (name, row)
-        for key in ("step_ms", "compile_s", "saved_bytes", "peak_bytes", "max_grad_diff"):
+        for key in ("step_ms", "compile_s", "saved_bytes", "peak_bytes", "max_grad_diff", "kernels_built"):
             assert row[key] is not None, (name, key)
         assert row["max_grad_diff"] < 1e-5
     # selective recompute reruns QK^T, 2 (b heads) s^2 d FLOPs; checkpoint's early stop skips @V,
