@@ -79,7 +79,8 @@ def _reorder_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     first = min((u for n in nodes if ti._is_tangent(n) for u in n.users), key=order.__getitem__, default=None)
     if first is None:
         return gm
-    placed = set(graph.find_nodes(op="placeholder"))
+    inputs = graph.find_nodes(op="placeholder")
+    placed = set(inputs)
     new_order: list[fx.Node] = []
 
     def place(node: fx.Node) -> None:
@@ -100,7 +101,7 @@ def _reorder_in_place(gm: fx.GraphModule) -> fx.GraphModule:
     for n in reversed(nodes):  # what torch's copy leaves out: feeds nothing the backward runs
         if n not in placed:
             graph.erase_node(n)
-    cursor = list(graph.find_nodes(op="placeholder"))[-1]
+    cursor = inputs[-1]
     for n in new_order:
         cursor.append(n)
         cursor = n

@@ -43,8 +43,8 @@ from torch.utils.flop_counter import flop_registry
 __all__ = [
     "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
-    "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state", "_is_bwd_seed_offset",
-    "_is_fwd_seed_offset",
+    "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state",
+    "_is_bwd_seed_offset", "_is_fwd_seed_offset",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
     "dynamo_config", "flop_registry", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",

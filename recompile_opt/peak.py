@@ -73,7 +73,8 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
             "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]]}
 
 
-def recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]) -> tuple[int, list[str]]:
+def peak_and_recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]
+                                 ) -> tuple[int, list[str]]:
     """The predicted peak, and the names of the recomputed values alive where it lies, largest first.
     Why: a value recomputed early, only because a value needed before the peak is recomputed from it,
     sits under the peak; keeping one of these instead moves its inputs' recomputation past the peak

@@ -201,10 +201,10 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     # and its two rounds cost 12 s
     for _ in range(REFINE_ROUNDS if reduction is None else 0):  # keep what only feeds an earlier recompute
         candidates += _keep_moves(problem, best, simulate)
-        refined = _least_of(candidates)
-        if not _improves(refined, best):
+        candidate = _least_of(candidates)
+        if not _improves(candidate, best):
             break
-        best = refined
+        best = candidate
     least = min(c.peak for c in candidates)
     refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
                f"less): {', '.join(best.refined)}")

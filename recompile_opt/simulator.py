@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from recompile_opt.passes.partition import partition
-from recompile_opt.peak import recomputed_at_peak
+from recompile_opt.peak import peak_and_recomputed_at_peak
 
 
 class PeakSimulator:
@@ -38,5 +38,5 @@ class PeakSimulator:
             graphs = partition(self.gm, saved=saved, recomputed=recomputed,
                                num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
                                info=self.info, for_simulation=True)
-            self.results[key] = recomputed_at_peak(*graphs, recomputed)
+            self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
         return self.results[key]

@@ -101,7 +101,8 @@ class _FlatSimulator:
         return [n for n in self.at_peak if n in recomputed]
 
 
-@pytest.mark.parametrize(("at_peak", "kept"), [(["b"], set()), (["a"], {"a"})], ids=["tiny-gain", "real-gain"])
+@pytest.mark.parametrize(("at_peak", "kept"), [(["b"], set()), (["a"], {"a"})],
+                         ids=["tiny-gain", "real-gain"])
 def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(monkeypatch, at_peak, kept):
     # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
     # keeping a is worth its bytes and keeping b is not
