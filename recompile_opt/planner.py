@@ -12,7 +12,7 @@ import hashlib
 import logging
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 from recompile_opt import ilp
@@ -174,38 +174,48 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     plan is then refined by keeping, one at a time, recomputed values alive at its peak
     (:func:`_keep_moves`), for up to ``REFINE_ROUNDS`` rounds while a move lowers the peak or cuts
     the recompute by ``REFINE_MIN_GAIN``."""
-    def candidates_at(points: list[tuple[tuple, float]]) -> list[_Candidate]:
-        sols = _solve_many([(prob, red, int(lo + f * (hi - lo))) for (prob, red, lo, hi), f in points], kw)
-        out = []
-        for (ladder, f), sol in zip(points, sols):
-            if sol.status in ("optimal", "feasible"):
-                saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-                out.append(_Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                                      problem.kept_bytes(saved, recomputed), sol, ladder, f))
-        return out
+    with ThreadPoolExecutor(max_workers=ILP_THREADS) as pool:
+        def solving(points: list[tuple[tuple, float]]) -> list[Future]:
+            return [pool.submit(_solve, prob, red, int(lo + f * (hi - lo)), kw, [])
+                    for (prob, red, lo, hi), f in points]
 
-    ladders = [((problem, reduction, min_bytes, baseline), PEAK_LADDER)]
-    if reduction is None and problem.bwd_background:  # deep stacks: one ladder (compile time)
-        weighted = _lifetime_weighted(problem)
-        top = weighted.kept_bytes(weighted.needed_closure(set())[0])
-        ladders.append(((weighted, None, _least_bytes(weighted, None, kw), top), LIFETIME_LADDER))
-    candidates = candidates_at([(ladder, f) for ladder, levels in ladders for f in levels])
-    if not candidates:
-        return min_bytes, None
-    lowest = sorted(candidates, key=lambda c: c.peak)[:PEAK_PROBES]  # the peak is spiky in the level
-    candidates += candidates_at([(c.ladder, f) for c in lowest
-                                 for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP)
-                                 if 0 <= f <= 1])
-    best = _least_of(candidates)
+        def candidates(points: list[tuple[tuple, float]], futures: list[Future]) -> list[_Candidate]:
+            out = []
+            for (ladder, f), future in zip(points, futures):  # simulate each while later ones solve
+                sol = future.result()
+                if sol.status in ("optimal", "feasible"):
+                    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
+                    out.append(_Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed),
+                                          problem.kept_bytes(saved, recomputed), sol, ladder, f))
+            return out
+
+        points = [((problem, reduction, min_bytes, baseline), f) for f in PEAK_LADDER]
+        if reduction is None and problem.bwd_background:  # deep stacks: one ladder (compile time)
+            weighted = _lifetime_weighted(problem)
+            top = weighted.kept_bytes(weighted.needed_closure(set())[0])
+            least = pool.submit(_least_bytes, weighted, None, kw)
+            futures = solving(points)
+            more = [((weighted, None, least.result(), top), f) for f in LIFETIME_LADDER]
+            points, futures = points + more, futures + solving(more)
+        else:
+            futures = solving(points)
+        found = candidates(points, futures)
+        if not found:
+            return min_bytes, None
+        lowest = sorted(found, key=lambda c: c.peak)[:PEAK_PROBES]  # the peak is spiky in the level
+        probes = [(c.ladder, f) for c in lowest
+                  for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP) if 0 <= f <= 1]
+        found += candidates(probes, solving(probes))
+    best = _least_of(found)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
     # and its two rounds cost 12 s
     for _ in range(REFINE_ROUNDS if reduction is None else 0):  # keep what only feeds an earlier recompute
-        candidates += _keep_moves(problem, best, simulate)
-        candidate = _least_of(candidates)
+        found += _keep_moves(problem, best, simulate)
+        candidate = _least_of(found)
         if not _improves(candidate, best):
             break
         best = candidate
-    least = min(c.peak for c in candidates)
+    least = min(c.peak for c in found)
     refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
                f"less): {', '.join(best.refined)}")
     notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
@@ -213,14 +223,6 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
                  "recomputes least is taken" + (refined if best.refined else "") + ")")
     return best.kept, best.sol
-
-
-def _solve_many(jobs: list[tuple[Problem, BlockReduction | None, int]], kw: dict) -> list[ilp.Solution]:
-    """``_solve`` for each (problem, reduction, budget), ILP_THREADS at a time. Why threads: the
-    least-peak ladder's solves are independent and HiGHS releases the GIL while it runs (measured:
-    11 ladder solves of a 2-layer GPT, 1.80 s in turn, 0.93 s on 2 threads, the same plans)."""
-    with ThreadPoolExecutor(max_workers=ILP_THREADS) as pool:
-        return list(pool.map(lambda job: _solve(*job, kw, []), jobs))
 
 
 def _least_of(candidates: list[_Candidate]) -> _Candidate:
