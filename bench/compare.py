@@ -408,6 +408,7 @@ def plan_figures() -> dict:
     return {"plan_saved_bytes": sum(p.saved_bytes for p in plans),
             "plan_recompute_flops": sum(p.recompute_flops for p in plans),
             "plan_predicted_peak_bytes": max(p.predicted_peak_bytes for p in plans),
+            "plan_s": sum(p.solver.get("plan_s", 0.0) for p in plans),
             "plans": len(plans)}
 
 
@@ -532,6 +533,7 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
 
     import torch
     from recompile_opt import measure
+    from recompile_opt._torch_internals import cpp_build_timer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -550,8 +552,10 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
 
     built = kernels_built()
     t0 = time.perf_counter()
-    fwd_bwd()  # the cold call: trace + compile forward and backward
+    with cpp_build_timer() as builds:
+        fwd_bwd()  # the cold call: trace + compile forward and backward
     out["first_step_s"] = time.perf_counter() - t0
+    out["kernel_build_s"] = builds["s"]
     if built is not None:
         out["kernels_built"] = kernels_built() - built
     out["max_grad_diff"] = grad_diff(model, ref)
@@ -741,9 +745,10 @@ def aggregate(name: str, runs: list[dict]) -> dict:
                loadavg_1m=max(r.get("loadavg_1m", 0.0) for r in ok))
     if cold:
         row.update(compile_s=_median(cold), compile_s_min=min(cold), compile_s_max=max(cold))
-    built = [r["kernels_built"] for r in ok if r.get("cache", "cold") == "cold" and "kernels_built" in r]
-    if built:
-        row["kernels_built"] = _median(built)
+    for key in ("kernels_built", "kernel_build_s", "plan_s"):  # what a cold compile spent, and on what
+        vals = [r[key] for r in ok if r.get("cache", "cold") == "cold" and r.get(key) is not None]
+        if vals:
+            row[key] = _median(vals)
     if warm:
         row["warm_first_s"] = _median(warm)
     for key in ("saved_bytes", "peak_bytes", "rss_rise_bytes", "recompute_flops", "plan_saved_bytes",
@@ -788,7 +793,8 @@ def _notes(row: dict, cpus: int | None = None) -> str:
 
 # (header, kind) -- kind is what the legend says: measured, counted or estimated
 COLUMNS = [("strategy", ""), ("step ms median", "M"), ("step ms min–max", "M"),
-           ("compile s cold (min–max)", "M"), ("kernels built cold", "M"), ("first step s warm", "M"),
+           ("compile s cold (min–max)", "M"), ("of it C++ builds s", "M"), ("of it planning s", "M"),
+           ("kernels built cold", "M"), ("first step s warm", "M"),
            ("saved MiB", "M"),
            ("peak MiB", "M"), ("RSS rise MiB", "M"), ("max abs dgrad", "M"),
            ("recompute GFLOP", "C"), ("plan saved MiB", "E"), ("plan peak MiB", "E"),
@@ -799,8 +805,10 @@ Columns: **M** measured in the worker process; **C** counted (FLOP formulas of
 backward graphs from an Inductor post-grad pass), minus eager's save-all backward; **E** our
 planner's estimates (`recompile_opt.last_plans()`). Step = forward + backward + SGD, median of the
 processes' medians, min–max over every timed step. Compile = first forward+backward with an empty
-Inductor cache; "warm" = later rounds, cache reused; kernels built = C++ kernel modules that cold
-compile produced (shared objects in its private cache). Peak = forward + backward from grads `None`,
+Inductor cache; "warm" = later rounds, cache reused; of it C++ builds = wall time during which
+Inductor's C++ compiler ran in that cold compile; of it planning = our partitioner's wall time (cost
+model, least-peak search, partition; `plan.solver["plan_s"]`); kernels built = C++ kernel modules
+that cold compile produced (shared objects in its private cache). Peak = forward + backward from grads `None`,
 integrated from the profiler's allocation records; RSS rise = resident high-water mark of another
 such call minus the resident size before it (a cross-check: lower where the C allocator reuses
 memory it kept). Saved = `saved_tensors_hooks`, storages deduplicated, parameters excluded."""
@@ -817,6 +825,8 @@ def markdown_table(rows: list[dict], cpus: int | None = None) -> str:
                  f"{r['step_ms']:.1f}" if ok else "—",
                  f"{r['step_ms_min']:.1f}–{r['step_ms_max']:.1f}" if ok else "—",
                  compile_s,
+                 f"{r['kernel_build_s']:.1f}" if "kernel_build_s" in r else "—",
+                 f"{r['plan_s']:.1f}" if "plan_s" in r else "—",
                  f"{r['kernels_built']:g}" if "kernels_built" in r else "—",
                  f"{r['warm_first_s']:.1f}" if "warm_first_s" in r else "—",
                  _mib(r.get("saved_bytes")), _mib(r.get("peak_bytes")), _mib(r.get("rss_rise_bytes")),
@@ -924,9 +934,9 @@ def pareto_markdown(rows: list[dict], check: dict) -> str:
 
 
 CSV_KEYS = ["model", "size", "strategy", "processes", "step_ms", "step_ms_min", "step_ms_max",
-            "compile_s", "compile_s_min", "compile_s_max", "kernels_built", "warm_first_s", "saved_bytes",
-            "peak_bytes", "rss_rise_bytes", "max_grad_diff", "recompute_flops", "plan_saved_bytes",
-            "plan_predicted_peak_bytes", "plan_recompute_flops", "rss_hwm_bytes", "graphs",
+            "compile_s", "compile_s_min", "compile_s_max", "kernel_build_s", "plan_s", "kernels_built",
+            "warm_first_s", "saved_bytes", "peak_bytes", "rss_rise_bytes", "max_grad_diff", "recompute_flops",
+            "plan_saved_bytes", "plan_predicted_peak_bytes", "plan_recompute_flops", "rss_hwm_bytes", "graphs",
             "recompiles", "loadavg_1m", "error"]
 
 

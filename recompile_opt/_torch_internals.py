@@ -7,6 +7,8 @@ and grouped by the torch module it comes from (pinned: torch 2.13).
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import torch
 from torch._dynamo import config as dynamo_config
@@ -30,6 +32,7 @@ from torch._functorch.partitioners import (
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
+from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
@@ -50,7 +53,7 @@ __all__ = [
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
-    "rng_state_bytes", "no_graph_codegen", "allocator_records",
+    "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer",
 ]
 
 
@@ -71,6 +74,37 @@ def allocator_records(prof) -> list[tuple[int, int, int, torch.device]]:
             records.append((node.start_time_ns, f.ptr, f.alloc_size, f.device))
     records.sort(key=lambda r: r[0])  # stable
     return records
+
+
+@contextlib.contextmanager
+def cpp_build_timer():
+    """Yields ``{"builds": n, "s": seconds}``, filled in as the block runs: Inductor's in-process calls of
+    the C++ compiler (``CppBuilder.build``) and the wall time during which at least one ran. Why: on
+    the CPU a cold compile is mostly these builds (about 1.3 s per kernel module with one compile
+    thread), so the bench shows how much of a compile is kernels and how much is ours. Builds in
+    compile worker processes (``TORCHINDUCTOR_COMPILE_THREADS`` > 1) are not seen."""
+    stats, lock, running, since = {"builds": 0, "s": 0.0}, threading.Lock(), [0], [0.0]
+    original = CppBuilder.build
+
+    def build(self):
+        with lock:
+            if not running[0]:
+                since[0] = time.perf_counter()
+            running[0] += 1
+            stats["builds"] += 1
+        try:
+            return original(self)
+        finally:
+            with lock:
+                running[0] -= 1
+                if not running[0]:
+                    stats["s"] += time.perf_counter() - since[0]
+
+    CppBuilder.build = build
+    try:
+        yield stats
+    finally:
+        CppBuilder.build = original
 
 
 @contextlib.contextmanager

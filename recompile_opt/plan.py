@@ -45,7 +45,9 @@ class Plan:
     predicted_peak_bytes: int
     # where the predicted peak lies and what is alive there, by kind (recompile_opt.peak.peak_breakdown)
     peak_breakdown: dict = field(default_factory=dict)
-    solver: dict = field(default_factory=dict)  # name, status, solve_s, gap, n_vars, n_constraints
+    # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
+    # the graph (cost model, every solve and simulation of the search, partition), when compiled
+    solver: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
 
@@ -95,7 +97,8 @@ class Plan:
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
-            + f" ({self.solver.get('n_vars', 0)} vars, {self.solver.get('n_constraints', 0)} constraints)",
+            + f" ({self.solver.get('n_vars', 0)} vars, {self.solver.get('n_constraints', 0)} constraints)"
+            + (f"; planning took {self.solver['plan_s']:.2f} s in all" if "plan_s" in self.solver else ""),
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

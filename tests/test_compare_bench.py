@@ -30,9 +30,10 @@ def point(name, step_ms, peak_mib):
 
 
 def test_aggregate_medians_spread_and_cold_warm_compile():
-    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9, kernels_built=30),
-            run("ours-0.5", 120, 30, rnd=2, cache="warm", kernels_built=0),
-            run("ours-0.5", 110, 30, rnd=3, cache="warm", kernels_built=0)]
+    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9, kernels_built=30,
+                kernel_build_s=40.0, plan_s=6.0),
+            run("ours-0.5", 120, 30, rnd=2, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0),
+            run("ours-0.5", 110, 30, rnd=3, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0)]
     runs[1]["step_s"] = [0.09, 0.12, 0.15]
     row = compare.aggregate("ours-0.5", runs)
     assert row["processes"] == 3
@@ -40,6 +41,7 @@ def test_aggregate_medians_spread_and_cold_warm_compile():
     assert (row["step_ms_min"], row["step_ms_max"]) == (pytest.approx(90), pytest.approx(150))
     assert row["compile_s"] == 60.0 and row["warm_first_s"] == 5.0  # compile time from the cold run only
     assert row["kernels_built"] == 30  # and the kernels it built (the warm runs built none)
+    assert (row["kernel_build_s"], row["plan_s"]) == (40.0, 6.0)  # and what its compile spent
     assert row["recompute_flops"] == 2e9  # counted in round 1 only (warm caches skip the pass)
     assert "notes" not in row
 
@@ -155,6 +157,8 @@ def test_tiny_run_through_main(tmp_path, capsys):
     assert rows["eager-selective"]["recompute_flops"] == 2 * (2 * 4) * 16 * 16 * 8
     assert rows["eager-selective"]["saved_bytes"] < 148612  # eager's saved bytes (torch 2.13)
     assert rows["ours-0.5"]["plan_saved_bytes"] > 0 and rows["ours-0.5"]["plan_recompute_flops"] >= 0
+    assert rows["ours-0.5"]["plan_s"] > 0 and "plan_s" not in rows["eager-selective"]
+    assert all(row["kernel_build_s"] == 0.0 for row in rows.values())  # no Inductor: no C++ builds
     assert "recompute_flops" not in rows["ours-0.5"]  # no Inductor post-grad pass with compiler=eager
     assert {e["strategy"] for e in group["pareto"]["ours"]} == {"ours-0.5"}
     report = (tmp_path / "out.md").read_text()
