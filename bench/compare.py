@@ -808,10 +808,10 @@ processes' medians, min–max over every timed step. Compile = first forward+bac
 Inductor cache; "warm" = later rounds, cache reused; of it C++ builds = wall time during which
 Inductor's C++ compiler ran in that cold compile; of it planning = our partitioner's wall time (cost
 model, least-peak search, partition; `plan.solver["plan_s"]`); kernels built = C++ kernel modules
-that cold compile produced (shared objects in its private cache). Peak = forward + backward from grads `None`,
-integrated from the profiler's allocation records; RSS rise = resident high-water mark of another
-such call minus the resident size before it (a cross-check: lower where the C allocator reuses
-memory it kept). Saved = `saved_tensors_hooks`, storages deduplicated, parameters excluded."""
+that cold compile produced (shared objects in its private cache). Peak = forward + backward from
+grads `None`, integrated from the profiler's allocation records; RSS rise = resident high-water mark
+of another such call minus the resident size before it (a cross-check: lower where the C allocator
+reuses memory it kept). Saved = `saved_tensors_hooks`, storages deduplicated, parameters excluded."""
 
 
 def markdown_table(rows: list[dict], cpus: int | None = None) -> str:
