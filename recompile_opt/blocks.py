@@ -60,58 +60,20 @@ def group_sizes(n: int) -> list[int]:
     return sizes + ([rest] if rest > 0 else []) + [1]
 
 
-def identical_blocks(problem: Problem) -> dict[str, list[str]] | None:
-    """Each block's values in graph order, position i of one block matching position i of every other;
-    None unless there are two or more blocks and all are identical."""
+def reduce_blocks(problem: Problem) -> BlockReduction | None:
+    """The reduced problem, or None when there are too few identical blocks to gain from it."""
     block_of = find_blocks(problem)
     blocks: dict[str, list[str]] = {}
     for name, b in block_of.items():
         if b is not None:
             blocks.setdefault(b, []).append(name)
-    if len(blocks) < 2:
+    order = list(blocks)
+    if len(order) < MIN_REPEATS:
         return None
     local = {n: (b, i) for b, names in blocks.items() for i, n in enumerate(names)}
-    sigs = [_signature(problem, names, local) for names in blocks.values()]
-    return blocks if all(s == sigs[0] for s in sigs) else None
-
-
-def plan_alike(problem: Problem, blocks: dict[str, list[str]], source: str, saved: set[str],
-               recomputed: set[str]) -> tuple[set[str], set[str]]:
-    """(recompute, keep) giving every block ``source``'s decisions, and the first block's inputs from
-    outside the blocks (the embedding) the decision the second block's inputs from the first get.
-
-    Why: Inductor fuses a recomputed value with the backward kernels around it, so two blocks planned
-    differently build two sets of kernels, and a first block that recomputes the embedding fuses it
-    into its own. Planned alike, the blocks share their kernels: on the 2-layer bench GPT the
-    least-peak plan built 34 C++ kernel modules, planned alike 27 (plain torch.compile 20)."""
-    order = list(blocks)
-    pos = {n: i for names in blocks.values() for i, n in enumerate(names)}
-    inside = set(pos)
-    src = blocks[source]
-    recompute = {n for n in recomputed if n not in inside}
-    keep = {n for n in saved if n not in inside}
-    for names in blocks.values():
-        recompute |= {n for n, m in zip(names, src) if m in recomputed}
-        keep |= {n for n, m in zip(names, src) if m in saved}
-    first = set(blocks[order[0]])
-    for a, b in zip(blocks[order[0]], blocks[order[1]]):
-        for u, w in zip(problem.values[a].inputs, problem.values[b].inputs):
-            # u: what the first block reads from outside where the second reads w from the first
-            if u not in inside and w in first and w in keep and problem.values[u].can_save:
-                keep.add(u)
-                recompute.discard(u)
-    return recompute, keep
-
-
-def reduce_blocks(problem: Problem) -> BlockReduction | None:
-    """The reduced problem, or None when there are too few identical blocks to gain from it."""
-    blocks = identical_blocks(problem)
-    if blocks is None or len(blocks) < MIN_REPEATS:
-        return None  # too few, or not all identical: solve in full
-    block_of = {n: b for b, names in blocks.items() for n in names}
-    block_of.update({n: None for n in problem.values if n not in block_of})
-    order = list(blocks)
-    local = {n: (b, i) for b, names in blocks.items() for i, n in enumerate(names)}
+    sigs = [_signature(problem, blocks[b], local) for b in order]
+    if any(s != sigs[0] for s in sigs):
+        return None  # not all identical: solve in full
     sizes = group_sizes(len(order))
     groups, start = [], 0
     for k in sizes:

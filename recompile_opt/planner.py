@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
 from recompile_opt import ilp
-from recompile_opt.blocks import BlockReduction, identical_blocks, plan_alike, reduce_blocks
+from recompile_opt.blocks import BlockReduction, reduce_blocks
 from recompile_opt.options import OptionError, Options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.policies import POLICIES, attention_cores
@@ -45,10 +45,6 @@ ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
 REFINE_ROUNDS, REFINE_MOVES = 2, 16
 # A refinement move that keeps the peak must cut the recompute by this share to be taken.
 REFINE_MIN_GAIN = 0.01
-# The least-peak plan with identical blocks planned alike is taken when its peak is at most this far
-# above the least peak found and its recompute this far above the plan's: alike blocks share their
-# kernels (see _plan_alike).
-ALIKE_TIE = 0.05
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 
@@ -63,7 +59,6 @@ class _Candidate(NamedTuple):
     ladder: tuple | None = None
     level: float | None = None
     refined: tuple[str, ...] = ()
-    alike: str | None = None  # the block whose decisions every identical block was given
 
 
 class Simulate(Protocol):
@@ -223,46 +218,11 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     least = min(c.peak for c in found)
     refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
                f"less): {', '.join(best.refined)}")
-    if reduction is None:
-        best = _plan_alike(problem, best, simulate, least)
-    alike = (f"; identical blocks planned alike, as {best.alike} (they share their kernels: a faster "
-             f"compile), {best.peak / least - 1:.1%} above the least peak")
     notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
                  f"{fmt_bytes(best.peak)} (keeping less only raises the peak; peaks within "
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
-                 "recomputes least is taken" + (refined if best.refined else "")
-                 + (alike if best.alike else "") + ")")
+                 "recomputes least is taken" + (refined if best.refined else "") + ")")
     return best.kept, best.sol
-
-
-def _plan_alike(problem: Problem, best: _Candidate, simulate: Simulate, least: int) -> _Candidate:
-    """``best``, or ``best`` with every identical block given one block's decisions (and the first
-    block's input kept like the others'; :func:`recompile_opt.blocks.plan_alike`) when that costs
-    little: a peak within ALIKE_TIE of ``least`` and a recompute within ALIKE_TIE of ``best``'s.
-
-    Why: a cold compile on the CPU is mostly C++ kernel builds, and blocks planned differently build
-    kernels of their own. On the 2-layer bench GPT the least-peak plan recomputed the embedding in the
-    first block and kept norm statistics only in the second; planned alike it predicts 24.55 instead
-    of 23.79 MiB (+3.2%) and builds 27 kernel modules instead of 34 (plain torch.compile: 20), the
-    gap that kept its cold compile above 1.5x plain torch.compile's. Not so on the 2-layer Llama:
-    its least-peak plan recomputes the first block and keeps the second, and planned alike it would
-    recompute 83% more or peak 31% higher."""
-    blocks = identical_blocks(problem)
-    if blocks is None:
-        return best
-    saved, recomputed = problem.needed_closure(best.sol.recompute, best.sol.keep)
-    variants = []
-    for source in blocks:
-        recompute, keep = plan_alike(problem, blocks, source, saved, recomputed)
-        s2, r2 = problem.needed_closure(recompute, keep)
-        if (s2, r2) == (saved, recomputed):
-            return best  # already alike
-        sol = dataclasses.replace(best.sol, recompute=recompute, keep=keep)
-        variants.append(_Candidate(simulate(s2, r2), problem.recompute_seconds(r2), problem.kept_bytes(s2, r2),
-                                   sol, refined=best.refined, alike=source))
-    fits = [c for c in variants if c.peak <= least * (1 + ALIKE_TIE)
-            and c.recompute_s <= best.recompute_s * (1 + ALIKE_TIE)]
-    return min(fits, key=lambda c: (c.peak, c.recompute_s)) if fits else best
 
 
 def _least_of(candidates: list[_Candidate]) -> _Candidate:

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import ilp, models, planner
-from recompile_opt.blocks import identical_blocks, plan_alike
+from recompile_opt import models, planner
 from recompile_opt.options import parse_options
 from recompile_opt.planner import InfeasibleBudget
 
@@ -114,56 +113,3 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
                     op("c", ["b"], 4, 4), bwd_background=[])
     plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
     assert {e.name for e in plan.saved} == {"x"} | kept
-
-
-def two_blocks():
-    """tok -> e (embedding) -> [a0 -> b0] -> [a1 -> b1] -> y: two identical blocks of two ops."""
-    def at(module):
-        return {"info": {"module": module, "op": "mul"}}
-    return problem(inp("tok", 1), op("e", ["tok"], 1, 1, **at("wte")),
-                   op("a0", ["e"], 2, 50, **at("blocks.0")), op("b0", ["a0"], 1, 5, **at("blocks.0")),
-                   op("a1", ["b0"], 2, 50, **at("blocks.1")), op("b1", ["a1"], 1, 5, **at("blocks.1")),
-                   op("y", ["b1"], 1, 1, **at("head")), bwd_background=[])
-
-
-def test_blocks_planned_alike_take_one_blocks_decisions_and_keep_the_first_blocks_input():
-    p = two_blocks()
-    blocks = identical_blocks(p)
-    assert blocks == {"blocks.0": ["a0", "b0"], "blocks.1": ["a1", "b1"]}
-    saved, recomputed = p.needed_closure({"e", "a0"})  # block 0 recomputes a0 from e, block 1 keeps all
-    as_second = p.needed_closure(*plan_alike(p, blocks, "blocks.1", saved, recomputed))
-    assert as_second == ({"e", "a0", "b0", "a1", "b1", "y"}, set())  # e kept: block 1 keeps b0
-    as_first = p.needed_closure(*plan_alike(p, blocks, "blocks.0", saved, recomputed))
-    assert as_first[1] == {"a0", "a1"} and "e" in as_first[0]  # e kept: block 1 keeps its input b0
-    single = problem(inp("x", 1), op("a0", ["x"], 1, 1, info={"module": "blocks.0", "op": "mul"}))
-    assert identical_blocks(single) is None
-
-
-class _PeakOf:
-    """Peaks by the set of recomputed values, in MiB (20 for any other plan)."""
-
-    def __init__(self, peaks):
-        self.peaks = {frozenset(k): v for k, v in peaks}
-
-    def __call__(self, saved, recomputed):
-        return int(self.peaks.get(frozenset(recomputed), 20) * MiB)
-
-
-@pytest.mark.parametrize(("alike_peak", "taken"), [(10.4, True), (10.6, False)], ids=["4%", "6%"])
-def test_blocks_are_planned_alike_for_a_peak_within_the_tie(alike_peak, taken):
-    p = two_blocks()
-    sim = _PeakOf([({"e", "a0"}, 10), (set(), alike_peak)])
-    best = planner._Candidate(10 * MiB, p.recompute_seconds({"e", "a0"}), 0,
-                              ilp.Solution({"e", "a0"}, {"b0", "a1", "b1", "y"}))
-    chosen = planner._plan_alike(p, best, sim, least=10 * MiB)
-    assert (chosen.alike == "blocks.1") is taken and (chosen is best) is not taken
-
-
-def test_blocks_are_not_planned_alike_when_that_recomputes_more():
-    # block 1 recomputes a1; planned like block 1 both recompute (twice the cost) though at the same
-    # peak, planned like block 0 nothing is recomputed but the peak is far higher
-    p = two_blocks()
-    sim = _PeakOf([({"a1"}, 10), ({"a0", "a1"}, 10), (set(), 12)])
-    best = planner._Candidate(10 * MiB, p.recompute_seconds({"a1"}), 0,
-                              ilp.Solution({"a1"}, {"e", "a0", "b0", "b1", "y"}))
-    assert planner._plan_alike(p, best, sim, least=10 * MiB) is best
