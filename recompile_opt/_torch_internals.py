@@ -32,8 +32,8 @@ from torch._functorch.partitioners import (
 from torch._guards import detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
-from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
+from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.runtime.cache_dir_utils import cache_dir
