@@ -83,22 +83,22 @@ def cpp_build_timer():
     the CPU a cold compile is mostly these builds (about 1.3 s per kernel module with one compile
     thread), so the bench shows how much of a compile is kernels and how much is ours. Builds in
     compile worker processes (``TORCHINDUCTOR_COMPILE_THREADS`` > 1) are not seen."""
-    stats, lock, running, since = {"builds": 0, "s": 0.0}, threading.Lock(), [0], [0.0]
-    original = CppBuilder.build
+    stats, lock, original = {"builds": 0, "s": 0.0}, threading.Lock(), CppBuilder.build
+    running, since = 0, 0.0
 
     def build(self):
+        nonlocal running, since
         with lock:
-            if not running[0]:
-                since[0] = time.perf_counter()
-            running[0] += 1
+            since = time.perf_counter() if not running else since
+            running += 1
             stats["builds"] += 1
         try:
             return original(self)
         finally:
             with lock:
-                running[0] -= 1
-                if not running[0]:
-                    stats["s"] += time.perf_counter() - since[0]
+                running -= 1
+                if not running:
+                    stats["s"] += time.perf_counter() - since
 
     CppBuilder.build = build
     try:
