@@ -117,7 +117,10 @@ def _build(problem: Problem, block_of: dict, local: dict, blocks: dict, to_templ
         inputs = tuple(u for u in dict.fromkeys(inputs) if u != name)
         values[name] = replace(v, inputs=inputs, recompute_s=v.recompute_s * k, flops=v.flops * k,
                                storage=to_template.get(v.storage, v.storage), copies=k)
-    storages = {v.storage for v in values.values()} - {""}
+    # in the full problem's order, not a set's: the ILP's columns follow this order, and with a MIP gap
+    # the solver's answer depends on it (a set made plans differ between processes: hash seeds)
+    used = {v.storage for v in values.values()}
+    storages = [s for s in problem.storage_bytes if s in used]
     scale = {s: size_of.get(block_of.get(s), 1) for s in storages}
     return replace(problem, values=values,
                    storage_bytes={s: problem.storage_bytes[s] * scale[s] for s in storages},
