@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,7 +177,7 @@ def test_reduced_problem_keeps_the_full_problems_storage_order(problem12):
 
 
 PLAN_IN_A_FRESH_PROCESS = """
-import hashlib, sys, torch, recompile_opt
+import hashlib, sys, recompile_opt
 sys.path.insert(0, {tests!r})
 from test_deep_stacks import small_gpt
 model, inputs = small_gpt(12)
@@ -187,10 +190,6 @@ print(plan.saved_bytes, hashlib.sha256(",".join(sorted(plan.saved_names())).enco
 def test_deep_stack_plan_is_the_same_in_every_process():
     """Two processes with different string hash seeds plan the 12-layer GPT alike (they did not while
     the reduced problem's storages came from a set)."""
-    import os
-    import subprocess
-    import sys
-
     code = PLAN_IN_A_FRESH_PROCESS.format(tests=str(Path(__file__).parent))
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
