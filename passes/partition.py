@@ -62,10 +62,52 @@ def _extract_for_reading(gm: fx.GraphModule, saved_values: list[fx.Node], saved_
     bw_in = saved_sym_nodes + saved_values + [
         n for n in inputs if ti._is_tangent(n) or ti._is_bwd_seed_offset(n) or ti._is_backward_state(n)]
     fw_out = fwd_outputs + saved_values + saved_sym_nodes
-    fw = ti._extract_graph_with_inputs_outputs(gm.graph, fw_in, fw_out, [None] * len(fw_out), "forward")
-    bw = ti._extract_graph_with_inputs_outputs(gm.graph, bw_in, bwd_outputs, [None] * len(bwd_outputs),
-                                               "backward")
+    fw = _live_subgraph(gm.graph, fw_in, fw_out, "forward")
+    bw = _live_subgraph(gm.graph, bw_in, bwd_outputs, "backward")
     return fx.GraphModule(gm, fw), fx.GraphModule(gm, bw)
+
+
+def _live_subgraph(joint: fx.Graph, inputs: list[fx.Node], outputs: list, subgraph: str) -> fx.Graph:
+    """``ti._extract_graph_with_inputs_outputs``'s graph, node for node, copying only the nodes it keeps.
+    Why: torch copies every node computable from the inputs, then removes the dead ones
+    (``eliminate_dead_code``) and checks the graph (``lint``). Here the nodes DCE would keep (those an
+    output or an impure node needs) are found first: on the 2-layer GPT an extraction takes 40% less
+    time, a simulated plan a quarter less (cProfile, plans of the least-peak search). An
+    output torch would have to replace (a backward-only ``copy_``) goes to torch's function."""
+    given = set(inputs)
+    valid = set(given)
+    for n in joint.nodes:
+        if n in given or (subgraph != "backward" and ti._must_be_in_backward(n)) or (
+                subgraph != "forward" and ti._must_be_in_forward(n)):
+            continue
+        if n.op == "get_attr" or (n.op == "call_function" and all(a in valid for a in n.all_input_nodes)):
+            valid.add(n)
+    if not all(o in valid for o in outputs if isinstance(o, fx.Node)):
+        return ti._extract_graph_with_inputs_outputs(joint, inputs, outputs, [None] * len(outputs), subgraph)
+    live = _needed(outputs, given, set())
+    impure_random = ti.dce_impure_random()  # what DCE keeps though nothing reads it (asked of few nodes)
+    impure = [n for n in valid - live - given if n.op == "call_function" and n.is_impure(impure_random)]
+    live = _needed(impure, given, live)
+    graph, env = fx.Graph(), {}
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = n.meta
+    for n in joint.nodes:
+        if n in live:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    return graph
+
+
+def _needed(roots: list, given: set[fx.Node], live: set[fx.Node]) -> set[fx.Node]:
+    """``live`` grown by ``roots`` and everything they read, back to the ``given`` inputs."""
+    stack = [n for n in roots if isinstance(n, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in live and n not in given:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    return live
 
 
 def _reorder_in_place(gm: fx.GraphModule) -> fx.GraphModule:

@@ -24,12 +24,14 @@ from torch._functorch.partitioners import (
     _is_backward_state,
     _is_bwd_seed_offset,
     _is_fwd_seed_offset,
+    _must_be_in_backward,
+    _must_be_in_forward,
     classify_nodes,
     functionalize_rng_ops,
     min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
 )
-from torch._guards import detect_fake_mode
+from torch._guards import TracingContext, detect_fake_mode
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
@@ -47,7 +49,8 @@ __all__ = [
     "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
     "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state",
-    "_is_bwd_seed_offset", "_is_fwd_seed_offset",
+    "_is_bwd_seed_offset", "_is_fwd_seed_offset", "_must_be_in_backward", "_must_be_in_forward",
+    "dce_impure_random",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
     "dynamo_config", "flop_registry", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
@@ -133,6 +136,12 @@ def concrete_size(x) -> int:
     except (AttributeError, TypeError, ValueError):
         pass
     return int(node.hint) if node.hint is not None else 1
+
+
+def dce_impure_random() -> bool:
+    """Whether ``Graph.eliminate_dead_code`` keeps an unused random op, as it decides inside
+    ``_extract_graph_with_inputs_outputs``: under a tracing context, Inductor's ``fallback_random``."""
+    return bool(inductor_config.fallback_random) if TracingContext.try_get() else True
 
 
 def is_random_op(target) -> bool:

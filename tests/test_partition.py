@@ -48,11 +48,14 @@ def test_measured_saved_bytes_equal_the_plan(make, options):
         assert report.total_bytes <= plan.budget_bytes
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_gpt(dropout=0.1), tiny_llama], ids=["gpt-dropout", "llama"])
-def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, monkeypatch):
-    """The least-peak search's fast partition (one extraction each, the backward reordered in place)
-    gives the same forward and backward, node for node, as torch's extraction and reordering, for
-    every plan the search meets (random ops replayed on the GPT)."""
+@pytest.mark.parametrize("make, route", [(lambda: tiny_gpt(dropout=0.1), "plan"), (tiny_llama, "plan"),
+                                         (lambda: tiny_gpt(dropout=0.1), "compile")],
+                         ids=["gpt-dropout", "llama", "gpt-dropout-compiled"])
+def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkeypatch):
+    """The least-peak search's fast partition (each graph extracted once with only the nodes it keeps,
+    the backward reordered in place) gives the same forward and backward, node for node and edge for
+    edge, as torch's extraction and reordering, for every plan the search meets: through
+    ``recompile_opt.plan`` with random ops replayed, and inside a compile (under a tracing context)."""
     from recompile_opt import planner, simulator
 
     checked = []
@@ -61,14 +64,18 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, monkeypatch):
         fast = partition(gm, **kw)
         torchs = partition(gm, **{**kw, "for_simulation": False})
         for a, b in zip(fast, torchs):
-            assert [(n.op, n.name, str(n.target)) for n in a.graph.nodes] == \
-                [(n.op, n.name, str(n.target)) for n in b.graph.nodes]
+            assert [(n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in a.graph.nodes] == \
+                [(n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in b.graph.nodes]
         checked.append(kw["recomputed"])
         return fast
 
     monkeypatch.setattr(simulator, "partition", both)
     monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # search again even if an earlier test did
     model, inputs = make()
-    with torch._inductor.config.patch(fallback_random=True):
-        recompile_opt.plan(model, inputs, memory_budget=0.0)
+    if route == "plan":
+        with torch._inductor.config.patch(fallback_random=True):
+            recompile_opt.plan(model, inputs, memory_budget=0.0)
+    else:
+        compiled, _ = _compile(model, {"memory_budget": 0.0})
+        compiled(*inputs).backward()
     assert len(checked) >= 10 and len({frozenset(r) for r in checked}) >= 10
