@@ -92,6 +92,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.predicted_peak_bytes = plan.peak_breakdown["total"]
         # the whole of our share of a compile (cost model, search, partition), for users and the bench
         plan.solver["plan_s"] = round(time.perf_counter() - start, 3)
+        plan.solver.update(simulations=len(simulate.results), simulate_s=round(simulate.seconds, 3))
         return fw, bw
 
     def replay_random(self) -> bool:

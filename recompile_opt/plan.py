@@ -46,7 +46,9 @@ class Plan:
     # where the predicted peak lies and what is alive there, by kind (recompile_opt.peak.peak_breakdown)
     peak_breakdown: dict = field(default_factory=dict)
     # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
-    # the graph (cost model, every solve and simulation of the search, partition), when compiled
+    # the graph (cost model, every solve and simulation of the search, partition), when compiled;
+    # solves / solves_s: every ILP solve of the planning and their summed time (on a pool: they
+    # overlap); simulations / simulate_s: the plans partitioned and simulated for their peak
     solver: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
@@ -98,10 +100,21 @@ class Plan:
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
             + f" ({self.solver.get('n_vars', 0)} vars, {self.solver.get('n_constraints', 0)} constraints)"
-            + (f"; planning took {self.solver['plan_s']:.2f} s in all" if "plan_s" in self.solver else ""),
+            + (f"; planning took {self.solver['plan_s']:.2f} s in all" if "plan_s" in self.solver else "")
+            + self._search_line(),
         ]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _search_line(self) -> str:
+        """How the planning time divides: ILP solves and peak simulations (both run at once in the
+        least-peak search, so their times overlap)."""
+        s = self.solver
+        if not s.get("solves") and not s.get("simulations"):
+            return ""
+        n, m = s.get("solves", 0), s.get("simulations", 0)
+        return (f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
+                f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s)")
 
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower

@@ -78,7 +78,9 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
     notes: list[str] = []
     keep: set[str] = set()
     if options.policy == "auto":
-        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes, simulate)
+        solves = ilp.SolveLog()
+        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes, simulate, solves)
+        solver_info.update(solves=solves.solves, solves_s=round(solves.seconds, 3))
         recompute, keep = sol.recompute, sol.keep
     else:
         recompute = POLICIES[options.policy](problem)
@@ -95,9 +97,9 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
 
 
 def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str],
-                simulate: Simulate | None = None):
+                simulate: Simulate | None = None, solves: ilp.SolveLog | None = None):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap,
-              peak=options.peak_memory)
+              peak=options.peak_memory, log=solves)
     # identical blocks are solved as a few groups; the ILP's own peak rows need the whole backward schedule, so
     # not when they are used (a peak limit without a simulator)
     fit_peak = options.peak_memory is not None and simulate is not None

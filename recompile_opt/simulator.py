@@ -8,6 +8,8 @@ simulated once, however often the searches meet it.
 
 from __future__ import annotations
 
+import time
+
 import torch.fx as fx
 
 from recompile_opt.passes.partition import partition
@@ -22,6 +24,7 @@ class PeakSimulator:
         self.gm, self.info = gm, info
         self.num_fwd_outputs, self.static = num_fwd_outputs, static_lifetime_input_indices
         self.results: dict[tuple, tuple[int, list[str]]] = {}
+        self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
 
     def __call__(self, saved: set, recomputed: set) -> int:
         return self._simulate(saved, recomputed)[0]
@@ -35,8 +38,10 @@ class PeakSimulator:
         refinement's question costs nothing more)."""
         key = (frozenset(saved), frozenset(recomputed))
         if key not in self.results:
+            start = time.perf_counter()
             graphs = partition(self.gm, saved=saved, recomputed=recomputed,
                                num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
                                info=self.info, for_simulation=True)
             self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
+            self.seconds += time.perf_counter() - start
         return self.results[key]

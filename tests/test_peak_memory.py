@@ -31,6 +31,19 @@ def test_a_peak_limit_between_the_ends_is_met_with_less_recompute_than_the_least
     assert any("simulated peak fits" in n for n in plan.notes)
 
 
+def test_a_plan_says_how_many_solves_and_simulations_its_planning_took(monkeypatch):
+    """The least-peak search (a fraction's 0.0 end) solves a ladder of budgets and simulates what
+    they give; an int budget solves once and simulates nothing. Both show on the solver line."""
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # search even if an earlier test did
+    model, inputs = tiny_gpt()
+    searched = recompile_opt.plan(model, inputs, memory_budget=0.0).solver
+    assert searched["solves"] >= len(planner.PEAK_LADDER) and searched["simulations"] >= 5
+    assert 0 < searched["simulate_s"] < searched["plan_s"] and searched["solves_s"] > 0
+    one = recompile_opt.plan(model, inputs, memory_budget=10 * 2**20)
+    assert (one.solver["solves"], one.solver["simulations"]) == (1, 0)
+    assert "1 solve, " in str(one) and "0 plans simulated" in str(one)
+
+
 def test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet():
     # the kept-byte walk alone misses it on the benchmark's GPT (the peak is spiky in the level): the
     # least-peak search is its last try, so any peak the 0.0 budget reaches, peak_memory can ask for
