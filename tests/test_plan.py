@@ -267,8 +267,8 @@ def test_str_summary_lines(plans):
     assert lines[2] == ("  recompute         : 1.05 MFLOP, est. 0.001 ms = 1.0% of the est. step "
                         "(0.100 ms)")
     assert lines[3] == "  predicted peak    : 10.00 MiB above the pre-step baseline"
-    assert re.fullmatch(r"  solver            : highs optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)",
-                        lines[4])
+    assert re.fullmatch(r"  solver            : highs optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)"
+                        r" \(1 solve, \d+\.\d\d s summed; 0 plans simulated, 0\.00 s\)", lines[4])
     assert lines[5].startswith("kept (")
     zero = str(plans["0.0"]).splitlines()
     assert zero[1] == "  kept for backward : 1.00 MiB of 9.00 MiB save-all (11.1%), least possible 1.00 MiB"
