@@ -16,6 +16,8 @@ Strategies (``--strategies``; the default set is :data:`DEFAULT_STRATEGIES`)
   ``compile-full-ckpt`` (``torch.compile`` of the block-checkpointed model).
 * ``ours-B`` (``memory_budget=B``, the same budgets B as ``compile-amb-B``), ``ours-none``
   (no budget: the ILP's fastest plan) and ``ours-<policy>`` for each fixed policy.
+* ``ours-peak-SIZE`` (``peak_memory=SIZE``, any size with units, e.g. ``ours-peak-27MiB``): the
+  least recompute whose predicted peak fits SIZE -- how a user asks for a peak rather than kept bytes.
 * ``rockmate``: ``bench/rockmate_runner.py`` run by another interpreter (``--rockmate-python``,
   default ``$RECOMPILE_OPT_ROCKMATE_PYTHON`` or ``/work/rockmate-venv/bin/python``); when it
   cannot run, its row carries the runner's exact error (see ``bench/ROCKMATE.md``).
@@ -138,6 +140,27 @@ STRATEGIES: dict[str, dict] = {
                                  "--ilp-seconds", "15"],
                  "note": "budget 0.5 x eager's saved bytes"},
 }
+PEAK_PREFIX = "ours-peak-"
+
+
+def strategy(name: str) -> dict:
+    """The spec of a strategy: a fixed entry of STRATEGIES, or ``ours-peak-SIZE`` for any SIZE that
+    ``peak_memory`` accepts. Raises KeyError naming the accepted strategies otherwise."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    if name.startswith(PEAK_PREFIX):
+        from recompile_opt.options import OptionError, parse_bytes  # lazy: the driver needs no torch
+
+        size = name[len(PEAK_PREFIX):]
+        try:
+            parse_bytes("peak_memory", size)
+        except OptionError as e:
+            raise KeyError(f"strategy {name!r}: {e}") from None
+        return {"kind": "ours", "options": {"peak_memory": size}}
+    raise KeyError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)} or {PEAK_PREFIX}SIZE "
+                   "(SIZE with units, e.g. 27MiB)")
+
+
 DEFAULT_STRATEGIES = [
     "eager", "eager-full-ckpt", "eager-selective", "compile", "compile-amb-0.5", "compile-amb-0.2",
     "compile-amb-0.0", "compile-full-ckpt", "ours-none", "ours-0.5", "ours-0.2", "ours-0.0",
@@ -538,7 +561,7 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
     if args.threads:
         torch.set_num_threads(args.threads)
     out.update(torch=torch.__version__, threads=torch.get_num_threads())
-    spec = STRATEGIES[name]
+    spec = strategy(name)
     cfg = group_configs(args)[0]
     model, idx, tgt = build_model(cfg)
     ref = copy.deepcopy(model)  # untouched eager copy: gradient check and save-all FLOPs
@@ -614,7 +637,7 @@ def worker_env(cache_dir: str, *, warm_cache: bool, lock: str | None) -> dict:
 
 def worker_command(name: str, cfg: dict, args) -> list[str]:
     """The command of one run; raises ``FileNotFoundError`` when an external runner cannot start."""
-    spec = STRATEGIES[name]
+    spec = strategy(name)
     flags = [a for flag in WORKER_FLAGS for a in (f"--{flag}", str(cfg[flag]))]
     if spec["kind"] != "external":
         return [sys.executable, str(Path(__file__).resolve()), "--worker", name, *flags,
@@ -640,7 +663,7 @@ def spawn_worker(name: str, cfg: dict, args, *, cache_dir: str | None = None,
     own_dir = cache_dir or tempfile.mkdtemp(prefix="compare_inductor_")
     cached = warm and any(Path(own_dir).iterdir())
     # an external runner knows nothing of the lock: hold it shared for the whole of its run
-    held = JobLock(lock or "") if STRATEGIES[name]["kind"] == "external" else JobLock("")
+    held = JobLock(lock or "") if strategy(name)["kind"] == "external" else JobLock("")
     held.shared()
     t0 = time.perf_counter()
     try:
@@ -731,7 +754,7 @@ def aggregate(name: str, runs: list[dict]) -> dict:
     if not mine:
         row["notes"] = ["not run (interrupted)"]
     if STRATEGIES.get(name, {}).get("note"):
-        row.setdefault("notes", []).append(STRATEGIES[name]["note"])
+        row.setdefault("notes", []).append(strategy(name)["note"])
     if not ok:
         return row
     steps = [t for r in ok for t in r["step_s"]]
@@ -965,7 +988,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated subset of: " + ", ".join(STRATEGIES))
+                   help="comma-separated subset of: " + ", ".join(STRATEGIES) + f", {PEAK_PREFIX}SIZE")
     p.add_argument("--model", default="gpt", help="gpt, llama or both: gpt,llama")
     p.add_argument("--size", default="small", help=f"comma-separated presets from {list(SIZES)}")
     p.add_argument("--repeats", type=int, default=2, help="rounds of fresh processes")
@@ -1000,7 +1023,7 @@ def parse_args(argv=None):
     p.add_argument("--csv", help="write aggregated rows (all groups) to this CSV file")
     p.add_argument("--md", help="write the markdown report to this file")
     p.add_argument("--verbose", action="store_true", help="echo workers' stderr")
-    p.add_argument("--worker", metavar="STRATEGY", choices=list(STRATEGIES), help=argparse.SUPPRESS)
+    p.add_argument("--worker", metavar="STRATEGY", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -1010,9 +1033,11 @@ def main(argv=None) -> int:
         print(MARKER + json.dumps(run_worker(args.worker, args)), flush=True)
         return 0
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
-    if unknown:
-        raise SystemExit(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+    for n in names:
+        try:
+            strategy(n)
+        except KeyError as e:
+            raise SystemExit(e.args[0]) from None
     configs = group_configs(args)
     if args.steps < 5:
         print(f"note: --steps {args.steps} < 5, medians will be noisy", file=sys.stderr)

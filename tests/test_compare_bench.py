@@ -140,7 +140,7 @@ def test_external_runner_missing_is_an_error_row(tmp_path, monkeypatch):
 def test_tiny_run_through_main(tmp_path, capsys):
     out = tmp_path / "out.json"
     argv = ["--layers", "1", "--embd", "32", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-            "--repeats", "1", "--strategies", "eager-selective,ours-0.5", "--ours-compiler", "eager", "--jobs", "2",
+            "--repeats", "1", "--strategies", "eager-selective,ours-0.5,ours-peak-64MiB", "--ours-compiler", "eager", "--jobs", "2",
             "--json", str(out), "--csv", str(tmp_path / "out.csv"), "--md", str(tmp_path / "out.md")]
     assert compare.main(argv) == 0
     data = json.loads(out.read_text())
@@ -160,10 +160,22 @@ def test_tiny_run_through_main(tmp_path, capsys):
     assert rows["ours-0.5"]["plan_s"] > 0 and "plan_s" not in rows["eager-selective"]
     assert all(row["kernel_build_s"] == 0.0 for row in rows.values())  # no Inductor: no C++ builds
     assert "recompute_flops" not in rows["ours-0.5"]  # no Inductor post-grad pass with compiler=eager
-    assert {e["strategy"] for e in group["pareto"]["ours"]} == {"ours-0.5"}
+    assert 0 < rows["ours-peak-64MiB"]["plan_predicted_peak_bytes"] <= 64 * MiB  # the limit reached the plan
+    assert {e["strategy"] for e in group["pareto"]["ours"]} == {"ours-0.5", "ours-peak-64MiB"}
     report = (tmp_path / "out.md").read_text()
     assert "| eager-selective |" in report and "Pareto check" in report
     assert (tmp_path / "out.csv").read_text().startswith("model,size,strategy,")
+
+
+def test_peak_strategies_take_any_size_with_units_and_bad_names_say_what_is_accepted():
+    assert compare.strategy("ours-peak-27MiB") == {"kind": "ours", "options": {"peak_memory": "27MiB"}}
+    assert compare.strategy("ours-0.2") is compare.STRATEGIES["ours-0.2"]
+    with pytest.raises(KeyError, match="peak_memory.*units"):
+        compare.strategy("ours-peak-27")
+    with pytest.raises(KeyError, match="ours-peak-SIZE"):
+        compare.strategy("ours-0.3")
+    with pytest.raises(SystemExit, match="unknown strategy 'nope'"):
+        compare.main(["--strategies", "compile,nope"])
 
 
 def test_job_lock_keeps_timed_sections_alone(tmp_path):
