@@ -77,7 +77,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
 
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
-        plan = make_plan(problem, options, graph=gid, simulate=simulate)
+        plan = ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
         if split_note:
             plan.notes.insert(0, split_note)
         if not self.replay_random() and any(v.random for v in problem.values.values()):

@@ -279,7 +279,8 @@ def _keep_moves(problem: Problem, base: _Candidate, simulate: Simulate, skip: se
     the estimated recompute from 32.1 to 22.7 ms (two more rounds: 19.9 ms)."""
     sol = base.sol
     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-    keepable = {n for n in recomputed - skip if problem.values[n].in_forward and problem.values[n].can_save}
+    keepable = {n for n in recomputed - skip if problem.values[n].in_forward and problem.values[n].can_save
+                and problem.values[n].tag not in ("must_recompute", "prefer_recompute")}  # the user's word
     at_peak = [n for n in simulate.recomputed_at_peak(saved, recomputed) if n in keepable]
     # ranked by their own recompute time (the closure's saving is exact below, but costs a closure each)
     costly = sorted(keepable, key=lambda n: (-problem.values[n].recompute_s, n))

@@ -79,3 +79,30 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkey
         compiled, _ = _compile(model, {"memory_budget": 0.0})
         compiled(*inputs).backward()
     assert len(checked) >= 10 and len({frozenset(r) for r in checked}) >= 10
+
+
+def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monkeypatch):
+    # why a thread: CPython 3.11 maps and unmaps a frame chunk on every call across a chunk boundary,
+    # and where the compile's deep stack put one at the search's hot loops, planning ran 3x slower
+    # (recompile_opt._torch_internals.on_fresh_stack); the search still needs the tracing context
+    import threading
+
+    from recompile_opt import _torch_internals as ti
+    from recompile_opt import backend
+
+    seen = []
+    make_plan = backend.make_plan
+
+    def spy(*args, **kwargs):
+        seen.append((threading.current_thread().name, ti.TracingContext.try_get() is not None,
+                     ti.dce_impure_random()))
+        return make_plan(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "make_plan", spy)
+    model, inputs = tiny_gpt(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=False):
+        compiled, part = _compile(model, {"memory_budget": 0.0})
+        compiled(*inputs).backward()
+    ((thread, has_context, impure_random),) = seen
+    assert thread.startswith("recompile_opt-plan") and thread != threading.current_thread().name
+    assert has_context and impure_random is False  # the compile's context and Inductor's config seen
