@@ -41,9 +41,8 @@ PEAK_PROBES, PEAK_PROBE_STEP = 2, 0.0125
 PEAK_TIE = 0.02
 # ILP solves run at once in the least-peak search (each HiGHS solve uses one thread).
 ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
-# Rounds of the least-peak refinement; per round, the recomputed values alive at the peak tried, and
-# the recomputed values of the most recompute time.
-REFINE_ROUNDS, REFINE_MOVES, REFINE_SAVING_MOVES = 6, 16, 4
+# Rounds of the least-peak refinement, and the recomputed values alive at the peak tried per round.
+REFINE_ROUNDS, REFINE_MOVES = 2, 16
 # A refinement move that keeps the peak must cut the recompute by this share to be taken.
 REFINE_MIN_GAIN = 0.01
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
@@ -174,9 +173,9 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     found one that measured 24.8 MiB). This is a search, not a proof of the least peak;
     ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen. Peaks within
     ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least. The best
-    plan is then refined by keeping, one at a time, recomputed values alive at its peak or of the
-    most recompute time (:func:`_refine`), for up to ``REFINE_ROUNDS`` rounds while a move lowers the
-    peak or cuts the recompute by ``REFINE_MIN_GAIN``."""
+    plan is then refined by keeping, one at a time, recomputed values alive at its peak
+    (:func:`_keep_moves`), for up to ``REFINE_ROUNDS`` rounds while a move lowers the peak or cuts
+    the recompute by ``REFINE_MIN_GAIN``."""
     # solves on threads (HiGHS releases the GIL: 11 ladder solves of a 2-layer GPT took 1.80 s in turn,
     # 0.93 s on 2 threads), each result simulated here as soon as it is in
     with ThreadPoolExecutor(max_workers=ILP_THREADS) as pool:
@@ -213,12 +212,16 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
         found += candidates(probes, solving(probes))
     best = _least_of(found)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
-    # and two rounds of the refinement cost 12 s
-    if reduction is None:
-        best = _refine(problem, best, found, simulate)
+    # and its two rounds cost 12 s
+    for _ in range(REFINE_ROUNDS if reduction is None else 0):  # keep what only feeds an earlier recompute
+        found += _keep_moves(problem, best, simulate)
+        candidate = _least_of(found)
+        if not _improves(candidate, best):
+            break
+        best = candidate
     least = min(c.peak for c in found)
-    refined = ("; kept on top of the ILP's choice, each a lower peak or a tie that recomputes less: "
-               f"{', '.join(best.refined)}")
+    refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
+               f"less): {', '.join(best.refined)}")
     notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
                  f"{fmt_bytes(best.peak)} (keeping less only raises the peak; peaks within "
                  f"{PEAK_TIE:.0%} of the least, {fmt_bytes(least)}, count as ties and the one that "
@@ -239,53 +242,22 @@ def _improves(new: _Candidate, old: _Candidate) -> bool:
     return new.peak < old.peak or new.recompute_s < old.recompute_s * (1 - REFINE_MIN_GAIN)
 
 
-def _refine(problem: Problem, best: _Candidate, found: list[_Candidate], simulate: Simulate) -> _Candidate:
-    """Improve the search's best plan by keeping one more value per round (:func:`_keep_moves`), while
-    a move lowers the peak or, at a tied peak, cuts the recompute by ``REFINE_MIN_GAIN``; ``found``
-    gains every plan tried. A move that failed once (raised the peak past a tie, or saved nothing)
-    is not tried again: each round costs a partition and simulation per move."""
-    failed: set[str] = set()
-    for _ in range(REFINE_ROUNDS):
-        moves = _keep_moves(problem, best, simulate, skip=failed)
-        if not moves:
-            break
-        found += moves
-        least = min(c.peak for c in found)
-        failed |= {c.refined[-1] for c in moves
-                   if c.peak > least * (1 + PEAK_TIE) or not _improves(c, best)}
-        candidate = _least_of(found)
-        if not _improves(candidate, best):
-            break
-        best = candidate
-    return best
+def _keep_moves(problem: Problem, base: _Candidate, simulate: Simulate) -> list[_Candidate]:
+    """``base`` with one more value kept, for each recomputed value alive at its predicted peak.
 
-
-def _keep_moves(problem: Problem, base: _Candidate, simulate: Simulate, skip: set[str] = frozenset()
-                ) -> list[_Candidate]:
-    """``base`` with one more value kept, for each recomputed value alive at its predicted peak and for
-    each of the recomputed values whose keeping saves the most recompute time.
-
-    Why the first kind: the ILP counts kept bytes, not when recomputation happens. On a 2-layer Llama
-    the least-peak plan recomputed the first block's mid-block residual, so its MLP backward recomputed
-    the block's embedding, norm and residual first, and those sat under the peak (the SwiGLU backward)
-    until the attention backward; keeping that 1 MiB residual lowered the predicted peak from 29.09 to
-    28.05 MiB and the recompute from 16.4 to 15.0 ms. The search's ladders cannot find such a plan: no
-    kept-byte budget makes the ILP prefer it.
-
-    Why the second: a byte kept from the last block is freed early in the backward, before the peak
-    in the first block's backward, so it can cost no peak at all, yet the ladders' budgets count it
-    like any other byte. On a 2-layer GPT the least-peak plan recomputed both blocks' QKV and MLP
-    matmuls; keeping the second block's two (7 MiB) leaves the predicted peak at 23.79 MiB and cuts
-    the estimated recompute from 32.1 to 22.7 ms (two more rounds: 19.9 ms)."""
+    Why: the ILP counts kept bytes, not when recomputation happens. On a 2-layer Llama the least-peak
+    plan recomputed the first block's mid-block residual, so its MLP backward recomputed the block's
+    embedding, norm and residual first, and those sat under the peak (the SwiGLU backward) until the
+    attention backward; keeping that 1 MiB residual lowered the predicted peak from 29.09 to 28.05 MiB
+    and the recompute from 16.4 to 15.0 ms. The search's ladders cannot find such a plan: no
+    kept-byte budget makes the ILP prefer it."""
     sol = base.sol
     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-    keepable = {n for n in recomputed - skip if problem.values[n].in_forward and problem.values[n].can_save
-                and problem.values[n].tag not in ("must_recompute", "prefer_recompute")}  # the user's word
-    at_peak = [n for n in simulate.recomputed_at_peak(saved, recomputed) if n in keepable]
-    # ranked by their own recompute time (the closure's saving is exact below, but costs a closure each)
-    costly = sorted(keepable, key=lambda n: (-problem.values[n].recompute_s, n))
+    moves = [n for n in simulate.recomputed_at_peak(saved, recomputed)
+             if problem.values[n].in_forward and problem.values[n].can_save
+             and problem.values[n].tag not in ("must_recompute", "prefer_recompute")]  # the user's word
     out = []
-    for name in dict.fromkeys(at_peak[:REFINE_MOVES] + costly[:REFINE_SAVING_MOVES]):
+    for name in moves[:REFINE_MOVES]:
         trial = dataclasses.replace(sol, recompute=sol.recompute - {name}, keep=sol.keep | {name})
         s2, r2 = problem.needed_closure(trial.recompute, trial.keep)
         out.append(_Candidate(simulate(s2, r2), problem.recompute_seconds(r2), problem.kept_bytes(s2, r2),
