@@ -753,8 +753,8 @@ def aggregate(name: str, runs: list[dict]) -> dict:
         row["error"] = errors[0]
     if not mine:
         row["notes"] = ["not run (interrupted)"]
-    if STRATEGIES.get(name, {}).get("note"):
-        row.setdefault("notes", []).append(strategy(name)["note"])
+    if note := STRATEGIES.get(name, {}).get("note"):  # ours-peak-SIZE has none
+        row.setdefault("notes", []).append(note)
     if not ok:
         return row
     steps = [t for r in ok for t in r["step_s"]]

@@ -145,8 +145,8 @@ def on_fresh_stack(fn, *args, **kwargs):
     Why: CPython 3.11 keeps frames in chunks of a per-thread stack and frees a chunk as soon as the
     stack drops back below it. A partitioner runs some 50 frames deep inside Dynamo and Inductor, and
     where a chunk boundary falls at the depth of the least-peak search's hot loops, every call across
-    it maps and unmaps memory: in the benchmark's worker the 2-layer GPT's planning took 11 s instead
-    of 4 s (900k page faults against 225k, almost all in ``_PyThreadState_BumpFramePointerSlow``;
+    it maps and unmaps memory: in the benchmark's worker the 2-layer GPT's planning took 7-12 s
+    instead of 4 s (900k page faults against 225k, almost all in ``_PyThreadState_BumpFramePointerSlow``;
     ``perf record -e page-faults``), depending only on how deep the caller's stack was. A fresh
     thread's stack starts empty. The tracing context is thread-local (``torch._guards``), so it is
     carried over: the planning asks it what dead-code elimination keeps."""
