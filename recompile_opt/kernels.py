@@ -40,7 +40,9 @@ class Kernel:
     nodes: list[fx.Node]  # in graph order
     extern: bool
     outputs: list[fx.Node] = field(default_factory=list)  # nodes whose buffer this kernel writes
-    reads: set[fx.Node] = field(default_factory=set)  # buffers (base nodes) it reads
+    # buffers (base nodes) it reads, in graph order: an ordered set, because a set of nodes iterates
+    # in the order of their addresses, and the buffer reuse that follows depends on the order
+    reads: dict[fx.Node, None] = field(default_factory=dict)
 
     @property
     def first(self) -> int:
@@ -139,7 +141,7 @@ def _fuse(compute: list[fx.Node], nodes: list[fx.Node]) -> _Groups:
     groups = _Groups(fusible)
     readers: dict[fx.Node, list[fx.Node]] = {}  # buffer -> fusible nodes that read it, so far
     for n in fusible:
-        for u in {base_of(a) for a in n.all_input_nodes}:
+        for u in dict.fromkeys(base_of(a) for a in n.all_input_nodes):  # in order (fusion is greedy)
             if u in groups.root:
                 groups.try_union(n, u)  # vertical: a fusible producer
             for r in readers.get(u, []):  # horizontal: same buffer read, same size
@@ -176,14 +178,15 @@ def _kernels(compute: list[fx.Node], groups: _Groups, outs: set[fx.Node]) -> lis
     for n in compute:
         k = kernel_of[n]
         if n.target is not operator.getitem:
-            k.reads |= {base_of(a) for a in n.all_input_nodes}
+            k.reads.update(dict.fromkeys(base_of(a) for a in n.all_input_nodes))
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         if k.extern or n in outs or any(kernel_of.get(c) is not k for c in consumers(n)):
             k.outputs.append(n)
     for k in kernels:
-        k.reads -= set(k.nodes)
+        own = set(k.nodes)
+        k.reads = {r: None for r in k.reads if r not in own}
     return kernels
 
 

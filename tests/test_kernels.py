@@ -52,6 +52,17 @@ def test_an_output_is_written_over_the_input_only_it_reads():
     assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 3 * UNIT
 
 
+def test_a_kernels_reads_are_in_the_order_its_nodes_read_them():
+    # a set of fx nodes iterates in the order of their addresses, so buffer reuse that walked it
+    # differed from process to process (three Llama plans in three runs of one search)
+    order, _, _ = kernels.schedule(graph(swiglu_backward, 4))
+    for k in order:
+        own = set(k.nodes)
+        read_in_order = dict.fromkeys(a for n in k.nodes for a in n.all_input_nodes if a not in own)
+        assert list(k.reads) == list(read_in_order), ([n.name for n in k.reads], list(read_in_order))
+    assert [len(k.reads) for k in order] == [3, 2, 2, 2]
+
+
 def test_the_peak_trace_names_what_is_alive_at_the_peak():
     order, sizes, outs = kernels.schedule(graph(swiglu_backward, 4))
     trace = peak.PeakTrace()
