@@ -63,6 +63,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
     def __init__(self, options: Options):
         self.options = options
         self.plans: list[Plan] = []
+        self.last_forward: fx.GraphModule | None = None  # the graphs of the last partition
         self.last_backward: fx.GraphModule | None = None
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
@@ -87,7 +88,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
         fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
-        self.last_backward = bw
+        self.last_forward, self.last_backward = fw, bw
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
         plan.predicted_peak_bytes = plan.peak_breakdown["total"]
         # the whole of our share of a compile (cost model, search, partition), for users and the bench

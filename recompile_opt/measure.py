@@ -266,6 +266,18 @@ def memory_profile(step_fn: Callable[[], Any], device: str | torch.device = "cpu
     an earlier profiling window saw that block (or one at the same address) allocated, and 0 otherwise,
     so counting every reported free made the figure depend on what ran before.
     """
+    events = allocation_timeline(step_fn, device)
+    live = peak = allocated = 0
+    for nbytes in events:
+        allocated += max(nbytes, 0)
+        live += nbytes
+        peak = max(peak, live)
+    return PeakReport(peak_bytes=peak, end_bytes=live, n_events=len(events), alloc_bytes=allocated)
+
+
+def allocation_timeline(step_fn: Callable[[], Any], device: str | torch.device = "cpu") -> list[int]:
+    """The signed sizes of the allocations and frees :func:`memory_profile` counts, in time order
+    (frees only of blocks allocated inside the call)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(device)
@@ -274,20 +286,18 @@ def memory_profile(step_fn: Callable[[], Any], device: str | torch.device = "cpu
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities, profile_memory=True) as prof:
         step_fn()
-    live = peak = allocated = n_events = 0
+    events: list[int] = []
     allocated_here: dict[int, int] = {}  # address -> bytes, for blocks allocated inside the call
     for _, address, nbytes, where in allocator_records(prof):
         if not _device_matches(where, device):
             continue
         if nbytes > 0:
             allocated_here[address] = nbytes
-            allocated += nbytes
         elif nbytes < 0 and allocated_here.pop(address, None) is None:
             continue  # a block from before the call
-        live += nbytes
-        n_events += 1
-        peak = max(peak, live)
-    return PeakReport(peak_bytes=peak, end_bytes=live, n_events=n_events, alloc_bytes=allocated)
+        if nbytes:
+            events.append(nbytes)
+    return events
 
 
 def peak_memory(step_fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:

@@ -41,6 +41,8 @@ class PeakTrace:
     kernels: int = 0  # kernels in the sweep
     alive: dict = field(default_factory=dict)
     dead: set = field(default_factory=set)  # alive buffers no kernel reads again (pooled for reuse)
+    # every allocation and free of the sweep: (kernel index, signed bytes, live bytes after, buffer)
+    events: list = field(default_factory=list)
 
 
 def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
@@ -102,8 +104,18 @@ def _op(node: fx.Node) -> str:
     return str(packet).replace("aten.", "") if packet is not None else getattr(node.target, "__name__", "?")
 
 
-def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
-    """(peak, phase of the peak, that phase's graph, its PeakTrace or None)."""
+def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int, int, str]]:
+    """Every simulated allocation and free, in order: (phase, kernel index, signed bytes, live bytes
+    after, buffer name). Why: set against the measured allocator records of the same step
+    (``bench/peak_timeline.py``) it shows where the simulation departs from Inductor."""
+    traces = _simulate(fw, bw, traced=True, both=True)
+    return [(phase, i, nbytes, live, name) for phase, trace in zip(("forward", "backward"), traces)
+            for i, nbytes, live, name in trace.events]
+
+
+def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False, both: bool = False):
+    """(peak, phase of the peak, that phase's graph, its PeakTrace or None); ``both``: the two
+    phases' PeakTraces instead."""
     fw_trace = PeakTrace() if traced else None
     live, peak, buffers, owner = _run_forward(fw, fw_trace)
     keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
@@ -111,6 +123,8 @@ def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
     live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
     bw_trace = PeakTrace(start={k: buffers[k] for k in used}) if traced else None
     bw_peak = _run_backward(bw, live, keys, buffers, bw_trace)
+    if both:
+        return fw_trace, bw_trace
     if peak > bw_peak:
         return peak, "forward", fw, fw_trace
     return bw_peak, "backward", bw, bw_trace
@@ -169,6 +183,8 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
     for i, k in enumerate(order):
         made = [n for n in k.outputs if n not in taken]
         live += sum(size.get(n, 0) for n in made)
+        if trace is not None:
+            _log(trace, i, [(n, size.get(n, 0)) for n in made], live - sum(size.get(n, 0) for n in made))
         if alive is not None:
             alive.update((n, size.get(n, 0)) for n in made)
             alive.update((n, alive.pop(taken[n], 0)) for n in k.outputs if n in taken)
@@ -176,11 +192,20 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
                 trace.at, trace.kernel, trace.alive = i, k, dict(alive)
                 trace.dead = {b for b in alive if b not in made and b not in keep and last.get(b, i) < i}
         peak = max(peak, live)
+        if trace is not None:
+            _log(trace, i, [(b, -size.get(b, 0)) for b in free_after.get(i, ())], live)
         live -= sum(size.get(b, 0) for b in free_after.get(i, ()))
         if alive is not None:
             for b in free_after.get(i, ()):
                 alive.pop(b, None)
     return live, peak
+
+
+def _log(trace: PeakTrace, kernel: int, changes: list, live: int) -> None:
+    for buf, nbytes in changes:
+        if nbytes:
+            live += nbytes
+            trace.events.append((kernel, nbytes, live, buf if isinstance(buf, str) else buf.name))
 
 
 POOL_SPAN = 16  # kernels: see the module docstring

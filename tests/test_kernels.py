@@ -130,3 +130,27 @@ def test_predicted_peak_within_ten_percent_of_measured(name, options):
         torch.set_num_threads(threads)
     assert abs(predicted / measured - 1) <= 0.10, (
         f"{name} {options}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+
+
+def test_the_simulated_timeline_reaches_the_predicted_peak():
+    # bench/peak_timeline.py sets these events against the allocator's: they must be the sweep's own
+    from recompile_opt.backend import RecompilePartitioner, compile_eager
+    from recompile_opt.options import parse_options
+
+    model, batch = models.demo_llama(n_layer=1, n_embd=64, seq=32, batch=2)
+    parts = []
+
+    def backend(gm, example_inputs):
+        parts.append(RecompilePartitioner(parse_options({"memory_budget": 0.0, "compiler": "eager"})))
+        return compile_eager(gm, example_inputs, parts[-1])
+
+    torch.compile(model, backend=backend)(*batch).backward()
+    part = parts[-1]
+    events = peak.timeline(part.last_forward, part.last_backward)
+    assert {phase for phase, *_ in events} == {"forward", "backward"}
+    assert max(live for *_, live, _ in events) == part.plans[-1].predicted_peak_bytes
+    forward = [e for e in events if e[0] == "forward"]
+    live = 0
+    for _, _, nbytes, after, _ in forward:  # the forward starts from nothing
+        live += nbytes
+        assert after == live

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from recompile_opt.measure import (
     SavedTensorsMeter,
+    allocation_timeline,
     memory_profile,
     peak_memory,
     process_high_water_mark,
@@ -122,6 +123,17 @@ def test_peak_memory_known_pattern():
     report = memory_profile(step)
     assert report.peak_bytes == pytest.approx(3.5 * MiB, abs=4096)
     assert report.end_bytes == 0
+
+
+def test_allocation_timeline_lists_the_counted_events_in_order():
+    def step():
+        a = torch.empty(N, N)
+        b = torch.empty(2 * N, N)
+        del a
+        c = torch.empty(N // 2, N)
+        del b, c
+
+    assert allocation_timeline(step) == [MiB, 2 * MiB, -MiB, MiB // 2, -2 * MiB, -MiB // 2]
 
 
 def test_peak_memory_matmul_chain():
