@@ -80,17 +80,18 @@ class SolveLog:
 
 def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solver: str = "highs",
           time_limit_s: float = 30.0, mip_gap: float = 0.0, minimize_memory: bool = False,
-          log: SolveLog | None = None) -> Solution:
+          log: SolveLog | None = None, max_nodes: int | None = None) -> Solution:
     """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes.
-    ``log`` counts the solve and its time (``Solution.solve_s``)."""
-    sol = _solve(problem, budget, peak, solver, time_limit_s, mip_gap, minimize_memory)
+    ``log`` counts the solve and its time (``Solution.solve_s``). ``max_nodes``: stop the branch and
+    bound after this many nodes with the best plan found ("feasible", with its gap), a limit that,
+    unlike time, gives the same plan on every machine."""
+    sol = _solve(problem, budget, peak, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory)
     if log is not None:
         log.add(sol.solve_s)
     return sol
 
 
-def _solve(problem: Problem, budget, peak, solver: str, time_limit_s: float, mip_gap: float,
-           minimize_memory: bool) -> Solution:
+def _solve(problem: Problem, budget, peak, solver: str, limits: tuple, minimize_memory: bool) -> Solution:
     start = time.perf_counter()
     m = _Model(problem)
     m.add_availability()
@@ -104,11 +105,11 @@ def _solve(problem: Problem, budget, peak, solver: str, time_limit_s: float, mip
     m.set_objective(minimize_memory=minimize_memory)
     if not m.s and not m.r:  # nothing the backward reads from the forward: nothing to decide
         return Solution(set(), set(), "optimal", time.perf_counter() - start, 0.0)
-    status, gap = _run(m.lp, solver, time_limit_s, mip_gap)
+    status, gap = _run(m.lp, solver, *limits)
     if status.startswith("error") and solver == "highs":
         # HiGHS 1.x answers "Solve error" on some small infeasible models (found by the brute-force
         # property test): ask CBC before calling it a solver failure
-        status, gap = _run(m.lp, "cbc", time_limit_s, mip_gap)
+        status, gap = _run(m.lp, "cbc", *limits)
     ok = status in ("optimal", "feasible")
     return Solution(m.chosen(m.r) - m.chosen(m.s) if ok else set(), m.chosen(m.s) if ok else set(),
                     status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())
@@ -219,15 +220,16 @@ def _peak_steps(problem: Problem) -> list[int]:
     return steps
 
 
-def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float) -> tuple[str, float | None]:
+def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
+         ) -> tuple[str, float | None]:
     """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance)."""
     try:
-        lp.solve(_command(solver, time_limit_s, mip_gap, presolve=False))
+        lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False))
     except pulp.PulpSolverError:
         # CBC without preprocessing can stop at an early infeasibility proof without writing a
         # solution file; with preprocessing it reports the status properly.
         try:
-            lp.solve(_command(solver, time_limit_s, mip_gap, presolve=True))
+            lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=True))
         except pulp.PulpSolverError as e:
             return f"error: {e}", None
     if lp.status == pulp.LpStatusInfeasible:
@@ -251,12 +253,30 @@ def _reported_gap(lp: pulp.LpProblem, solver: str) -> float | None:
         return None
 
 
-def _command(solver: str, time_limit_s: float, mip_gap: float, *, presolve: bool):
+def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None, *, presolve: bool):
     if solver == "highs":
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap)
+        nodes = {"mip_max_nodes": max_nodes} if max_nodes else {}
+        return _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, **nodes)
     with warnings.catch_warnings():  # PuLP 3 deprecates its bundled CBC in favour of pulp[cbc]
         warnings.simplefilter("ignore", DeprecationWarning)
         # CBC's preprocessing can return a slightly worse plan labelled optimal ("postprocessing
         # changed objective ... possible tolerance issue"); the problems are small, so turn it off.
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap,
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, maxNodes=max_nodes,
                                  options=[] if presolve else ["preprocess off"])
+
+
+class _HiGHS(pulp.HiGHS):
+    """PuLP's HiGHS interface, which (PuLP 3.3) has no status for a stop at the node limit (HiGHS's
+    ``kSolutionLimit``) and raises KeyError after it has read the solution: read it as PuLP reads a
+    stop at the time limit (the best plan found, if any)."""
+
+    def findSolutionValues(self, lp):
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:
+            model = lp.solverModel
+            if model.getModelStatus() != model.getModelStatus().kSolutionLimit:
+                raise
+            if model.getInfo().primal_solution_status != 2:  # no feasible point found
+                return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+            return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible

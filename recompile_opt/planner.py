@@ -41,6 +41,12 @@ PEAK_PROBES, PEAK_PROBE_STEP = 2, 0.0125
 PEAK_TIE = 0.02
 # ILP solves run at once in the least-peak search (each HiGHS solve uses one thread).
 ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Branch-and-bound nodes a least-peak search solve may take. Its solves only propose candidates, so
+# the best plan found by then will do; a node limit, unlike a time limit, gives every machine the same
+# plan. The benchmark's GPT and Llama and the Hugging Face GPT-2, BERT and Llama need at most 85; two
+# of a 2-layer T5's 22 took 4470 and 7948 nodes (30 s and 20 s: its planning took 36 s, 10 s with this
+# limit, the benchmark models' plans unchanged).
+SEARCH_MAX_NODES = 200
 # Rounds of the least-peak refinement, and the recomputed values alive at the peak tried per round.
 REFINE_ROUNDS, REFINE_MOVES = 2, 16
 # A refinement move that keeps the peak must cut the recompute by this share to be taken.
@@ -178,6 +184,7 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     the recompute by ``REFINE_MIN_GAIN``."""
     # solves on threads (HiGHS releases the GIL: 11 ladder solves of a 2-layer GPT took 1.80 s in turn,
     # 0.93 s on 2 threads), each result simulated here as soon as it is in
+    kw = {**kw, "max_nodes": SEARCH_MAX_NODES}
     with ThreadPoolExecutor(max_workers=ILP_THREADS) as pool:
         def solving(points: list[tuple[tuple, float]]) -> list[Future]:
             return [pool.submit(_solve, prob, red, int(lo + f * (hi - lo)), kw, [])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from unittest import mock
 
 import pulp
@@ -613,3 +614,18 @@ def test_peak_limit_is_met(p, data):
     saved, recomputed, kept = derived(p, sol)
     assert kept + p.fwd_transient <= limit
     assert p.predicted_bwd_peak(saved, recomputed) <= limit
+
+
+def test_a_node_limit_returns_the_best_plan_found_with_its_gap():
+    # a strongly correlated knapsack (recompute time = bytes + a constant) is not solved at the root;
+    # stopped after one node, HiGHS ends with kSolutionLimit, which PuLP 3.3 cannot map (ilp._HiGHS)
+    rnd = random.Random(0)
+    entries = [inp("x", 1, needed=True)]
+    for i in range(60):
+        w = rnd.randint(1000, 9999)
+        entries.append(op(f"v{i}", ["x"], w / 1000, w + 1000))
+    p = problem(*entries)
+    budget = p.kept_bytes(*p.needed_closure(set())) // 2 + 12345
+    sol = ilp.solve(p, budget=budget, max_nodes=1, mip_gap=0.0)
+    assert sol.status == "feasible" and sol.gap is not None and sol.gap > 0
+    assert derived(p, sol)[2] <= budget
