@@ -36,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _options(args) -> dict:
     out = {"policy": args.policy}
     if args.budget is not None:
-        out["memory_budget"] = float(args.budget) if args.budget.replace(".", "", 1).isdigit() else args.budget
+        try:  # a fraction, else bytes with units (the option's own parser judges either)
+            out["memory_budget"] = float(args.budget)
+        except ValueError:
+            out["memory_budget"] = args.budget
     if args.peak is not None:
         out["peak_memory"] = args.peak
     return out
@@ -75,28 +78,22 @@ def main(argv=None) -> None:
     part = partitioners[-1]
     plan = part.plans[-1]
     simulated = peak.timeline(part.last_forward, part.last_backward)
-    print(f"{args.model}, options {_options(args)}: kept {plan.saved_bytes / MiB:.2f} MiB; "
-          f"peak measured {_peak(measured) / MiB:.2f} MiB, predicted {plan.predicted_peak_bytes / MiB:.2f} MiB")
     big = args.min_mib * MiB
-    live, shown = 0, []
+    live = top = 0
+    shown = []
     for nbytes in measured:
         live += nbytes
+        top = max(top, live)
         if abs(nbytes) >= big:
             shown.append(f"{nbytes / MiB:+.2f}[{live / MiB:.1f}]")
+    print(f"{args.model}, options {_options(args)}: kept {plan.saved_bytes / MiB:.2f} MiB; "
+          f"peak measured {top / MiB:.2f} MiB, predicted {plan.predicted_peak_bytes / MiB:.2f} MiB")
     print(f"\nmeasured (allocator records, +/-MiB[live MiB after], events of {args.min_mib:g} MiB or more):")
     print(" ".join(shown))
     print("\nsimulated (phase, kernel, +/-MiB, live MiB after, buffer):")
     for phase, kernel, nbytes, live, name in simulated:
         if abs(nbytes) >= big:
             print(f"  {phase:8s} k{kernel:<4d} {nbytes / MiB:+6.2f} {live / MiB:7.2f}  {name}")
-
-
-def _peak(events: list[int]) -> int:
-    live = top = 0
-    for nbytes in events:
-        live += nbytes
-        top = max(top, live)
-    return top
 
 
 if __name__ == "__main__":

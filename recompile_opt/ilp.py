@@ -275,7 +275,8 @@ class _HiGHS(pulp.HiGHS):
             return super().findSolutionValues(lp)
         except KeyError:
             model = lp.solverModel
-            if model.getModelStatus() != model.getModelStatus().kSolutionLimit:
+            status = model.getModelStatus()
+            if status != type(status).kSolutionLimit:  # highspy's HighsModelStatus
                 raise
             if model.getInfo().primal_solution_status != 2:  # no feasible point found
                 return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound

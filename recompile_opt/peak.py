@@ -108,26 +108,28 @@ def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int
     """Every simulated allocation and free, in order: (phase, kernel index, signed bytes, live bytes
     after, buffer name). Why: set against the measured allocator records of the same step
     (``bench/peak_timeline.py``) it shows where the simulation departs from Inductor."""
-    traces = _simulate(fw, bw, traced=True, both=True)
-    return [(phase, i, nbytes, live, name) for phase, trace in zip(("forward", "backward"), traces)
+    _, fw_trace, _, bw_trace = _run_step(fw, bw, traced=True)
+    return [(phase, i, nbytes, live, name) for phase, trace in (("forward", fw_trace), ("backward", bw_trace))
             for i, nbytes, live, name in trace.events]
 
 
-def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False, both: bool = False):
-    """(peak, phase of the peak, that phase's graph, its PeakTrace or None); ``both``: the two
-    phases' PeakTraces instead."""
+def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
+    """(peak, phase of the peak, that phase's graph, its PeakTrace or None)."""
+    fw_peak, fw_trace, bw_peak, bw_trace = _run_step(fw, bw, traced)
+    if fw_peak > bw_peak:
+        return fw_peak, "forward", fw, fw_trace
+    return bw_peak, "backward", bw, bw_trace
+
+
+def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool):
+    """The forward's peak and PeakTrace (None unless ``traced``), then the backward's."""
     fw_trace = PeakTrace() if traced else None
     live, peak, buffers, owner = _run_forward(fw, fw_trace)
     keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
     used = set(keys.values())
     live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
     bw_trace = PeakTrace(start={k: buffers[k] for k in used}) if traced else None
-    bw_peak = _run_backward(bw, live, keys, buffers, bw_trace)
-    if both:
-        return fw_trace, bw_trace
-    if peak > bw_peak:
-        return peak, "forward", fw, fw_trace
-    return bw_peak, "backward", bw, bw_trace
+    return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace), bw_trace
 
 
 def _run_forward(gm: fx.GraphModule, trace: PeakTrace | None = None
@@ -182,9 +184,9 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
         trace.alive, trace.kernels = dict(alive), len(order)
     for i, k in enumerate(order):
         made = [n for n in k.outputs if n not in taken]
-        live += sum(size.get(n, 0) for n in made)
         if trace is not None:
-            _log(trace, i, [(n, size.get(n, 0)) for n in made], live - sum(size.get(n, 0) for n in made))
+            _log(trace, i, [(n, size.get(n, 0)) for n in made], live)
+        live += sum(size.get(n, 0) for n in made)
         if alive is not None:
             alive.update((n, size.get(n, 0)) for n in made)
             alive.update((n, alive.pop(taken[n], 0)) for n in k.outputs if n in taken)
