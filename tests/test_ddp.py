@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import socket
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -25,6 +27,10 @@ WORLD = 2
 STEPS = 3
 ROWS = 2  # per rank
 N_BUCKETS = 2  # 1.6 MiB of parameters: DDP's first 1 MiB bucket and the rest
+# a stalled rank fails the test instead of hanging it: gloo's own default is 30 min per collective, and
+# mp.spawn's join has no deadline (a rank compiles for up to 80 s here, so both are generous)
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+JOIN_DEADLINE_S = 480
 
 
 # wide enough (1.6 MiB of parameters) to fill more than DDP's first 1 MiB bucket, so that Dynamo's
@@ -52,7 +58,7 @@ def _worker(rank: int, port: int, wrap: str, options: dict, optimize_ddp: bool, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
     try:
         model = _model()
         idx, tgt = (t[rank * ROWS:(rank + 1) * ROWS] for t in _batch())
@@ -73,6 +79,18 @@ def _worker(rank: int, port: int, wrap: str, options: dict, optimize_ddp: bool, 
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _run_ranks(fn, args):
+    """``mp.spawn`` with a deadline: a rank that raises fails the test (its traceback in the error), and
+    ranks still running after ``JOIN_DEADLINE_S`` are killed and fail it too."""
+    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_DEADLINE_S
+    while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed")
 
 
 def DDP(module):
@@ -112,8 +130,7 @@ SLOW = {"compile(ddp)-budget0.5", "ddp(compile)", "ddp(compile)-optimize_ddp-off
 def test_ddp_gradients_equal_single_process(case, tmp_path):
     wrap, options, optimize_ddp = CASES[case]
     options = {**options, "compiler": "eager"}
-    mp.spawn(_worker, args=(_free_port(), wrap, options, optimize_ddp, str(tmp_path)), nprocs=WORLD,
-             join=True)
+    _run_ranks(_worker, (_free_port(), wrap, options, optimize_ddp, str(tmp_path)))
     ref = _reference_grads()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, res in enumerate(results):
