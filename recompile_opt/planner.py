@@ -531,6 +531,7 @@ def _reason(v, action: str, policy: str, free: bool) -> str:
 def _describe(problem: Problem, options: Options, graph: str, saved: set[str], recomputed: set[str],
               *, baseline, budget, min_bytes, solver_info, notes) -> Plan:
     kept_entries, rec_entries, charged = [], [], set()
+    kept_storages = {problem.values[n].storage for n in saved}
     for name, v in problem.values.items():
         if name in saved:
             b = 0 if v.storage in charged else problem.storage_bytes.get(v.storage, 0)
@@ -538,7 +539,9 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
             free = problem.storage_bytes.get(v.storage, 0) == 0
             kept_entries.append(_entry(v, KEEP, _reason(v, KEEP, options.policy, free), b))
         elif name in recomputed and v.in_forward:  # backward-only values are not recomputation
-            rec_entries.append(_entry(v, RECOMPUTE, _reason(v, RECOMPUTE, options.policy, False), 0))
+            view = v.storage != name and v.storage in kept_storages and not v.flops and not v.tag
+            reason = "view" if view else _reason(v, RECOMPUTE, options.policy, False)  # remade from a kept buffer
+            rec_entries.append(_entry(v, RECOMPUTE, reason, 0))
             if v.random and v.in_forward:
                 kept_entries.append(PlanEntry(name=f"{name}.rng_state", op="rng_state", action=KEEP,
                                               reason="rng", bytes=problem.rng_state_bytes,
