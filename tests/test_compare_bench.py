@@ -140,7 +140,8 @@ def test_external_runner_missing_is_an_error_row(tmp_path, monkeypatch):
 def test_tiny_run_through_main(tmp_path, capsys):
     out = tmp_path / "out.json"
     argv = ["--layers", "1", "--embd", "32", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-            "--repeats", "1", "--strategies", "eager-selective,ours-0.5,ours-peak-64MiB", "--ours-compiler", "eager", "--jobs", "2",
+            "--repeats", "1", "--strategies", "eager-selective,ours-0.5,ours-peak-64MiB", "--ours-compiler", "eager",
+            "--jobs", "2", "--timeout", "600",  # a stuck worker fails this test before pytest's limit
             "--json", str(out), "--csv", str(tmp_path / "out.csv"), "--md", str(tmp_path / "out.md")]
     assert compare.main(argv) == 0
     data = json.loads(out.read_text())
