@@ -56,3 +56,20 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
     plans = recompile_opt.last_plans()
     assert plans, "no plan recorded: the model was not compiled by recompile_opt"
     return plans[-1]
+
+
+def partitioned(model, inputs, options: dict):
+    """Run one forward and backward through our partitioner with the eager compiler; its
+    ``RecompilePartitioner`` (``plans``, ``last_forward``, ``last_backward``) for the last graph."""
+    from recompile_opt.backend import RecompilePartitioner, compile_eager
+    from recompile_opt.options import parse_options
+
+    parts = []
+
+    def backend(gm, example_inputs):
+        parts.append(RecompilePartitioner(parse_options({**options, "compiler": "eager"})))
+        return compile_eager(gm, example_inputs, parts[-1])
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(*inputs).backward()
+    return parts[-1]

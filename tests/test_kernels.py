@@ -13,6 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import recompile_opt
 from recompile_opt import kernels, measure, models, peak
 
+from helpers import partitioned
+
 UNIT = 256 * 256 * 4
 
 
@@ -134,18 +136,7 @@ def test_predicted_peak_within_ten_percent_of_measured(name, options):
 
 def test_the_simulated_timeline_reaches_the_predicted_peak():
     # bench/peak_timeline.py sets these events against the allocator's: they must be the sweep's own
-    from recompile_opt.backend import RecompilePartitioner, compile_eager
-    from recompile_opt.options import parse_options
-
-    model, batch = models.demo_llama(n_layer=1, n_embd=64, seq=32, batch=2)
-    parts = []
-
-    def backend(gm, example_inputs):
-        parts.append(RecompilePartitioner(parse_options({"memory_budget": 0.0, "compiler": "eager"})))
-        return compile_eager(gm, example_inputs, parts[-1])
-
-    torch.compile(model, backend=backend)(*batch).backward()
-    part = parts[-1]
+    part = partitioned(*models.demo_llama(n_layer=1, n_embd=64, seq=32, batch=2), {"memory_budget": 0.0})
     events = peak.timeline(part.last_forward, part.last_backward)
     assert {phase for phase, *_ in events} == {"forward", "backward"}
     assert max(live for *_, live, _ in events) == part.plans[-1].predicted_peak_bytes

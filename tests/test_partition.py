@@ -10,7 +10,7 @@ from recompile_opt.measure import saved_report
 from recompile_opt.options import parse_options
 from recompile_opt.passes.partition import backward_saved_inputs, partition
 
-from helpers import tiny_gpt, tiny_llama
+from helpers import partitioned, tiny_gpt, tiny_llama
 
 SETTINGS = [{}, {"memory_budget": 0.5}, {"memory_budget": 0.1}, {"memory_budget": 0.0},
             {"policy": "full"}, {"policy": "megatron-selective"}]
@@ -110,20 +110,10 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
 
 def _saved_storages_shared(make, budget):
     """The forward's saved activations (not parameters or inputs) that share a storage, by base."""
-    from recompile_opt.backend import RecompilePartitioner, compile_eager
     from recompile_opt.cost_model import base_of
-    from recompile_opt.options import parse_options
 
-    model, batch = make()
-    parts = []
-
-    def backend(gm, example_inputs):
-        parts.append(RecompilePartitioner(parse_options({"memory_budget": budget, "compiler": "eager"})))
-        return compile_eager(gm, example_inputs, parts[-1])
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend)(*batch).backward()
-    outputs = next(reversed(parts[-1].last_forward.graph.nodes)).args[0]  # the loss, then what is kept
+    part = partitioned(*make(), {"memory_budget": budget})
+    outputs = next(reversed(part.last_forward.graph.nodes)).args[0]  # the loss, then what is kept
     by_base: dict[str, list[str]] = {}
     for node in outputs:
         if isinstance(node, torch.fx.Node) and base_of(node).op != "placeholder":
