@@ -74,7 +74,7 @@ def attention_cores(problem: Problem) -> list[set[str]]:
             continue
         if op not in _MATMULS or not v.inputs:
             continue
-        upstream = _ancestors(problem, v.inputs[0])
+        upstream = _ancestors_to_matmuls(problem, v.inputs[0])
         firsts = [a for a in upstream if problem.values[a].info.get("op") in _MATMULS]
         core = set()
         for first in firsts:
@@ -97,13 +97,17 @@ def with_views(problem: Problem, recompute: set[str]) -> set[str]:
     return recompute | {n for n, v in problem.values.items() if v.storage in owners and v.can_recompute}
 
 
-def _ancestors(problem: Problem, name: str) -> set[str]:
+def _ancestors_to_matmuls(problem: Problem, name: str) -> set[str]:
+    """``name`` and its ancestors, not walking past any op with FLOPs (a matmul, addmm, SDPA), which is
+    included as the boundary. Why: the lhs of block 1's @V descends from block 0's attention too; an
+    unbounded walk made block 0's whole attention-to-block-1 path one "core" and recomputed it."""
     seen, todo = set(), [name]
     while todo:
         n = todo.pop()
         if n not in seen:
             seen.add(n)
-            todo.extend(problem.values[n].inputs)
+            if n == name or not problem.values[n].flops:
+                todo.extend(problem.values[n].inputs)
     return seen
 
 
