@@ -55,6 +55,17 @@ def test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet():
     assert plan.predicted_peak_bytes <= least.predicted_peak_bytes
 
 
+def test_a_limit_just_above_the_least_peak_gets_less_recompute_than_the_least_peak_plan():
+    # no kept-byte level of the walk fits 10% above the GPT's least peak, but the least-peak search
+    # meets plans there that recompute less than its winner: the limit takes the cheapest that fits
+    model, inputs = models.demo_gpt()
+    least = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    limit = int(least.predicted_peak_bytes * 1.10)
+    plan = recompile_opt.plan(model, inputs, peak_memory=limit, strict=True)
+    assert plan.predicted_peak_bytes <= limit
+    assert plan.recompute_s < least.recompute_s * 0.9, (plan.summary(), least.summary())
+
+
 def test_a_peak_limit_below_any_plan_warns_or_raises(ends):
     _, least = ends
     model, inputs = tiny_gpt()
