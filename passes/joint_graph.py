@@ -147,7 +147,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
     cost = node_cost(node, roofline, fused=_fuses_when_recomputed(jg, node))
     is_primal = node.op == "placeholder"
     target = node.target
-    impure = node.op == "call_function" and (node.is_impure() and not ti.is_random_op(target))
+    impure = node.op == "call_function" and (node.is_impure() and not ti.is_seeded_op(target))
     return Value(
         name=node.name, storage=storage,
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
@@ -155,12 +155,23 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         can_save=is_tensor,
         can_recompute=not (is_primal or node.op == "get_attr" or impure or ti.is_collective_op(target)
                            or _upcasts_low_precision(node)),
-        in_forward=node in jg.required_fw or is_primal,
-        random=node.op == "call_function" and ti.is_random_op(target),
+        in_forward=_made_by_forward(jg, node),
+        random=node.op == "call_function" and ti.is_random_op(node),
         recompute_s=cost.seconds, flops=cost.flops,
         first_use=min(bwd_uses, default=len(jg.bwd_nodes)), last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )
+
+
+def _made_by_forward(jg: JointGraph, node: fx.Node) -> bool:
+    """Whether the forward makes this value anyway: a node the forward's outputs need, a primal, or an
+    element of a tuple the forward makes (SDPA's logsumexp, dropout's mask: read only by the backward,
+    so not "required" by the forward, yet free to keep). Why: as backward-only values they were
+    recomputed by every fixed policy, so ``save-all`` re-ran each layer's SDPA in the backward and
+    replayed every dropout instead of keeping its mask."""
+    if node in jg.required_fw or node.op == "placeholder":
+        return True
+    return node.target is operator.getitem and node.args[0] in jg.required_fw
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)

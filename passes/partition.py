@@ -153,7 +153,7 @@ def _tag_replayed_random_ops(nodes: list[fx.Node], recomputed: set[str]) -> list
     """Mark the random ops we recompute so ``functionalize_rng_ops`` wraps them; clear stale marks."""
     replayed = []
     for n in nodes:
-        if n.op != "call_function" or not ti.is_random_op(n.target):
+        if n.op != "call_function" or not ti.is_random_op(n):
             continue
         if n.name in recomputed:
             n.meta["recompute"] = ti.CheckpointPolicy.MUST_RECOMPUTE

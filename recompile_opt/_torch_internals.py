@@ -56,7 +56,7 @@ __all__ = [
     "dynamo_config", "flop_registry", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
-    "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_random_op", "is_collective_op",
+    "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
 ]
 
@@ -166,9 +166,26 @@ def dce_impure_random() -> bool:
     return bool(inductor_config.fallback_random) if TracingContext.try_get() else True
 
 
-def is_random_op(target) -> bool:
-    """Ops whose result depends on the global RNG: recomputing them must replay a saved RNG state."""
+def is_seeded_op(target) -> bool:
+    """Ops tagged as drawing from the RNG, which FX therefore calls impure (never dead-code
+    eliminated); recomputable all the same, replayed when they do draw (:func:`is_random_op`)."""
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def is_random_op(node) -> bool:
+    """A call whose result depends on the global RNG: recomputing it must replay a saved RNG state.
+    An op tagged ``nondeterministic_seeded`` whose ``dropout_p`` argument is 0 draws nothing (SDPA
+    without dropout): treated as random, each recomputed SDPA kept a 5 KiB CPU RNG state for nothing,
+    and with ``fallback_random`` (no replay) it could not be recomputed at all."""
+    target = getattr(node, "target", None)
+    if not is_seeded_op(target):
+        return False
+    schema = getattr(target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == "dropout_p":
+            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+            return not (isinstance(p, (int, float)) and p == 0)
+    return True
 
 
 def is_collective_op(target) -> bool:

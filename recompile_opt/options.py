@@ -109,6 +109,10 @@ def parse_options(raw: dict | Options | None) -> Options:
             raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: {list(allowed)}")
         if name in raw:
             out[name] = raw[name]
+    limits = [n for n in ("memory_budget", "peak_memory") if raw.get(n) is not None]
+    if out.get("policy", "auto") != "auto" and limits:
+        raise OptionError(f"option 'policy': {out['policy']!r} is a fixed baseline and takes no "
+                          f"{' or '.join(limits)}; accepted with a limit: 'auto' (the default, the ILP)")
     if "strict" in raw:
         if not isinstance(raw["strict"], bool):
             raise OptionError(f"option 'strict': got {raw['strict']!r}; accepted values: True, False")

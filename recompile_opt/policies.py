@@ -5,8 +5,8 @@ from :meth:`Problem.needed_closure`. They find their structure from the graph, n
 
 * ``save-all``: recompute nothing (what eager PyTorch keeps).
 * ``full``: keep only what crosses a transformer block boundary, recompute the rest of each block
-  (``torch.utils.checkpoint`` around every block). Blocks are the repeated ``<path>.<index>`` module
-  prefixes, e.g. ``blocks.3``.
+  (``torch.utils.checkpoint`` around every block). Blocks are module paths up to their first index,
+  e.g. ``blocks.3``, or ``3`` in a top-level ``nn.Sequential``.
 * ``megatron-selective``: recompute exactly the attention core (Korthikanti et al. 2022, §4.2): every
   value from the QK^T matmul to the input of the @V matmul (scale, mask, softmax, dropout), plus the
   values that only feed it. With SDPA the core is the SDPA call itself and no s x s tensor exists.
@@ -18,7 +18,7 @@ import re
 
 from recompile_opt.problem import Problem
 
-_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+_BLOCK = re.compile(r"^((?:.*?\.)??\d+)(?:\.|$)")  # "blocks.3.attn" -> "blocks.3"; "0.mlp.2" -> "0"
 _MATMULS = ("bmm", "matmul", "baddbmm")
 
 
@@ -51,15 +51,15 @@ def consumers(problem: Problem) -> dict[str, list[str]]:
 
 
 def full(problem: Problem) -> set[str]:
+    """Everything inside a block but its outputs (values read outside it) and their storages: a block
+    ending in a view (``out.view(b, s, h)``) keeps the view's base, else :func:`with_views` would
+    recompute the output with its base and the whole stack became one recompute segment."""
     users = consumers(problem)
     blocks = find_blocks(problem)
-    recompute = set()
-    for name, v in problem.values.items():
-        block = blocks[name]
-        if block is None or not v.can_recompute:
-            continue
-        if not any(blocks.get(u) != block for u in users[name]):  # block outputs stay kept
-            recompute.add(name)
+    outputs = {problem.values[n].storage or n for n, b in blocks.items()
+               if b is not None and any(blocks.get(u) != b for u in users[n])}
+    recompute = {n for n, v in problem.values.items()
+                 if blocks[n] is not None and v.can_recompute and (v.storage or n) not in outputs}
     return with_views(problem, recompute)
 
 

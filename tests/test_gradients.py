@@ -5,7 +5,9 @@ and off. Runs through the same joint passes and partitioner as Inductor, with th
 import pytest
 import torch
 
-from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
+from recompile_opt.models import GPT, GPTConfig, example_batch
+
+from helpers import TINY_GPT, tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 
 BUDGETS = [None, 0.5, 0.1, 0.0]
 POLICIES = ["save-all", "full", "megatron-selective"]
@@ -36,8 +38,20 @@ def test_dropout_replays_the_same_mask(setting):
     with torch._inductor.config.patch(fallback_random=True):
         plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4,
                                   atol=1e-5)
-    if setting in (0.0, "full"):
+    if setting == "full":
         assert any(e.reason == "rng" for e in plan.recomputed), "expected a replayed random op"
+
+
+def test_least_peak_plan_replays_a_dropout_whose_mask_outweighs_its_rng_state():
+    # at s=64 an attention dropout's bool mask (16 KiB) outweighs the 5 KiB CPU RNG state a replay
+    # keeps, so the 0.0 plan replays it (at s=16 its 1 KiB mask is kept instead); same masks as eager
+    cfg = GPTConfig(**{**TINY_GPT, "block_size": 64}, dropout=0.1)
+    torch.manual_seed(0)
+    module, inputs = GPT(cfg), example_batch(cfg, 2)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(module, inputs, options=_options(0.0), steps=3, rtol=1e-4, atol=1e-5)
+    replayed = [e.module for e in plan.recomputed if e.reason == "rng"]
+    assert any("attn_dropout" in m for m in replayed), plan
 
 
 def test_eager_compiler_draws_eagers_dropout_masks_without_a_config_patch():

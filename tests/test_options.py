@@ -23,6 +23,8 @@ from helpers import tiny_mlp
     ({"solver": "gurobi"}, r"'solver'.*\['cbc', 'highs'\]"),
     ({"strict": "yes"}, r"'strict'.*True, False"),
     ({"time_limit_s": 0}, r"'time_limit_s'.*positive"),
+    ({"policy": "full", "memory_budget": 0.2}, r"'policy'.*'full' is a fixed baseline.*memory_budget.*'auto'"),
+    ({"policy": "save-all", "peak_memory": "1GiB"}, r"'policy'.*'save-all'.*peak_memory"),
 ])
 def test_bad_options_name_the_option_and_the_accepted_values(raw, match):
     with pytest.raises(OptionError, match=match):
