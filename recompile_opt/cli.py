@@ -59,19 +59,25 @@ def cmd_plan(args) -> None:
         print(f"wrote {args.json}")
 
 
-def cmd_show(args) -> None:
+def _read_plans(path: str) -> list:
+    """The plans of a JSON file: one plan, or a list of them (a model of several graphs)."""
     from recompile_opt.plan import Plan
 
-    data = json.loads(Path(args.plan).read_text())
-    for d in data if isinstance(data, list) else [data]:
-        print(Plan.from_json(json.dumps(d)))
+    data = json.loads(Path(path).read_text())
+    return [Plan.from_json(json.dumps(d)) for d in (data if isinstance(data, list) else [data])]
+
+
+def cmd_show(args) -> None:
+    for plan in _read_plans(args.plan):
+        print(plan)
 
 
 def cmd_diff(args) -> None:
-    from recompile_opt.plan import Plan
-
-    a, b = (Plan.from_json(Path(p).read_text()) for p in (args.a, args.b))
-    print(a.diff(b))
+    a, b = _read_plans(args.a), _read_plans(args.b)
+    if len(a) != len(b):
+        raise SystemExit(f"recompile-opt diff: {args.a} holds {len(a)} plan(s), {args.b} {len(b)}; "
+                         "diff compares files of the same model, graph by graph")
+    print("\n\n".join(pa.diff(pb) for pa, pb in zip(a, b)))
 
 
 def cmd_demo(args) -> None:

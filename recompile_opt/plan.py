@@ -153,15 +153,19 @@ class Plan:
         lines = [f"plan diff: kept {fmt_bytes(self.saved_bytes)} -> {fmt_bytes(other.saved_bytes)}, "
                  f"recompute {fmt_flops(self.recompute_flops)} -> {fmt_flops(other.recompute_flops)}, "
                  f"peak {fmt_bytes(self.predicted_peak_bytes)} -> {fmt_bytes(other.predicted_peak_bytes)}"]
+        if self.graph != other.graph:
+            lines.append(f"  note: different graphs ({self.graph} and {other.graph}): values are matched by "
+                         "node name only")
+        header = len(lines)
         for name in sorted(set(mine) | set(theirs), key=lambda n: _node_order(n)):
             a, b = mine.get(name), theirs.get(name)
             before = a.action if a else "-"
             after = b.action if b else "-"
-            if before != after:
-                e = b or a
+            if before != after:  # the bytes of the side that keeps it (a recomputed entry has none)
+                e = a if a is not None and a.action == KEEP else (b or a)
                 lines.append(f"  {name:<24} {before:>9} -> {after:<9} {e.op:<20} "
                              f"{fmt_bytes(e.bytes):>10} {e.module}")
-        if len(lines) == 1:
+        if len(lines) == header:
             lines.append("  (same decisions)")
         return "\n".join(lines)
 

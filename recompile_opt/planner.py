@@ -90,8 +90,9 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
         sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes, simulate, solves)
         solver_info.update(solves=solves.solves, solves_s=round(solves.seconds, 3))
         recompute, keep = sol.recompute, sol.keep
-    else:
-        recompute = POLICIES[options.policy](problem)
+    else:  # the user's MUST_* tags hold under a fixed policy too
+        tagged = {t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")}
+        recompute = (POLICIES[options.policy](problem) | tagged["must_recompute"]) - tagged["must_save"]
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         _note_policy(problem, options.policy, notes)
@@ -119,13 +120,14 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
         if key in _RANGE_ENDS:  # another fraction of the same graph: same range, same least-peak plan
             min_bytes, floor, least_peak, note = _RANGE_ENDS[key]
             notes.extend([note] if note else [])
-        else:
-            min_bytes = _least_bytes(problem, reduction, kw)
+        else:  # the range's ends know no peak limit: a simulated limit is applied below, by _fit_peak
+            range_kw = {**kw, "peak": None} if fit_peak else kw
+            min_bytes = _least_bytes(problem, reduction, range_kw)
             floor, least_peak = min_bytes, None
             if key is not None:
-                floor, least_peak, _ = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+                floor, least_peak, _ = _least_peak(problem, reduction, range_kw, min_bytes, baseline, simulate, notes)
                 _RANGE_ENDS[key] = (min_bytes, floor, least_peak, notes[-1] if least_peak else None)
-        if budget == 0.0 and least_peak is not None:
+        if budget == 0.0 and least_peak is not None and not fit_peak:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))
     if fit_peak:
@@ -497,7 +499,8 @@ def _one_tensor_per_storage(problem: Problem, recompute: set[str], keep: set[str
         if storage and problem.storage_bytes.get(storage, 0) > 0:
             groups.setdefault(storage, []).append(name)
     shared = {s for s, names in groups.items()
-              if len(names) > 1 and s in problem.values and problem.values[s].can_save}
+              if len(names) > 1 and s in problem.values and problem.values[s].can_save
+              and problem.values[s].tag != "must_recompute"}
     if not shared:
         return saved, recomputed
     # every view of those storages, so that the chain from the kept value to a view the backward reads
@@ -523,8 +526,13 @@ def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
 
 
 def _note_prefer_tags(problem: Problem, saved: set[str], recomputed: set[str], notes: list[str]) -> None:
+    kept_storages = {problem.values[n].storage for n in saved}
     for name, v in problem.values.items():
-        if v.tag == "prefer_save" and name in recomputed:
+        remade_view = v.storage != name and v.storage in kept_storages  # same memory as keeping it
+        if v.tag in ("prefer_save", "must_save") and name in recomputed and remade_view:
+            notes.append(f"{name}: {v.tag.upper()} met by keeping its buffer {v.storage} (the view is "
+                         "remade from it: no two kept tensors share memory)")
+        elif v.tag == "prefer_save" and name in recomputed:
             notes.append(f"{name}: PREFER_SAVE overridden, the budget forces a recompute")
         elif v.tag == "prefer_recompute" and name in saved and v.can_recompute:
             notes.append(f"{name}: PREFER_RECOMPUTE overridden, kept (cheaper or required)")

@@ -1,5 +1,6 @@
 """The command line, plan_dir, the plan cache on an Inductor cache hit, and the multi-graph error."""
 
+import json
 import subprocess
 import sys
 
@@ -23,6 +24,20 @@ def test_plan_show_and_diff(tmp_path, capsys):
     main(["diff", str(a), str(b)])
     diff = capsys.readouterr().out
     assert "plan diff: kept" in diff and "keep ->" in diff and "recompute" in diff
+
+
+def test_diff_of_files_holding_several_graphs_plans(tmp_path, capsys):
+    # `recompile-opt plan --json` writes a list for a model of several graphs: diff goes graph by graph
+    model, inputs = tiny_mlp()
+    plans = [recompile_opt.plan(model, inputs, memory_budget=f) for f in (None, 0.0)]
+    a, b, one = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "one.json"
+    a.write_text(json.dumps([plans[0].to_dict(), plans[0].to_dict()]))
+    b.write_text(json.dumps([plans[1].to_dict(), plans[1].to_dict()]))
+    one.write_text(plans[1].to_json())
+    main(["diff", str(a), str(b)])
+    assert capsys.readouterr().out.count("plan diff: kept") == 2
+    with pytest.raises(SystemExit, match="2 plan.*1"):
+        main(["diff", str(a), str(one)])
 
 
 def test_entry_point_backend_works_without_import():

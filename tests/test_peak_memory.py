@@ -66,6 +66,21 @@ def test_a_limit_just_above_the_least_peak_gets_less_recompute_than_the_least_pe
     assert plan.recompute_s < least.recompute_s * 0.9, (plan.summary(), least.summary())
 
 
+def test_a_fraction_and_a_peak_limit_together():
+    # the fraction's range is that of no peak limit; at 0.0 the limit is still checked, and met
+    model, inputs = tiny_gpt(dropout=0.1)
+    least = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    half = recompile_opt.plan(model, inputs, memory_budget=0.5)
+    limit = int(least.predicted_peak_bytes * 1.07)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        at_zero = recompile_opt.plan(model, inputs, memory_budget=0.0, peak_memory=limit, strict=True)
+        at_half = recompile_opt.plan(model, inputs, memory_budget=0.5, peak_memory=limit, strict=True)
+    assert at_zero.predicted_peak_bytes <= limit and at_zero.saved_bytes <= least.saved_bytes
+    assert at_half.predicted_peak_bytes <= limit and at_half.budget_bytes == half.budget_bytes
+    assert at_zero.min_bytes == least.min_bytes
+
+
 def test_a_peak_limit_below_any_plan_warns_or_raises(ends):
     _, least = ends
     model, inputs = tiny_gpt()

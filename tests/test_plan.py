@@ -28,7 +28,7 @@ import warnings
 import pytest
 
 from recompile_opt.options import parse_options
-from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry
+from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.planner import InfeasibleBudget, make_plan
 from recompile_opt.problem import Problem, Value
 
@@ -213,6 +213,8 @@ def test_diff_lists_what_moves(plans):
     assert "(same decisions)" not in text
     relu_line = next(line for line in text.splitlines() if line.strip().startswith("relu "))
     assert "relu" in relu_line and MLP in relu_line
+    kept = next(e for e in plans["6MiB"].saved if e.name == "relu")  # the bytes it stops keeping
+    assert kept.bytes > 0 and fmt_bytes(kept.bytes) in relu_line
 
 
 def test_diff_from_save_all(plans):

@@ -69,6 +69,17 @@ def test_prefer_save_gives_way_to_the_budget_and_the_plan_says_so():
     assert any("PREFER_SAVE overridden" in n for n in tight.notes)
 
 
+@pytest.mark.parametrize("policy", ["save-all", "full", "megatron-selective"])
+def test_must_tags_hold_under_a_fixed_policy(policy):
+    model, x = _model({torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+                       torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE})
+    plan = recompile_opt.plan(model, x, policy=policy)
+    assert not _op(plan, "relu", "keep") and not _op(plan, "sin", "keep"), plan
+    model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE})
+    plan = recompile_opt.plan(model, x, policy=policy)
+    assert not _op(plan, "addmm", "recompute"), plan
+
+
 @pytest.mark.parametrize("budget", [None, 0.0])
 def test_tagged_model_gradients_equal_eager(budget):
     model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
