@@ -319,6 +319,14 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     kw = {**kw, "peak": None}
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
+    if budget is not None and min_bytes is not None and budget < min_bytes:  # the byte limit first
+        msg = (f"recompile_opt: memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
+               f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
+        if options.strict:
+            raise InfeasibleBudget(msg + " (strict=True)")
+        warnings.warn(msg + "; planning for the peak limit at that least")
+        notes.append(msg + "; planning for the peak limit at that least")
+        budget = min_bytes
     top = baseline if budget is None else min(budget, baseline)
     limit = options.peak_memory
 

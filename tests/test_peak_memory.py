@@ -81,6 +81,19 @@ def test_a_fraction_and_a_peak_limit_together():
     assert at_zero.min_bytes == least.min_bytes
 
 
+def test_a_byte_budget_below_the_least_with_a_peak_limit_names_the_byte_budget(ends):
+    # the byte budget is what cannot be met: say so, and meet the (loose) peak limit at the least bytes
+    save_all, least = ends
+    model, inputs = tiny_gpt()
+    limit = 2 * save_all.predicted_peak_bytes
+    with pytest.raises(InfeasibleBudget, match="memory_budget=300 B is below the least"):
+        recompile_opt.plan(model, inputs, memory_budget=300, peak_memory=limit, strict=True)
+    with pytest.warns(UserWarning, match="memory_budget=300 B is below the least") as record:
+        plan = recompile_opt.plan(model, inputs, memory_budget=300, peak_memory=limit)
+    assert not [w for w in record if "peak_memory" in str(w.message)]
+    assert plan.saved_bytes == least.min_bytes and plan.predicted_peak_bytes <= limit
+
+
 def test_a_peak_limit_below_any_plan_warns_or_raises(ends):
     _, least = ends
     model, inputs = tiny_gpt()
