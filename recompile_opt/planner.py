@@ -320,12 +320,12 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
     if budget is not None and min_bytes is not None and budget < min_bytes:  # the byte limit first
-        msg = (f"recompile_opt: memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
-               f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
+        msg = "recompile_opt: " + _below_least(budget, min_bytes)
         if options.strict:
             raise InfeasibleBudget(msg + " (strict=True)")
-        warnings.warn(msg + "; planning for the peak limit at that least")
-        notes.append(msg + "; planning for the peak limit at that least")
+        msg += "; planning for the peak limit at that least"
+        warnings.warn(msg)
+        notes.append(msg)
         budget = min_bytes
     top = baseline if budget is None else min(budget, baseline)
     limit = options.peak_memory
@@ -392,8 +392,7 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     min_bytes = _least_bytes(problem, reduction, kw)
     what = []
     if budget is not None and (min_bytes is None or budget < min_bytes):
-        what.append(f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
-                    f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
+        what.append(_below_least(budget, min_bytes))
     if options.peak_memory is not None:
         what.append(f"peak_memory={fmt_bytes(options.peak_memory)} cannot be met")
     msg = "recompile_opt: " + "; ".join(what or ["the limits cannot be met"])
@@ -406,6 +405,11 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     if sol.status not in ("optimal", "feasible"):
         sol = ilp.Solution(greedy_recompute(problem, 0), status=sol.status, solve_s=sol.solve_s)
     return sol, min_bytes
+
+
+def _below_least(budget: int, min_bytes: int | None) -> str:
+    return (f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
+            f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
 
 
 def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
