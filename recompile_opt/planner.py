@@ -126,7 +126,8 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
             floor, least_peak = min_bytes, None
             if key is not None:
                 floor, least_peak, _ = _least_peak(problem, reduction, range_kw, min_bytes, baseline, simulate, notes)
-                _RANGE_ENDS[key] = (min_bytes, floor, least_peak, notes[-1] if least_peak else None)
+                if least_peak is not None:  # a search whose solves all failed is not an answer to keep
+                    _RANGE_ENDS[key] = (min_bytes, floor, least_peak, notes[-1])
         if budget == 0.0 and least_peak is not None and not fit_peak:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))

@@ -71,3 +71,15 @@ def test_plan_can_be_called_more_often_than_dynamos_recompile_limit():
     budgets = [i / 10 for i in range(11)]  # 11 captures of the same code; Dynamo's limit is 8
     saved = [recompile_opt.plan(model, inputs, memory_budget=b).saved_bytes for b in budgets]
     assert saved == sorted(saved)
+
+
+def test_a_failed_search_is_not_remembered_for_the_next_plan(monkeypatch):
+    # the range ends of a fractional budget are kept per graph and options; a search whose solves all
+    # failed must not stand in for a real one later (a 0.0 plan then came without its least-peak search)
+    model, inputs = tiny_gpt()
+    with monkeypatch.context() as failing:
+        failing.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
+        with pytest.warns(UserWarning, match="the ILP solver failed"):
+            recompile_opt.plan(model, inputs, memory_budget=0.3)
+    plan = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert any(n.startswith("memory_budget 0.0 = the least-peak plan") for n in plan.notes), plan.notes
