@@ -19,6 +19,10 @@ reads the embedding and the last feeds the head, so their templates are exact.
 A template is its group's first block. A reference to the previous block becomes a reference to that
 position in the previous group's template (what the group's first block reads) and, when the group
 has more blocks, also in its own template (what the others read): a recompute needs both available.
+
+For stacks too short to reduce, :class:`BlockMirror` pairs the blocks' values by position, so the
+least-peak search can try each plan it meets with one block's decisions given to every block: a
+uniform plan, whose kernels Inductor builds once for all blocks.
 """
 
 from __future__ import annotations
@@ -62,18 +66,10 @@ def group_sizes(n: int) -> list[int]:
 
 def reduce_blocks(problem: Problem) -> BlockReduction | None:
     """The reduced problem, or None when there are too few identical blocks to gain from it."""
-    block_of = find_blocks(problem)
-    blocks: dict[str, list[str]] = {}
-    for name, b in block_of.items():
-        if b is not None:
-            blocks.setdefault(b, []).append(name)
-    order = list(blocks)
-    if len(order) < MIN_REPEATS:
-        return None
-    local = {n: (b, i) for b, names in blocks.items() for i, n in enumerate(names)}
-    sigs = [_signature(problem, blocks[b], local) for b in order]
-    if any(s != sigs[0] for s in sigs):
-        return None  # not all identical: solve in full
+    found = _identical_blocks(problem)
+    if found is None or len(found[2]) < MIN_REPEATS:
+        return None  # too few, or not all identical: solve in full
+    block_of, blocks, order, local = found
     sizes = group_sizes(len(order))
     groups, start = [], 0
     for k in sizes:
@@ -85,6 +81,69 @@ def reduce_blocks(problem: Problem) -> BlockReduction | None:
     members = {blocks[g[0]][i]: [blocks[b][i] for b in g] for g in groups for i in range(len(blocks[g[0]]))}
     reduced = _build(problem, block_of, local, blocks, to_template, size_of)
     return BlockReduction(reduced, members, len(order), sizes)
+
+
+@dataclass
+class BlockMirror:
+    """Every identical block's values by position, to give one block's decisions to all of them.
+
+    Why: Inductor generates each block's kernels from its plan, and identical code is built once, so
+    a plan that treats identical blocks alike builds the kernels of one block. The first block reads
+    its input from outside (the embedding) where later blocks read the previous block: ``entry_twins``
+    maps that input to the first block's value the second block reads in its place, and a uniform
+    plan keeps the input where it keeps the twin (else the first block's kernels differ)."""
+    positions: list[list[str]]  # per value position in a block: that value in every block, in order
+    entry_twins: dict[str, str]  # outside value the first block reads -> its twin in the first block
+
+    @property
+    def repeats(self) -> int:
+        return len(self.positions[0])
+
+    def mirror(self, names: set[str], source: int) -> set[str]:
+        """``names`` (values to recompute, or to keep) with block ``source``'s decisions given to every
+        block; outside values as they are."""
+        inside = {n for members in self.positions for n in members}
+        out = {n for n in names if n not in inside}
+        for members in self.positions:
+            if members[source] in names:
+                out.update(members)
+        return out
+
+    def keep_entries(self, recompute: set[str]) -> set[str]:
+        """``recompute`` less the first block's inputs whose twins are not recomputed."""
+        return recompute - {u for u, twin in self.entry_twins.items() if twin not in recompute}
+
+
+def block_mirror(problem: Problem) -> BlockMirror | None:
+    """The identical blocks of ``problem`` by position, or None when there are not two of them."""
+    found = _identical_blocks(problem)
+    if found is None:
+        return None
+    block_of, blocks, order, _ = found
+    first, second = blocks[order[0]], blocks[order[1]]
+    twins = {}
+    for a, b in zip(first, second):
+        for u, w in zip(problem.values[a].inputs, problem.values[b].inputs):
+            if (block_of.get(u) is None and block_of.get(w) == order[0] and problem.values[u].can_save
+                    and problem.values[u].tag not in ("must_recompute", "prefer_recompute")):
+                twins[u] = w
+    return BlockMirror([list(ns) for ns in zip(*(blocks[b] for b in order))], twins)
+
+
+def _identical_blocks(problem: Problem):
+    """(block of each value, each block's values in order, the blocks in order, value -> (block,
+    position)) when the problem has two or more blocks and all are identical, else None."""
+    block_of = find_blocks(problem)
+    blocks: dict[str, list[str]] = {}
+    for name, b in block_of.items():
+        if b is not None:
+            blocks.setdefault(b, []).append(name)
+    order = list(blocks)
+    local = {n: (b, i) for b, names in blocks.items() for i, n in enumerate(names)}
+    sigs = [_signature(problem, blocks[b], local) for b in order]
+    if len(order) < 2 or any(s != sigs[0] for s in sigs):
+        return None
+    return block_of, blocks, order, local
 
 
 def _signature(problem: Problem, names: list[str], local: dict) -> list[tuple]:
