@@ -194,7 +194,7 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     the recompute by ``REFINE_MIN_GAIN``. Last, for a stack of identical blocks solved in full, every
     plan within ``MIRROR_RANGE`` of the least peak is tried with each block's decisions given to all
     blocks (:func:`_mirrored`), and such a uniform plan replaces the best when it is as good on both
-    counts: a peak within ``PEAK_TIE`` of it and no more recompute. Inductor builds a uniform plan's
+    counts: a peak within ``PEAK_TIE`` of the least and no more recompute. Inductor builds a uniform plan's
     block kernels once (the GPT's least-peak plan: 23 kernel modules, the asymmetric one 34). Why not
     a lower peak alone: on the Llama a uniform plan predicted 4% below the best (25.99 MiB) for twice
     its recompute measured 27.99 MiB, against the best's 25.11."""
