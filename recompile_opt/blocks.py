@@ -90,10 +90,10 @@ class BlockMirror:
     Why: Inductor generates each block's kernels from its plan, and identical code is built once, so
     a plan that treats identical blocks alike builds the kernels of one block. The first block reads
     its input from outside (the embedding) where later blocks read the previous block: ``entry_twins``
-    maps that input to the first block's value the second block reads in its place, and a uniform
-    plan keeps the input where it keeps the twin (else the first block's kernels differ)."""
+    maps that input to the first block's values the second block reads in its place, and a uniform
+    plan keeps the input where it keeps the twins (else the first block's kernels differ)."""
     positions: list[list[str]]  # per value position in a block: that value in every block, in order
-    entry_twins: dict[str, str]  # outside value the first block reads -> its twin in the first block
+    entry_twins: dict[str, tuple[str, ...]]  # outside value the first block reads -> its twins there
 
     @property
     def repeats(self) -> int:
@@ -109,9 +109,10 @@ class BlockMirror:
                 out.update(members)
         return out
 
-    def keep_entries(self, recompute: set[str]) -> set[str]:
-        """``recompute`` less the first block's inputs whose twins are not recomputed."""
-        return recompute - {u for u, twin in self.entry_twins.items() if twin not in recompute}
+    def keep_entries(self, recompute: set[str], recomputed: set[str]) -> set[str]:
+        """``recompute`` less the first block's inputs none of whose twins is recomputed
+        (``recomputed``: the plan's closure, where a view of a kept buffer counts as kept)."""
+        return recompute - {u for u, twins in self.entry_twins.items() if not recomputed & set(twins)}
 
 
 def block_mirror(problem: Problem) -> BlockMirror | None:
@@ -121,12 +122,12 @@ def block_mirror(problem: Problem) -> BlockMirror | None:
         return None
     block_of, blocks, order, _ = found
     first, second = blocks[order[0]], blocks[order[1]]
-    twins = {}
+    twins: dict[str, tuple[str, ...]] = {}
     for a, b in zip(first, second):
         for u, w in zip(problem.values[a].inputs, problem.values[b].inputs):
             if (block_of.get(u) is None and block_of.get(w) == order[0] and problem.values[u].can_save
                     and problem.values[u].tag not in ("must_recompute", "prefer_recompute")):
-                twins[u] = w
+                twins[u] = tuple(dict.fromkeys((*twins.get(u, ()), w)))
     return BlockMirror([list(ns) for ns in zip(*(blocks[b] for b in order))], twins)
 
 

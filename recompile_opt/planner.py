@@ -267,16 +267,18 @@ def _mirrored(problem: Problem, mirror: BlockMirror, found: list[_Candidate], si
     Why not search uniform plans directly: on the 2-layer GPT the ILP over one template found a least
     peak of 26.60 MiB; mirroring the full search's plans found 23.84 MiB, and for less recompute than
     the full search's own least-peak plan (28.8 against 32.1 ms, est.)."""
-    out: dict[frozenset, _Candidate] = {}
+    out: dict[tuple, _Candidate] = {}
     least = min(c.peak for c in found)
     for c in (c for c in found if c.peak <= least * MIRROR_RANGE):
         for source in range(mirror.repeats):
-            recompute = mirror.keep_entries(mirror.mirror(c.sol.recompute, source))
-            if frozenset(recompute) in out:
+            recompute, keep = mirror.mirror(c.sol.recompute, source), mirror.mirror(c.sol.keep, source)
+            recompute = mirror.keep_entries(recompute, problem.needed_closure(recompute, keep)[1])
+            key = (frozenset(recompute), frozenset(keep))
+            if key in out:
                 continue
-            sol = dataclasses.replace(c.sol, recompute=recompute, keep=mirror.mirror(c.sol.keep, source))
-            saved, recomputed = problem.needed_closure(recompute, sol.keep)
-            out[frozenset(recompute)] = _Candidate(
+            sol = dataclasses.replace(c.sol, recompute=recompute, keep=keep)
+            saved, recomputed = problem.needed_closure(recompute, keep)
+            out[key] = _Candidate(
                 simulate(saved, recomputed), problem.recompute_seconds(recomputed),
                 problem.kept_bytes(saved, recomputed), sol, c.ladder, c.level,
                 tuple(sorted(mirror.mirror(set(c.refined), source))), source)
