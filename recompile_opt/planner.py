@@ -271,13 +271,15 @@ def _mirrored(problem: Problem, mirror: BlockMirror, found: list[_Candidate], si
     least = min(c.peak for c in found)
     for c in (c for c in found if c.peak <= least * MIRROR_RANGE):
         for source in range(mirror.repeats):
-            recompute, keep = mirror.mirror(c.sol.recompute, source), mirror.mirror(c.sol.keep, source)
-            recompute = mirror.keep_entries(recompute, problem.needed_closure(recompute, keep)[1])
+            mirrored, keep = mirror.mirror(c.sol.recompute, source), mirror.mirror(c.sol.keep, source)
+            saved, recomputed = problem.needed_closure(mirrored, keep)
+            recompute = mirror.keep_entries(mirrored, recomputed)
             key = (frozenset(recompute), frozenset(keep))
             if key in out:
                 continue
+            if recompute != mirrored:  # an entry kept: the closure changes
+                saved, recomputed = problem.needed_closure(recompute, keep)
             sol = dataclasses.replace(c.sol, recompute=recompute, keep=keep)
-            saved, recomputed = problem.needed_closure(recompute, keep)
             out[key] = _Candidate(
                 simulate(saved, recomputed), problem.recompute_seconds(recomputed),
                 problem.kept_bytes(saved, recomputed), sol, c.ladder, c.level,

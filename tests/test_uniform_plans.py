@@ -1,8 +1,6 @@
 """Uniform plans: the least-peak search also tries every plan it meets with one block's decisions given
 to every identical block (``blocks.BlockMirror``), because Inductor builds identical code once."""
 
-import pytest
-
 from recompile_opt import planner
 from recompile_opt.blocks import block_mirror
 from recompile_opt.options import parse_options
@@ -12,10 +10,13 @@ from helpers import tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
 
 
+def at(module, shape=(4,)):
+    """A value's op, shape and dtype in ``module`` (what tells identical blocks apart)."""
+    return {"info": {"module": module, "op": "mul", "shape": shape, "dtype": "float32"}}
+
+
 def two_blocks(second_shape=(4,)):
     """x -> e (the embedding, outside any block) -> block 0: a0, b0 -> block 1: a1, b1 -> y."""
-    def at(module, shape=(4,)):
-        return {"info": {"module": module, "op": "mul", "shape": shape, "dtype": "float32"}}
     return problem(inp("x", 1, needed=True), op("e", ["x"], 1, 1, **at("wte")),
                    op("a0", ["e"], 2, 50, **at("h.0.mlp")), op("b0", ["a0"], 1, 50, **at("h.0.mlp")),
                    # a costly a1 (a block's cost is not part of its structure): the ILP keeps it
@@ -39,8 +40,6 @@ def test_the_mirror_pairs_blocks_by_position_and_the_first_blocks_input_with_its
 
 def test_an_input_with_two_twins_is_kept_only_where_neither_is_recomputed():
     # two streams: block 0 makes x0 and h0 from e, block 1 makes x1 from x0 and h1 from h0
-    def at(module):
-        return {"info": {"module": module, "op": "mul", "shape": (4,), "dtype": "float32"}}
     p = problem(inp("x", 1, needed=True), op("e", ["x"], 1, 1, **at("wte")),
                 op("x0", ["e"], 1, 5, **at("h.0")), op("h0", ["e"], 1, 5, **at("h.0")),
                 op("x1", ["x0"], 1, 5, **at("h.1")), op("h1", ["h0"], 1, 5, **at("h.1")),
