@@ -1,0 +1,91 @@
+"""Measure, through Inductor, the peak of plans the least-peak search meets (not only the one it takes).
+
+Usage::
+
+    python bench/candidate_peaks.py --list                    # the candidates: index, predicted peak, recompute
+    python bench/candidate_peaks.py --index 3                 # compile candidate 3 as the 0.0 plan, measure
+    python bench/candidate_peaks.py --index 3 --keep add      # the same with the value ``add`` kept too
+
+The search (``planner._least_peak``, the 0.0 end of a fractional budget) ranks plans by the simulated
+peak; this swaps its choice for a chosen candidate (caches off, so the partitioner runs), compiles the
+benchmark's model (``recompile_opt.models.demo_gpt`` / ``demo_llama``) through Inductor, runs three
+steps and measures a fourth with ``recompile_opt.measure.peak_memory``. Why: to see whether a plan that
+recomputes less than the chosen one really peaks higher, and where the simulator misses.
+Candidates are listed once per recompute set, by predicted peak, then estimated recompute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+MiB = 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--list", action="store_true", help="print the candidates and stop")
+    g.add_argument("--index", type=int, help="compile this candidate and measure its peak")
+    p.add_argument("--keep", default="", help="comma-separated values to keep on top of the candidate")
+    p.add_argument("--max-peak-mib", type=float, default=28.0, help="list only candidates predicted below")
+    return p.parse_args(argv)
+
+
+def _candidates(found, max_peak_mib: float) -> list:
+    unique = {}
+    for c in found:
+        unique.setdefault(frozenset(c.sol.recompute), c)
+    return sorted((c for c in unique.values() if c.peak / MiB <= max_peak_mib),
+                  key=lambda c: (c.peak, c.recompute_s))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"  # the patched choice must reach the partitioner
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+    import dataclasses
+
+    import torch
+
+    import recompile_opt
+    from recompile_opt import measure, models, planner
+
+    search, chosen = planner._least_peak, {}
+
+    def pick(problem, reduction, kw, min_bytes, baseline, simulate, notes):
+        kept, sol, found = search(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+        cands = _candidates(found, args.max_peak_mib)
+        if args.list:
+            for i, c in enumerate(cands):
+                print(f"{i:3d}  predicted {c.peak / MiB:6.2f} MiB  recompute {c.recompute_s * 1e3:5.1f} ms"
+                      f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}")
+            raise SystemExit(0)
+        c = cands[args.index]
+        keep = {n for n in args.keep.split(",") if n}
+        sol = dataclasses.replace(c.sol, recompute=c.sol.recompute - keep)
+        chosen.update(index=args.index, recompute_ms=round(c.recompute_s * 1e3, 1), kept_on_top=sorted(keep))
+        return kept, sol, found
+
+    planner._least_peak = pick
+    model, inputs = getattr(models, f"demo_{args.model}")()
+    fn = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0})
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        fn(*inputs).backward()
+
+    for _ in range(3):
+        step()
+    peak = measure.peak_memory(step)
+    plan = recompile_opt.last_plans()[-1]
+    print(json.dumps({**chosen, "kept_mib": round(plan.saved_bytes / MiB, 2),
+                      "predicted_mib": round(plan.predicted_peak_bytes / MiB, 2),
+                      "measured_mib": round(peak / MiB, 2)}))
+
+
+if __name__ == "__main__":
+    main()
