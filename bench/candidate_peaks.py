@@ -8,9 +8,9 @@ Usage::
 
 The search (``planner._least_peak``, the 0.0 end of a fractional budget) ranks plans by the simulated
 peak; this swaps its choice for a chosen candidate (caches off, so the partitioner runs), compiles the
-benchmark's model (``recompile_opt.models.demo_gpt`` / ``demo_llama``) through Inductor, runs three
-steps and measures a fourth with ``recompile_opt.measure.peak_memory``. Why: to see whether a plan that
-recomputes less than the chosen one really peaks higher, and where the simulator misses.
+benchmark's model through Inductor and measures its peak as ``bench/peak_accuracy.py`` does. Why: to
+see whether a plan that recomputes less than the chosen one really peaks higher, and where the
+simulator misses.
 Candidates are listed once per recompute set, by predicted peak, then estimated recompute.
 """
 
@@ -48,10 +48,9 @@ def main(argv=None) -> None:
     os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
     import dataclasses
 
-    import torch
+    from peak_accuracy import measure_one  # this script's folder is on the path
 
-    import recompile_opt
-    from recompile_opt import measure, models, planner
+    from recompile_opt import planner
 
     search, chosen = planner._least_peak, {}
 
@@ -70,21 +69,10 @@ def main(argv=None) -> None:
         return kept, sol, found
 
     planner._least_peak = pick
-    model, inputs = getattr(models, f"demo_{args.model}")()
-    fn = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0})
-
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        fn(*inputs).backward()
-
-    for _ in range(3):
-        step()
-    peak = measure.peak_memory(step)
-    plan = recompile_opt.last_plans()[-1]
-    print(json.dumps({**chosen, "kept_mib": round(plan.saved_bytes / MiB, 2),
-                      "predicted_mib": round(plan.predicted_peak_bytes / MiB, 2),
-                      "measured_mib": round(peak / MiB, 2)}))
+    row = measure_one(args.model, "0.0", "inductor")
+    print(json.dumps({**chosen, "kept_mib": round(row["kept_bytes"] / MiB, 2),
+                      "predicted_mib": round(row["predicted_bytes"] / MiB, 2),
+                      "measured_mib": round(row["measured_bytes"] / MiB, 2)}))
 
 
 if __name__ == "__main__":
