@@ -28,6 +28,7 @@ uniform plan, whose kernels Inductor builds once for all blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from recompile_opt.policies import find_blocks
 from recompile_opt.problem import Problem, Value
@@ -99,11 +100,15 @@ class BlockMirror:
     def repeats(self) -> int:
         return len(self.positions[0])
 
+    @cached_property
+    def inside(self) -> frozenset[str]:
+        """Every value of every block (asked once per mirrored plan, built once)."""
+        return frozenset(n for members in self.positions for n in members)
+
     def mirror(self, names: set[str], source: int) -> set[str]:
         """``names`` (values to recompute, or to keep) with block ``source``'s decisions given to every
         block; outside values as they are."""
-        inside = {n for members in self.positions for n in members}
-        out = {n for n in names if n not in inside}
+        out = {n for n in names if n not in self.inside}
         for members in self.positions:
             if members[source] in names:
                 out.update(members)
