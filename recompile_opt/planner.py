@@ -120,18 +120,15 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     min_bytes = None
     budget = options.memory_budget
     if isinstance(budget, float):
-        key = _fingerprint(problem, options) if simulate is not None and budget < 1.0 else None
-        if key in _RANGE_ENDS:  # another fraction of the same graph: same range, same least-peak plan
-            min_bytes, floor, least_peak, note = _RANGE_ENDS[key]
-            notes.extend([note] if note else [])
-        else:  # the range's ends know no peak limit: a simulated limit is applied below, by _fit_peak
-            range_kw = {**kw, "peak": None} if fit_peak else kw
+        # the range's ends know no peak limit: a simulated limit is applied below, by _fit_peak
+        range_kw = {**kw, "peak": None} if fit_peak else kw
+        if simulate is not None and budget < 1.0:
+            ends = _range_search(problem, reduction, range_kw, baseline, simulate, options)
+            min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
+            notes.extend([ends.note] if ends.note else [])
+        else:
             min_bytes = _least_bytes(problem, reduction, range_kw)
             floor, least_peak = min_bytes, None
-            if key is not None:
-                floor, least_peak, _ = _least_peak(problem, reduction, range_kw, min_bytes, baseline, simulate, notes)
-                if least_peak is not None:  # a search whose solves all failed is not an answer to keep
-                    _RANGE_ENDS[key] = (min_bytes, floor, least_peak, notes[-1])
         if budget == 0.0 and least_peak is not None and not fit_peak:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))
@@ -339,14 +336,42 @@ def _lifetime_weighted(problem: Problem) -> Problem:
                                                       for s, b in problem.storage_bytes.items()})
 
 
-# The ends of a fractional budget's range per graph and options (the least-peak search partitions and
-# simulates a ladder of plans): fractions of one graph, e.g. a frontier sweep, search once.
-_RANGE_ENDS: dict[str, tuple] = {}
+class _RangeEnds(NamedTuple):
+    """A fractional budget's range for one graph: the least any plan keeps, the least-peak plan (the 0.0
+    end: its kept bytes and solution, None if every solve failed), its note, and every plan the
+    least-peak search met (what a ``peak_memory`` limit picks from when no kept-byte level fits)."""
+    min_bytes: int | None
+    floor: int | None
+    least_peak: ilp.Solution | None
+    note: str | None
+    found: list[_Candidate]
+
+
+# The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
+# plans): fractions of one graph (a frontier sweep) and peak limits on it (a peak sweep) search once.
+_RANGE_ENDS: dict[str, _RangeEnds] = {}
+
+
+def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
+                  options: Options) -> _RangeEnds:
+    """The range's ends from the least-peak search, searched once per graph and options (the byte
+    and peak limits aside; a search whose solves all failed is not kept)."""
+    key = _fingerprint(problem, options)
+    if key in _RANGE_ENDS:
+        return _RANGE_ENDS[key]
+    min_bytes = _least_bytes(problem, reduction, kw)
+    notes: list[str] = []
+    floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+    ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found)
+    if least_peak is not None:
+        _RANGE_ENDS[key] = ends
+    return ends
 
 
 def _fingerprint(problem: Problem, options: Options) -> str:
-    """Everything the range ends depend on: the problem's data and the options but the budget."""
-    rest = dataclasses.replace(options, memory_budget=None, plan_dir=None, strict=False)
+    """Everything the range ends depend on: the problem's data and the options but the limits (the
+    search runs without a peak limit: it is applied to the plans the search meets)."""
+    rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False)
     blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_background, problem.rng_state_bytes,
                  [dataclasses.astuple(v)[:-1] for v in problem.values.values()], rest.key()))
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -396,7 +421,7 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
             return _fitted(options, budget, min_bytes, notes, tried,
                            "the least-recompute plan whose simulated peak fits ({}), over kept-byte levels")
     # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
-    found = [c for c in _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, [])[2]
+    found = [c for c in _range_search(problem, reduction, kw, baseline, simulate, options).found
              if budget is None or c.kept <= budget]
     tried += found
     if any(c.peak <= limit for c in found):
