@@ -370,10 +370,14 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
 
 def _fingerprint(problem: Problem, options: Options) -> str:
     """Everything the range ends depend on: the problem's data and the options but the limits (the
-    search runs without a peak limit: it is applied to the plans the search meets)."""
-    rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False)
+    search runs without a peak limit: it is applied to the plans the search meets) and the compiler
+    (the eager path plans the graph Inductor would get; where the two differ, e.g. random ops kept
+    rather than replayed, the problem's data differs)."""
+    rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False,
+                               compiler="inductor")
     blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_background, problem.rng_state_bytes,
-                 [dataclasses.astuple(v)[:-1] for v in problem.values.values()], rest.key()))
+                 [(dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
+                  for v in problem.values.values()], rest.key()))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -165,3 +165,29 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
                     op("c", ["b"], 4, 4), bwd_background=[])
     plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
     assert {e.name for e in plan.saved} == {"x"} | kept
+
+
+def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(monkeypatch):
+    """Fractions, peak limits (which, with one kept-byte level, only the search's plans meet) and the
+    compiler option share one search of a graph; a graph whose ops differ gets its own."""
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    monkeypatch.setattr(planner, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
+    searches = []
+    original = planner._least_peak
+    monkeypatch.setattr(planner, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
+
+    def chain(last_op="mul"):
+        c = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
+                    op("c", ["b"], 4, 4), bwd_background=[])
+        c.values["c"].info["op"] = last_op
+        return c
+
+    sim = _FakeSimulator()
+    for opts in ({"memory_budget": 0.0}, {"memory_budget": 0.5}, {"peak_memory": 6 * MiB},
+                 {"peak_memory": 7 * MiB, "compiler": "eager"}, {"memory_budget": 0.3, "compiler": "eager"}):
+        plan = planner.make_plan(chain(), parse_options(opts), simulate=sim)
+        if "peak_memory" in opts:
+            assert "b" in plan.saved_names() and any("least-peak search" in n for n in plan.notes), plan
+    assert len(searches) == 1
+    planner.make_plan(chain("add"), parse_options({"memory_budget": 0.0}), simulate=sim)
+    assert len(searches) == 2
