@@ -353,13 +353,15 @@ _RANGE_ENDS: dict[str, _RangeEnds] = {}
 
 
 def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
-                  options: Options) -> _RangeEnds:
+                  options: Options, min_bytes: int | None = None) -> _RangeEnds:
     """The range's ends from the least-peak search, searched once per graph and options (the byte
-    and peak limits aside; a search whose solves all failed is not kept)."""
+    and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
+    any plan keeps, when the caller has solved for it already."""
     key = _fingerprint(problem, options)
     if key in _RANGE_ENDS:
         return _RANGE_ENDS[key]
-    min_bytes = _least_bytes(problem, reduction, kw)
+    if min_bytes is None:
+        min_bytes = _least_bytes(problem, reduction, kw)
     notes: list[str] = []
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found)
@@ -425,7 +427,7 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
             return _fitted(options, budget, min_bytes, notes, tried,
                            "the least-recompute plan whose simulated peak fits ({}), over kept-byte levels")
     # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
-    found = [c for c in _range_search(problem, reduction, kw, baseline, simulate, options).found
+    found = [c for c in _range_search(problem, reduction, kw, baseline, simulate, options, min_bytes).found
              if budget is None or c.kept <= budget]
     tried += found
     if any(c.peak <= limit for c in found):
