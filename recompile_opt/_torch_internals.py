@@ -15,6 +15,7 @@ import torch
 from torch._dynamo import config as dynamo_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
+from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.compile_utils import raise_getitems
@@ -34,11 +35,14 @@ from torch._functorch.partitioners import (
 )
 from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor import ir as inductor_ir
+from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
 from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -58,6 +62,7 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
+    "inductor_wrapper_code", "bw_donated_inputs",
 ]
 
 
@@ -199,3 +204,55 @@ def rng_state_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return 16  # seed + offset of the Philox generator
     return int(torch.get_rng_state().numel())
+
+
+def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: list[int] | None = None
+                          ) -> tuple[str, dict[str, int], dict[str, list[str]]]:
+    """The Python wrapper Inductor generates for ``gm`` (a partitioned forward or backward whose nodes
+    carry fake ``val``s), without compiling any kernel: its source, each buffer's bytes, and each
+    multi-output call's output buffers in order.
+
+    The steps are ``fx_codegen_and_compile``'s up to code generation: Inductor's post-grad passes, then
+    lowering, scheduling (fusion) and code generation (kernels as source, buffer reuse planned). ``gm``
+    is changed by the post-grad passes. ``donated``: the backward's inputs AOTAutograd donates (saved
+    activations nothing else holds; :func:`bw_donated_inputs`), which Inductor may write over."""
+    example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = detect_fake_mode(example)
+    # outside the caller's tracing context: lowering may record into it (output strides) for the
+    # graph the caller is compiling
+    # no SIMD code: which buffers exist, fuse and are reused does not depend on it (the same peaks on
+    # bench/measured_peaks.json's 16 plans), and generating each kernel once is a third faster
+    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.vec_isa_ok": False}):
+        _recursive_post_grad_passes(gm, is_inference=False)
+        graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
+                              is_inference=False, is_backward=backward)
+        if backward:
+            graph.bw_donated_idxs = list(donated or ())
+        with V.set_graph_handler(graph):
+            graph.run(*example)
+            code = graph.codegen()[0].value
+            sizes, outputs = {}, {}
+            for name, buf in graph.name_to_buffer.items():
+                layout = getattr(buf, "layout", None)
+                if layout is None or isinstance(layout, (inductor_ir.MultiOutputLayout, inductor_ir.NoneLayout)):
+                    continue
+                sizes[name] = int(graph.sizevars.optimization_hint(layout.storage_size())) * layout.dtype.itemsize
+                if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
+                    outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
+    return code, sizes, outputs
+
+
+def bw_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[int]:
+    """The backward inputs AOTAutograd donates to Inductor (``collect_bw_donated_buffer_idxs``): saved
+    tensors whose storage no forward input, user output or gradient shares. Our backward graphs take
+    the saved tensors first (no symints: shapes are static)."""
+    if not functorch_config.donated_buffer:
+        return []
+
+    def vals(nodes):
+        return [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+
+    fw_outs = vals(fw.graph.find_nodes(op="output")[0].args[0])
+    return collect_fw_donated_buffer_idxs(vals(fw.graph.find_nodes(op="placeholder")), fw_outs[:num_fwd_outputs],
+                                          vals(bw.graph.find_nodes(op="output")[0].args[0]),
+                                          fw_outs[num_fwd_outputs:])

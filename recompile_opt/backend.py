@@ -90,10 +90,13 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         self.last_forward, self.last_backward = fw, bw
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
-        plan.predicted_peak_bytes = plan.peak_breakdown["total"]
+        exact = simulate.known_exact(saved, plan.recomputed_names())
+        plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
+        plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
         # the whole of our share of a compile (cost model, search, partition), for users and the bench
         plan.solver["plan_s"] = round(time.perf_counter() - start, 3)
-        plan.solver.update(simulations=len(simulate.results), simulate_s=round(simulate.seconds, 3))
+        plan.solver.update(simulations=len(simulate.results), simulate_s=round(simulate.seconds, 3),
+                           exact_peaks=len(simulate.exact_results), exact_s=round(simulate.exact_seconds, 3))
         return fw, bw
 
     def replay_random(self) -> bool:

@@ -132,6 +132,14 @@ def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool):
     return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace), bw_trace
 
 
+def forward_state(fw: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
+    """The forward as the backward starts from it: its simulated peak, the live bytes at its end, the
+    bytes of each buffer it outputs (by base name), and each output name's base name (views of one
+    buffer share it)."""
+    live, peak, buffers, owner = _run_forward(fw)
+    return peak, live, buffers, owner
+
+
 def _run_forward(gm: fx.GraphModule, trace: PeakTrace | None = None
                  ) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""

@@ -1,0 +1,230 @@
+"""The exact peak of a plan: its graphs lowered by Inductor, and the generated code's buffers counted.
+
+Why: the kernel model of :mod:`recompile_opt.peak` guesses Inductor's fusion, inlining and buffer
+reuse, and is off by -10%..+9% on the benchmark's plans. That is enough to pick the wrong plan where
+candidates lie a few percent apart: on the 2-layer GPT it ranked a plan that measured 25.58 MiB 13%
+above one that measured 24.80 MiB, and three that measured 28.56 MiB below it. Inductor itself decides
+all of this before compiling a single kernel: its Python wrapper allocates every buffer
+(``empty_strided``), hands a dead one to a new one (``# reuse``), and frees it (``del``). So lower the
+plan's forward and backward through Inductor's own passes (:func:`_torch_internals.inductor_wrapper_code`,
+no C++ is built) and walk the two wrappers' ``call`` functions in order, counting live bytes per
+storage. On the 16 stored plans of ``bench/measured_peaks.json`` (GPT and Llama, every budget and
+policy) this gives the measured peak to within 0.4% (14 of them to the byte; what is left is SDPA's
+own scratch). It costs about a second and a half per graph on this machine, so the planner asks it only
+about the few candidates that decide the least-peak plan (``planner._verified``).
+
+The step as the walk sees it: the forward starts with its inputs (parameters, data: the baseline, not
+counted); its outputs (the loss and the saved tensors) stay alive into the backward, which receives
+the saved tensors as inputs it may free (``del``) or write over (donated buffers); the backward's
+outputs (parameter gradients) stay alive. Multi-output calls (SDPA) allocate all their outputs at once
+and free the ones never unpacked when the tuple is dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from recompile_opt import _torch_internals as ti
+from recompile_opt.kernels import nbytes
+from recompile_opt.peak import forward_state
+
+_ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
+_ALIASES = {"reinterpret_tensor", "as_strided"}
+
+
+def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) -> int:
+    """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
+    ``bw`` walked, after the forward as :mod:`recompile_opt.peak` simulates it (its peak and the
+    buffers it keeps: the graphs from ``partition``, not made ``for_simulation``). ``bw`` is changed
+    (Inductor's post-grad passes run on it).
+
+    Why the forward is simulated: lowering it too costs 45% more time, and a plan that recomputes has
+    its peak in the backward. Where the simulated forward peaks above the walked backward, the forward's
+    code is walked as well (the Llama's save-all-but-norms plan: simulated 43.05 MiB, measured 41.55)."""
+    fw_peak, fw_end, kept, owner = forward_state(fw)
+    donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
+    code, sizes, multi = ti.inductor_wrapper_code(bw, backward=True, donated=donated)
+    tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    inputs = {name: base for name, base in owner.items()}
+    used = {base for name, base in inputs.items() if name in _arg_names(_call(code))}
+    bw_peak = walk(code, inputs=inputs, storage_bytes={b: kept[b] for b in used}, sizes=sizes, multi=multi,
+                   other=fw_end - sum(kept.values()) + tangents)  # + the loss, the tangent
+    if fw_peak <= bw_peak:
+        return bw_peak
+    # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
+    fw_code, fw_sizes, fw_multi = ti.inductor_wrapper_code(fw, backward=False)
+    return max(walk(fw_code, sizes=fw_sizes, multi=fw_multi), bw_peak)
+
+
+def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict[str, int] | None = None,
+         sizes: dict[str, int], multi: dict[str, list[str]] | None = None, other: int = 0) -> int:
+    """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
+    -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
+    from the start until their last name is dropped (an input not named: the baseline's); ``sizes``:
+    bytes of buffers allocated by a kernel rather than ``empty_strided``; ``multi``: a multi-output
+    call's output buffers; ``other``: bytes alive throughout."""
+    call, inputs = _call(code), inputs or {}
+    live = _Storages()
+    storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
+    live.live += other
+    live.peak = live.live
+    _run(call, live, {name: storage[key] for name, key in inputs.items() if key in storage}, sizes, multi or {},
+         release=["#" + key for key in storage])
+    return live.peak
+
+
+def supported(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
+    """Static shapes on a device Inductor generates code for. Symbolic shapes: the saved symints shift
+    the backward's inputs and sizes are hints, not bytes; the meta device (a plan without a step)
+    has no code generator."""
+    for g in (fw, bw):
+        for node in g.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt):
+                return False
+            if isinstance(val, torch.Tensor) and (val.device.type not in ("cpu", "cuda")
+                                                  or any(isinstance(d, torch.SymInt) for d in val.shape)):
+                return False
+    return True
+
+
+@dataclass
+class _Storages:
+    """Live storages: each Python name in the wrapper refers to one; a storage is freed with its last
+    reference. Storages of the baseline (parameters, data) are never entered."""
+    names: dict[str, int] = field(default_factory=dict)  # wrapper name -> storage id
+    refs: dict[int, set[str]] = field(default_factory=dict)  # storage id -> names (and holders)
+    size: dict[int, int] = field(default_factory=dict)
+    held: dict[str, list[int]] = field(default_factory=dict)  # multi-output tuple -> its outputs
+    pending: dict[str, int] = field(default_factory=dict)  # an output not unpacked yet -> its storage
+    live: int = 0
+    peak: int = 0
+    next_id: int = 0
+
+    def new(self, name: str, nbytes: int, holder: str | None = None) -> int:
+        """A storage allocated now, referred to by ``name`` (or, unnamed yet, held by ``holder``)."""
+        self.drop(name) if holder is None else None
+        sid, self.next_id = self.next_id, self.next_id + 1
+        self.refs[sid], self.size[sid] = {holder or name}, nbytes
+        if holder is None:
+            self.names[name] = sid
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        return sid
+
+    def alias(self, name: str, other: str | None) -> None:
+        if other is None or other not in self.names or name == other:
+            return
+        self.drop(name)
+        sid = self.names[other]
+        self.names[name] = sid
+        self.refs[sid].add(name)
+
+    def hold(self, tuple_name: str, outputs: list[tuple[str, int]]) -> None:
+        """A multi-output call allocates every output at once; only the tuple holds them until unpacked."""
+        self.drop(tuple_name)
+        self.held[tuple_name] = []
+        for name, nbytes in outputs:
+            self.pending[name] = self.new(name, nbytes, holder="#" + tuple_name)
+            self.held[tuple_name].append(self.pending[name])
+
+    def unpack(self, name: str, nbytes: int) -> None:
+        """``name = tuple[i]``: the output the call allocated (or, for a call not known, one now)."""
+        sid = self.pending.pop(name, None)
+        if sid is None or sid not in self.refs:
+            self.new(name, nbytes)
+            return
+        self.drop(name)
+        self.names[name] = sid
+        self.refs[sid].add(name)
+
+    def drop(self, name: str) -> None:
+        for sid in self.held.pop(name, ()):
+            self._release(sid, "#" + name)
+        if name in self.names:
+            self._release(self.names.pop(name), name)
+
+    def _release(self, sid: int, ref: str) -> None:
+        refs = self.refs.get(sid)
+        if refs is None:
+            return
+        refs.discard(ref)
+        if not refs:
+            self.live -= self.size.pop(sid)
+            del self.refs[sid]
+
+
+def _call(code: str) -> ast.FunctionDef:
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.FunctionDef) and node.name == "call":
+            return node
+    raise ValueError("no call() in Inductor's wrapper code")
+
+
+def _arg_names(call: ast.FunctionDef) -> list[str]:
+    """The names ``call`` unpacks its inputs into (``a, b, c = args``), in input order."""
+    for stmt in call.body:
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Name) and stmt.value.id == "args":
+            target = stmt.targets[0]
+            return [e.id for e in target.elts] if isinstance(target, ast.Tuple) else [target.id]
+    return []
+
+
+def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: dict[str, int],
+         multi: dict[str, list[str]], release: list[str] = ()) -> None:
+    """Walk ``call``'s statements up to its ``return``; ``inputs``: input name -> its storage;
+    ``release``: names that held the inputs until ``call`` took them."""
+    for name in _arg_names(call):
+        if name in inputs:
+            live.names[name] = inputs[name]
+            live.refs[inputs[name]].add(name)
+    for name in release:
+        live.drop(name)
+    for stmt in call.body:
+        if isinstance(stmt, ast.Return):
+            return
+        _step(stmt, live, sizes, multi)
+
+
+def _step(stmt: ast.stmt, live: _Storages, sizes: dict[str, int], multi: dict[str, list[str]]) -> None:
+    if isinstance(stmt, ast.Delete):
+        for target in stmt.targets:
+            if isinstance(target, ast.Name):
+                live.drop(target.id)
+    elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        name, value = stmt.targets[0].id, stmt.value
+        func = getattr(getattr(value, "func", None), "id", None)
+        if func in _ALLOCATORS:
+            live.new(name, _allocated_bytes(value))
+        elif func in _ALIASES or isinstance(value, ast.Name):
+            live.alias(name, _root(value))
+        elif isinstance(value, ast.Subscript):  # an output of a multi-output call, allocated with it
+            live.unpack(name, sizes.get(name, 0))
+        elif isinstance(value, ast.Call):  # an extern or fallback kernel that allocates its result
+            if name in multi:
+                live.hold(name, [(out, sizes.get(out, 0)) for out in multi[name]])
+            else:
+                live.new(name, sizes.get(name, 0))
+    elif isinstance(stmt, (ast.If, ast.With)):
+        for inner in stmt.body:
+            _step(inner, live, sizes, multi)
+
+
+def _root(expr: ast.expr) -> str | None:
+    """The buffer an expression refers to: ``buf3``, ``reinterpret_tensor(buf3, ...)``."""
+    while isinstance(expr, ast.Call) and getattr(expr.func, "id", None) in _ALIASES and expr.args:
+        expr = expr.args[0]
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def _allocated_bytes(call: ast.Call) -> int:
+    """Bytes of ``empty_strided_*(size, stride, dtype)``: the storage its strides span."""
+    size, stride = (ast.literal_eval(a) for a in call.args[:2])
+    dtype = getattr(torch, call.args[2].attr) if isinstance(call.args[2], ast.Attribute) else torch.float32
+    if any(s == 0 for s in size):
+        return 0
+    return (sum((s - 1) * st for s, st in zip(size, stride)) + 1) * dtype.itemsize

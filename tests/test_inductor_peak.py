@@ -1,0 +1,118 @@
+"""The exact peak walked in Inductor's generated wrapper (recompile_opt.inductor_peak), and the planner's
+check of the least-peak plan against cheaper plans by it (planner._verified).
+
+Units are MiB: a (256, 1024) fp32 buffer is exactly 1 MiB.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from recompile_opt import inductor_peak, planner
+from recompile_opt.options import parse_options
+
+from test_ilp import MiB, inp, op, problem
+
+# What Inductor writes for a backward: an allocation, a buffer handed on (# reuse), a multi-output
+# fallback kernel whose third output is never unpacked, inputs freed after their last use.
+WRAPPER = """
+def call(self, args):
+    primals_1, saved_a, saved_b, view_of_b, tangents_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((256, 1024), (1024, 1), torch.float32)
+    cpp_fused_0(saved_a, primals_1, buf0)
+    del saved_a
+    buf1 = buf0; del buf0  # reuse
+    buf2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(buf1, saved_b)
+    buf3 = buf2[0]
+    buf4 = buf2[1]
+    del buf2
+    del saved_b
+    buf6 = reinterpret_tensor(buf1, (1024, 256), (256, 1), 0); del buf1  # reuse
+    buf7 = empty_strided_cpu((512, 1024), (1024, 1), torch.float32)
+    extern_kernels.mm(view_of_b, buf6, out=buf7)
+    del view_of_b
+    return (buf3, buf4, buf6, buf7, )
+"""
+
+
+def walk(**kw):
+    sizes = {"buf3": MiB, "buf4": MiB, "buf5": MiB}
+    return inductor_peak.walk(WRAPPER, inputs={"saved_a": "a", "saved_b": "b", "view_of_b": "b"},
+                              storage_bytes={"a": MiB, "b": MiB}, sizes=sizes,
+                              multi={"buf2": ["buf3", "buf4", "buf5"]}, **kw)
+
+
+def test_the_walk_counts_storages_reuse_and_multi_output_calls():
+    # a, b: 2; buf0: 3; a freed: 2; buf1 is buf0; the SDPA call makes three outputs at once: 5; the
+    # tuple dropped frees the one never unpacked: 4; b stays (view_of_b): 4; buf6 is buf0; buf7 (2 MiB):
+    # 6 -- then b goes
+    assert walk() == 6 * MiB
+    assert walk(other=MiB // 2) == 6 * MiB + MiB // 2
+
+
+def test_an_input_not_named_is_the_baseline():
+    # no input holds a storage of ours: nothing counted for them, nothing freed when they go
+    sizes = {"buf3": MiB, "buf4": MiB, "buf5": MiB}
+    peak = inductor_peak.walk(WRAPPER, sizes=sizes, multi={"buf2": ["buf3", "buf4", "buf5"]})
+    assert peak == 5 * MiB  # buf0, then the three outputs; buf7 after the unpacked one went: 1 + 2 + 2
+
+
+# -- the planner's check --------------------------------------------------------------------------
+
+def chain():
+    """x is kept by every plan; keeping a (2 MiB) saves 1000 us of recompute, b and c cost little."""
+    return problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 2),
+                   op("c", ["b"], 4, 4), bwd_background=[])
+
+
+class _ScriptedSimulator:
+    """Simulated peaks: 8 MiB keeping x alone, 9 MiB keeping a too (within VERIFY_RANGE of 8), more
+    for more. Exact peaks: 20 MiB for the least-peak plan, ``rival`` MiB for the plan that keeps a."""
+
+    def __init__(self, rival):
+        self.rival, self.asked = rival, []
+
+    def __call__(self, saved, recomputed):
+        return (8 + ("a" in saved) + 2 * len(saved & {"b", "c"})) * MiB
+
+    def recomputed_at_peak(self, saved, recomputed):
+        return []
+
+    def exact(self, saved, recomputed):
+        self.asked.append(frozenset(saved))
+        if self.rival is None:
+            return None
+        return int((self.rival if "a" in saved else 20) * MiB)
+
+
+@pytest.mark.parametrize(("rival", "kept_a"), [(20.8, True), (21.2, False), (19.0, True), (None, False)],
+                         ids=["4%-above", "6%-above", "below", "unknown"])
+def test_a_plan_that_recomputes_less_wins_within_the_exact_tie(monkeypatch, rival, kept_a):
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # the same problem under other simulators
+    sim = _ScriptedSimulator(rival)
+    plan = planner.make_plan(chain(), parse_options({"memory_budget": 0.0}), simulate=sim)
+    assert ("a" in plan.saved_names()) == kept_a
+    assert sim.asked[0] == frozenset({"x"})  # the search's own choice first: the reference
+    assert len(set(sim.asked)) <= 1 + planner.VERIFY_MAX
+    note = next(n for n in plan.notes if n.startswith("memory_budget 0.0"))
+    if rival is None:
+        assert "Inductor's generated code" not in note
+    elif kept_a:
+        assert f"this plan at {rival:.2f} MiB" in note and "within the 5% tie" in note, note
+    else:
+        assert "peaks at 20.00 MiB" in note and "more than 5% above it" in note, note
+
+
+class _FarSimulator(_ScriptedSimulator):
+    """Keeping a raises the simulated peak by half (12 MiB against 8): beyond VERIFY_RANGE."""
+
+    def __call__(self, saved, recomputed):
+        return (8 + 4 * len(saved - {"x"})) * MiB
+
+
+def test_no_plan_is_lowered_without_a_rival_in_range(monkeypatch):
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    sim = _FarSimulator(20.0)
+    plan = planner.make_plan(chain(), parse_options({"memory_budget": 0.0}), simulate=sim)
+    assert sim.asked == [] and plan.saved_names() == {"x"}
