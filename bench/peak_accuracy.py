@@ -4,6 +4,7 @@ seconds on the same plans.
 Usage::
 
     python bench/peak_accuracy.py --check bench/measured_peaks.json   # re-simulate the stored plans (seconds)
+    python bench/peak_accuracy.py --check bench/measured_peaks.json --exact   # and walk Inductor's code (~30 s)
     python bench/peak_accuracy.py --measure peaks.json                # 16 settings through Inductor (~6 min)
     python bench/peak_accuracy.py --measure p.json --models gpt --settings none,0.0
 
@@ -44,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--one", nargs=2, metavar=("MODEL", "SETTING"), help=argparse.SUPPRESS)  # a worker
     p.add_argument("--models", default="gpt,llama")
     p.add_argument("--settings", default="", help="comma-separated, default: every setting of the model")
+    p.add_argument("--exact", action="store_true",
+                   help="with --check: also each plan's peak walked in the code Inductor generates for it "
+                        "(recompile_opt.inductor_peak, what the planner checks the least-peak plan with)")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="eager: the same plans without code generation (measured peaks then differ)")
     return p.parse_args(argv)
@@ -126,8 +130,9 @@ def simulators(model_names) -> dict:
     return out
 
 
-def check(rows: list[dict]) -> list[dict]:
-    """The stored plans predicted again; one row per plan with the three peaks in MiB."""
+def check(rows: list[dict], exact: bool = False) -> list[dict]:
+    """The stored plans predicted again; one row per plan with the peaks in MiB (``exact``: walked in
+    Inductor's generated code too)."""
     sims = simulators(sorted({r["model"] for r in rows}))
     out = []
     for r in rows:
@@ -136,16 +141,19 @@ def check(rows: list[dict]) -> list[dict]:
         now = simulate(saved, recomputed)
         out.append({"model": r["model"], "setting": r["setting"], "measured": r["measured_bytes"] / MiB,
                     "stored": r["predicted_bytes"] / MiB, "now": now / MiB})
+        if exact:
+            out[-1]["exact"] = simulate.exact(saved, recomputed) / MiB
     return out
 
 
 def report(rows: list[dict]) -> str:
-    lines = [f"{'model':6s} {'setting':20s} {'measured':>9s} {'stored':>16s} {'now':>16s}"]
+    keys = ["stored", "now"] + (["exact"] if rows and "exact" in rows[0] else [])
+    lines = [f"{'model':6s} {'setting':20s} {'measured':>9s}" + "".join(f" {k:>16s}" for k in keys)]
     for r in rows:
         m = r["measured"]
-        lines.append(f"{r['model']:6s} {r['setting']:20s} {m:9.2f} {r['stored']:8.2f} ({r['stored'] / m - 1:+6.1%})"
-                     f" {r['now']:8.2f} ({r['now'] / m - 1:+6.1%})")
-    for key in ("stored", "now"):
+        lines.append(f"{r['model']:6s} {r['setting']:20s} {m:9.2f}"
+                     + "".join(f" {r[k]:8.2f} ({r[k] / m - 1:+6.1%})" for k in keys))
+    for key in keys:
         errs = [abs(r[key] / r["measured"] - 1) for r in rows]
         lines.append(f"{key}: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} plans")
     return "\n".join(lines)
@@ -161,7 +169,7 @@ def main(argv=None) -> None:
             json.dump(rows, f, indent=1)
     else:
         with open(args.check) as f:
-            print(report(check(json.load(f))))
+            print(report(check(json.load(f), exact=args.exact)))
 
 
 if __name__ == "__main__":

@@ -49,10 +49,8 @@ def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) 
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
     code, sizes, multi = ti.inductor_wrapper_code(bw, backward=True, donated=donated)
     tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    inputs = {name: base for name, base in owner.items()}
-    used = {base for name, base in inputs.items() if name in _arg_names(_call(code))}
-    bw_peak = walk(code, inputs=inputs, storage_bytes={b: kept[b] for b in used}, sizes=sizes, multi=multi,
-                   other=fw_end - sum(kept.values()) + tangents)  # + the loss, the tangent
+    bw_peak = walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi,
+                   other=fw_end - sum(kept.values()) + tangents)  # the loss, the tangent
     if fw_peak <= bw_peak:
         return bw_peak
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
@@ -64,14 +62,14 @@ def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict
          sizes: dict[str, int], multi: dict[str, list[str]] | None = None, other: int = 0) -> int:
     """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
     -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
-    from the start until their last name is dropped (an input not named: the baseline's); ``sizes``:
+    from the start until their last name is dropped (an input not named: the baseline's; a storage no
+    input of ``call`` holds is freed at the start); ``sizes``:
     bytes of buffers allocated by a kernel rather than ``empty_strided``; ``multi``: a multi-output
     call's output buffers; ``other``: bytes alive throughout."""
     call, inputs = _call(code), inputs or {}
     live = _Storages()
     storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
     live.live += other
-    live.peak = live.live
     _run(call, live, {name: storage[key] for name, key in inputs.items() if key in storage}, sizes, multi or {},
          release=["#" + key for key in storage])
     return live.peak
@@ -184,6 +182,7 @@ def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: 
             live.refs[inputs[name]].add(name)
     for name in release:
         live.drop(name)
+    live.peak = live.live
     for stmt in call.body:
         if isinstance(stmt, ast.Return):
             return

@@ -47,3 +47,10 @@ def test_a_changed_simulator_shows_in_the_now_column(stored, monkeypatch):
     rows = accuracy.check(stored)
     assert all(row["now"] == pytest.approx(row["stored"] + 1, abs=1e-6) for row in rows)
     assert "mean |error|" in accuracy.report(rows)
+
+
+def test_the_exact_column_walks_inductors_code_for_each_stored_plan(stored):
+    rows = accuracy.check(stored[:1], exact=True)
+    # save-all-but-cheap: the forward's last kept buffers and the first gradients, the same in both
+    assert 0.8 < rows[0]["exact"] / rows[0]["now"] < 1.2
+    assert "exact: mean |error|" in accuracy.report(rows)
