@@ -220,9 +220,7 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     fake_mode = detect_fake_mode(example)
     # outside the caller's tracing context: lowering may record into it (output strides) for the
     # graph the caller is compiling
-    # no SIMD code: which buffers exist, fuse and are reused does not depend on it (the same peaks on
-    # bench/measured_peaks.json's 16 plans), and generating each kernel once is a third faster
-    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch({"cpp.vec_isa_ok": False}):
+    with tracing(None), V.set_fake_mode(fake_mode), DebugContext():
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
                               is_inference=False, is_backward=backward)
