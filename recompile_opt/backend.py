@@ -30,7 +30,7 @@ from recompile_opt import budget_split
 from recompile_opt.options import Options, parse_options
 from recompile_opt.peak import peak_breakdown
 from recompile_opt.plan import Plan
-from recompile_opt.planner import make_plan
+from recompile_opt.planner import make_plan, range_walked
 from recompile_opt.simulator import PeakSimulator
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.partition import partition
@@ -91,6 +91,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         self.last_forward, self.last_backward = fw, bw
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
         exact = simulate.known_exact(saved, plan.recomputed_names())
+        fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
+        if exact is None and fraction and options.peak_memory is None and range_walked(problem, options):
+            # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
+            # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps)
+            exact = simulate.exact(saved, plan.recomputed_names())
         plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
         # the whole of our share of a compile (cost model, search, partition), for users and the bench

@@ -316,7 +316,7 @@ def _as_compiled(problem: Problem, c: _Candidate) -> tuple[frozenset, frozenset]
 
 
 def _ms(c: _Candidate) -> str:
-    return f"{c.recompute_s * 1e3:.1f} ms"
+    return f"{c.recompute_s * 1e3:.3g} ms"
 
 
 def _mirrored(problem: Problem, mirror: BlockMirror, found: list[_Candidate], simulate: Simulate
@@ -406,6 +406,7 @@ class _RangeEnds(NamedTuple):
     least_peak: ilp.Solution | None
     note: str | None
     found: list[_Candidate]
+    walked: bool = False  # the search checked plans in Inductor's generated code (_verified)
 
 
 # The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
@@ -424,11 +425,21 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
     notes: list[str] = []
+    walks = len(getattr(simulate, "exact_results", ()))
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
-    ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found)
+    ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
+                      len(getattr(simulate, "exact_results", ())) > walks)
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends
+
+
+def range_walked(problem: Problem, options: Options) -> bool:
+    """Whether this graph's least-peak search (a fraction's range, searched once per graph and options)
+    checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
+    finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
+    ends = _RANGE_ENDS.get(_fingerprint(problem, options))
+    return ends is not None and ends.walked
 
 
 def _fingerprint(problem: Problem, options: Options) -> str:

@@ -118,6 +118,18 @@ def test_no_plan_is_lowered_without_a_rival_in_range(monkeypatch):
     assert sim.asked == [] and plan.saved_names() == {"x"}
 
 
+def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
+    import recompile_opt
+    from helpers import tiny_gpt
+
+    model, inputs = tiny_gpt()
+    least = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert least.solver["peak_from"] == "inductor-code" and least.solver["exact_peaks"] >= 2, least.notes
+    mid = recompile_opt.plan(model, inputs, memory_budget=0.3)  # the same search, its plan walked too
+    assert mid.solver["peak_from"] == "inductor-code" and "walked in Inductor's generated code" in str(mid)
+    assert recompile_opt.plan(model, inputs).solver["peak_from"] == "simulator"  # no budget: no search
+
+
 # -- no side effects on the compile that follows ------------------------------------------------------
 
 def test_the_walk_leaves_the_process_generating_simd_kernels():
