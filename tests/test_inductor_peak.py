@@ -124,7 +124,9 @@ def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
 
     model, inputs = tiny_gpt()
     least = recompile_opt.plan(model, inputs, memory_budget=0.0)
-    assert least.solver["peak_from"] == "inductor-code" and least.solver["exact_peaks"] >= 2, least.notes
+    # (its search may be another test's, remembered per graph: the note says it walked)
+    assert least.solver["peak_from"] == "inductor-code", least.notes
+    assert any("then checked in Inductor's generated code" in n for n in least.notes), least.notes
     mid = recompile_opt.plan(model, inputs, memory_budget=0.3)  # the same search, its plan walked too
     assert mid.solver["peak_from"] == "inductor-code" and "walked in Inductor's generated code" in str(mid)
     assert recompile_opt.plan(model, inputs).solver["peak_from"] == "simulator"  # no budget: no search
