@@ -220,7 +220,10 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     fake_mode = detect_fake_mode(example)
     # outside the caller's tracing context: lowering may record into it (output strides) for the
     # graph the caller is compiling
-    with tracing(None), V.set_fake_mode(fake_mode), DebugContext():
+    # a user's custom post-grad passes are the real compile's: run on candidate graphs they would count
+    # or log graphs that never run (the benchmark's FLOP counter summed the walks' backward graphs)
+    no_custom = {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None}
+    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom):
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
                               is_inference=False, is_backward=backward)

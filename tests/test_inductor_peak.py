@@ -149,3 +149,26 @@ def test_the_walk_leaves_the_process_generating_simd_kernels():
     torch._dynamo.reset()
     _, (code,) = run_and_get_code(torch.compile(lambda x: (x * 2 + 1).relu().sum()), torch.randn(4096))
     assert "Vectorized" in code
+
+
+def test_the_walk_runs_no_custom_post_grad_pass():
+    # a user's pass (here a counter, as bench/compare.py's FLOP count) sees only the graphs compiled
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from recompile_opt import models
+    from helpers import partitioned
+
+    class Count(CustomGraphPass):
+        seen = 0
+
+        def __call__(self, graph):
+            Count.seen += 1
+
+        def uuid(self):
+            return "count"
+
+    part = partitioned(*models.demo_gpt(n_layer=1, n_embd=64, seq=32, batch=2), {"memory_budget": 0.0})
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Count()):
+        assert inductor_peak.exact_peak(part.last_forward, part.last_backward, num_fwd_outputs=1) > 0
+    assert Count.seen == 0
