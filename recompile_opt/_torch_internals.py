@@ -35,6 +35,7 @@ from torch._functorch.partitioners import (
 )
 from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import config as inductor_config
+from torch._inductor import cpu_vec_isa
 from torch._inductor import ir as inductor_ir
 from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
@@ -62,7 +63,7 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs",
+    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings",
 ]
 
 
@@ -223,7 +224,8 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     # a user's custom post-grad passes are the real compile's: run on candidate graphs they would count
     # or log graphs that never run (the benchmark's FLOP counter summed the walks' backward graphs)
     no_custom = {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None}
-    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom):
+    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom), \
+            _scalar_cpp_kernels():
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
                               is_inference=False, is_backward=backward)
@@ -241,6 +243,34 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
                 if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
                     outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
     return code, sizes, outputs
+
+
+@contextlib.contextmanager
+def _scalar_cpp_kernels():
+    """C++ kernels written as scalar loops only, while a wrapper is generated for reading.
+
+    Why: the C++ backend writes each kernel twice, vectorised and as a scalar tail, and that is a
+    third of a walk's time; which buffers the wrapper allocates, reuses and frees does not depend on
+    it (the 16 stored plans walk to the same bytes either way, ``bench/peak_accuracy.py --exact``).
+    Why not ``cpp.vec_isa_ok=False``: Inductor caches the ISA list it computes under that setting
+    (``valid_vec_isa_list`` is ``functools.cache``d), and every later kernel of the process came out
+    scalar. Here the module's ``pick_vec_isa`` is replaced, not called, so no cache learns of it; the
+    walk runs inside a compile (Dynamo's compile lock held), so no other kernel is written meanwhile."""
+    real = cpu_vec_isa.pick_vec_isa
+    cpu_vec_isa.pick_vec_isa = lambda: cpu_vec_isa.invalid_vec_isa
+    try:
+        yield
+    finally:
+        cpu_vec_isa.pick_vec_isa = real
+
+
+def codegen_settings() -> str:
+    """Inductor's and AOTAutograd's settings in force, as text: besides the graph, what decides the
+    code Inductor generates for it (and so a walk of that code). The partitioner and the custom passes
+    are left out: ours differs per compile, and walks run no custom pass."""
+    ours = {"custom_partitioner_fn", "post_grad_custom_pre_pass", "post_grad_custom_post_pass"}
+    inductor = sorted((k, repr(v)) for k, v in inductor_config.get_config_copy().items() if k not in ours)
+    return repr((inductor, sorted((k, repr(v)) for k, v in functorch_config.get_config_copy().items())))
 
 
 def bw_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[int]:

@@ -31,7 +31,7 @@ from recompile_opt.options import Options, parse_options
 from recompile_opt.peak import peak_breakdown
 from recompile_opt.plan import Plan
 from recompile_opt.planner import make_plan, range_walked
-from recompile_opt.simulator import PeakSimulator
+from recompile_opt.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.partition import partition
 
@@ -73,9 +73,10 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random())
-        simulate = PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
+        simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                                  info=jg.info)
 
+        used = simulate.usage()  # the simulator may be an earlier compile's (the same graph)
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
         plan = ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
@@ -100,8 +101,9 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
         # the whole of our share of a compile (cost model, search, partition), for users and the bench
         plan.solver["plan_s"] = round(time.perf_counter() - start, 3)
-        plan.solver.update(simulations=len(simulate.results), simulate_s=round(simulate.seconds, 3),
-                           exact_peaks=len(simulate.exact_results), exact_s=round(simulate.exact_seconds, 3))
+        simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
+        plan.solver.update(simulations=simulations, simulate_s=round(simulate_s, 3),
+                           exact_peaks=exact_peaks, exact_s=round(exact_s, 3))
         return fw, bw
 
     def replay_random(self) -> bool:

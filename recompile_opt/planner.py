@@ -425,10 +425,10 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
     notes: list[str] = []
-    walks = len(getattr(simulate, "exact_results", ()))
+    asked = getattr(simulate, "exact_asked", 0)
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      len(getattr(simulate, "exact_results", ())) > walks)
+                      getattr(simulate, "exact_asked", 0) > asked)
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends

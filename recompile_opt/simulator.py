@@ -8,9 +8,12 @@ simulated once, however often the searches meet it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 
+import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
@@ -19,6 +22,46 @@ from recompile_opt.passes.partition import partition
 from recompile_opt.peak import peak_and_recomputed_at_peak
 
 log = logging.getLogger(__name__)
+
+# Simulators kept per graph (by its code, input layouts and the code-generation settings), so a graph
+# compiled again at another budget (a sweep, tests, a recompile) reuses the peaks already found.
+SIMULATORS_KEPT = 8
+_SIMULATORS: OrderedDict[str, PeakSimulator] = OrderedDict()
+
+
+def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
+                  info=None) -> PeakSimulator:
+    """The :class:`PeakSimulator` of ``gm``, shared with earlier compiles of an identical graph.
+
+    Why: a walk of Inductor's code costs 1.5-2 s, and a graph compiled at several budgets walked the
+    same plans again in each compile (every fraction's plan is walked; 0.0's is the least-peak
+    search's own choice, walked in the search). Keyed by everything a partition, a simulation or a
+    walk reads: the graph's code, its inputs' shapes, strides and dtypes, the forward's outputs, and
+    Inductor's and AOTAutograd's settings. Graphs with symbolic shapes are not shared."""
+    key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
+    if key is None:
+        return PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs,
+                             static_lifetime_input_indices=static_lifetime_input_indices, info=info)
+    simulate = _SIMULATORS.pop(key, None) or PeakSimulator(
+        gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices, info=info)
+    _SIMULATORS[key] = simulate  # the most recently used last
+    while len(_SIMULATORS) > SIMULATORS_KEPT:
+        _SIMULATORS.popitem(last=False)
+    return simulate
+
+
+def _graph_key(gm: fx.GraphModule, num_fwd_outputs: int, static) -> str | None:
+    layouts = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None  # a symbol (dynamic shapes) or an opaque input: no key describes it
+        layout = (tuple(val.shape), tuple(val.stride()), val.storage_offset())
+        if any(isinstance(d, torch.SymInt) for d in (*layout[0], *layout[1], layout[2])):
+            return None
+        layouts.append((layout, str(val.dtype), str(val.device)))
+    blob = repr((gm.code, layouts, num_fwd_outputs, sorted(static or ()), ti.codegen_settings()))
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class PeakSimulator:
@@ -32,6 +75,7 @@ class PeakSimulator:
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
         self.exact_results: dict[tuple, int | None] = {}
         self.exact_seconds = 0.0
+        self.exact_asked = 0  # questions to exact(), answered from exact_results or not
         # the partition reads the recomputed set only for its random ops (replayed) and the users of
         # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
         # described (which lists every recomputed value) finds the candidate it was checked as
@@ -64,6 +108,7 @@ class PeakSimulator:
         cannot tell: symbolic shapes, the meta device, or a lowering that failed (logged; the
         simulated peak then decides, as it would without this check)."""
         key = self._exact_key(saved, recomputed)
+        self.exact_asked += 1
         if key not in self.exact_results:
             start = time.perf_counter()
             fw, bw = partition(self.gm, saved=saved, recomputed=recomputed, num_fwd_outputs=self.num_fwd_outputs,
@@ -77,6 +122,10 @@ class PeakSimulator:
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
+
+    def usage(self) -> tuple[int, float, int, float]:
+        """Plans simulated and walked so far, and the seconds each took (the figures a plan reports)."""
+        return len(self.results), self.seconds, len(self.exact_results), self.exact_seconds
 
     def known_exact(self, saved: set, recomputed: set) -> int | None:
         """The exact peak of this plan if :meth:`exact` has been asked about it."""

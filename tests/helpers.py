@@ -73,3 +73,14 @@ def partitioned(model, inputs, options: dict):
     torch._dynamo.reset()
     torch.compile(model, backend=backend)(*inputs).backward()
     return parts[-1]
+
+
+def forget_searches(monkeypatch) -> None:
+    """Plan as if no earlier test had: forget every graph's least-peak search and the peaks simulated
+    and walked for its plans (both are kept per graph for the process)."""
+    from collections import OrderedDict
+
+    from recompile_opt import planner, simulator
+
+    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    monkeypatch.setattr(simulator, "_SIMULATORS", OrderedDict())

@@ -11,6 +11,7 @@ import pytest
 from recompile_opt import inductor_peak, planner
 from recompile_opt.options import parse_options
 
+from helpers import forget_searches
 from test_ilp import MiB, inp, op, problem
 
 # What Inductor writes for a backward: an allocation, a buffer handed on (# reuse), a multi-output
@@ -89,7 +90,7 @@ class _ScriptedSimulator:
 @pytest.mark.parametrize(("rival", "kept_a"), [(20.8, True), (21.2, False), (19.0, True), (None, False)],
                          ids=["4%-above", "6%-above", "below", "unknown"])
 def test_a_plan_that_recomputes_less_wins_within_the_exact_tie(monkeypatch, rival, kept_a):
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # the same problem under other simulators
+    forget_searches(monkeypatch)  # the same problem under other simulators
     sim = _ScriptedSimulator(rival)
     plan = planner.make_plan(chain(), parse_options({"memory_budget": 0.0}), simulate=sim)
     assert ("a" in plan.saved_names()) == kept_a
@@ -112,7 +113,7 @@ class _FarSimulator(_ScriptedSimulator):
 
 
 def test_no_plan_is_lowered_without_a_rival_in_range(monkeypatch):
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    forget_searches(monkeypatch)
     sim = _FarSimulator(20.0)
     plan = planner.make_plan(chain(), parse_options({"memory_budget": 0.0}), simulate=sim)
     assert sim.asked == [] and plan.saved_names() == {"x"}
@@ -130,6 +131,26 @@ def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
     mid = recompile_opt.plan(model, inputs, memory_budget=0.3)  # the same search, its plan walked too
     assert mid.solver["peak_from"] == "inductor-code" and "walked in Inductor's generated code" in str(mid)
     assert recompile_opt.plan(model, inputs).solver["peak_from"] == "simulator"  # no budget: no search
+
+
+
+def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
+    """The walks are kept per graph and settings (``simulator.simulator_for``): planned again, the 0.0
+    plan (walked by its search) is not lowered again; under other Inductor settings it is."""
+    import recompile_opt
+    import torch
+    from helpers import tiny_gpt
+
+    forget_searches(monkeypatch)
+    model, inputs = tiny_gpt()
+    first = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert first.solver["exact_peaks"] >= 1 and first.solver["peak_from"] == "inductor-code"
+    again = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert again.solver["exact_peaks"] == 0 and again.solver["peak_from"] == "inductor-code"
+    assert again.predicted_peak_bytes == first.predicted_peak_bytes
+    with torch._inductor.config.patch(max_fusion_size=8):
+        other = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert other.solver["exact_peaks"] == 1 and other.solver["peak_from"] == "inductor-code"
 
 
 # -- no side effects on the compile that follows ------------------------------------------------------

@@ -10,7 +10,7 @@ from recompile_opt.measure import saved_report
 from recompile_opt.options import parse_options
 from recompile_opt.passes.partition import backward_saved_inputs, partition
 
-from helpers import partitioned, tiny_gpt, tiny_llama
+from helpers import forget_searches, partitioned, tiny_gpt, tiny_llama
 
 SETTINGS = [{}, {"memory_budget": 0.5}, {"memory_budget": 0.1}, {"memory_budget": 0.0},
             {"policy": "full"}, {"policy": "megatron-selective"}]
@@ -56,7 +56,7 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkey
     the backward reordered in place) gives the same forward and backward, node for node and edge for
     edge, as torch's extraction and reordering, for every plan the search meets: through
     ``recompile_opt.plan`` with random ops replayed, and inside a compile (under a tracing context)."""
-    from recompile_opt import planner, simulator
+    from recompile_opt import simulator
 
     checked = []
 
@@ -70,7 +70,7 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkey
         return fast
 
     monkeypatch.setattr(simulator, "partition", both)
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # search again even if an earlier test did
+    forget_searches(monkeypatch)  # search again even if an earlier test did
     model, inputs = make()
     if route == "plan":
         with torch._inductor.config.patch(fallback_random=True):

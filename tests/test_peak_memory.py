@@ -10,7 +10,7 @@ from recompile_opt import models, planner
 from recompile_opt.options import parse_options
 from recompile_opt.planner import InfeasibleBudget
 
-from helpers import tiny_gpt, train_side_by_side
+from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
 
 
@@ -34,7 +34,7 @@ def test_a_peak_limit_between_the_ends_is_met_with_less_recompute_than_the_least
 def test_a_plan_says_how_many_solves_and_simulations_its_planning_took(monkeypatch):
     """The least-peak search (a fraction's 0.0 end) solves a ladder of budgets and simulates what
     they give; an int budget solves once and simulates nothing. Both show on the solver line."""
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # search even if an earlier test did
+    forget_searches(monkeypatch)  # search even if an earlier test did
     model, inputs = tiny_gpt()
     searched = recompile_opt.plan(model, inputs, memory_budget=0.0).solver
     assert searched["solves"] >= len(planner.PEAK_LADDER) and searched["simulations"] >= 5
@@ -60,7 +60,7 @@ def test_a_limit_just_above_the_least_peak_gets_less_recompute_than_the_least_pe
     # search meets plans there that recompute less than its winner: the limit takes the cheapest that
     # fits. The search's own winner, that is: without the check in Inductor's code, which replaces it
     # at 0.0 by a plan that recomputes less (test_inductor_peak) and moves the least peak
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    forget_searches(monkeypatch)
     monkeypatch.setattr(planner, "_verified", lambda problem, best, found, simulate: (best, None))
     model, inputs = models.demo_gpt()
     least = recompile_opt.plan(model, inputs, memory_budget=0.0)
@@ -162,7 +162,7 @@ class _FlatSimulator:
 def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(monkeypatch, at_peak, kept):
     # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
     # keeping a is worth its bytes and keeping b is not
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})  # the same problem under another simulator
+    forget_searches(monkeypatch)  # the same problem under another simulator
     monkeypatch.setattr(planner, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(planner, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
@@ -174,7 +174,7 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
 def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(monkeypatch):
     """Fractions, peak limits (which, with one kept-byte level, only the search's plans meet) and the
     compiler option share one search of a graph; a graph whose ops differ gets its own."""
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    forget_searches(monkeypatch)
     monkeypatch.setattr(planner, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
     searches = []
     original = planner._least_peak

@@ -6,7 +6,7 @@ from recompile_opt.blocks import block_mirror
 from recompile_opt.options import parse_options
 from recompile_opt.policies import block_of
 
-from helpers import tiny_gpt, train_side_by_side
+from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
 
 
@@ -74,7 +74,7 @@ def uniform(recomputed) -> bool:
 
 def search_one_level(monkeypatch, simulate):
     """The 0.0 plan of ``two_blocks`` from a single ladder level, and the ILP's plan at that level."""
-    monkeypatch.setattr(planner, "_RANGE_ENDS", {})
+    forget_searches(monkeypatch)
     for name, value in (("PEAK_LADDER", (0.3,)), ("PEAK_PROBES", 0), ("REFINE_ROUNDS", 0)):
         monkeypatch.setattr(planner, name, value)
     met = []
