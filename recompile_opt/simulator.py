@@ -23,30 +23,32 @@ from recompile_opt.peak import peak_and_recomputed_at_peak
 
 log = logging.getLogger(__name__)
 
-# Simulators kept per graph (by its code, input layouts and the code-generation settings), so a graph
+# Peaks found per graph (by its code, input layouts and the code-generation settings), so a graph
 # compiled again at another budget (a sweep, tests, a recompile) reuses the peaks already found.
-SIMULATORS_KEPT = 8
-_SIMULATORS: OrderedDict[str, PeakSimulator] = OrderedDict()
+GRAPHS_KEPT = 8
+_FOUND: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
 
 
 def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
                   info=None) -> PeakSimulator:
-    """The :class:`PeakSimulator` of ``gm``, shared with earlier compiles of an identical graph.
+    """A :class:`PeakSimulator` of ``gm`` that shares the peaks found for identical earlier graphs.
 
-    Why: a walk of Inductor's code costs 1.5-2 s, and a graph compiled at several budgets walked the
+    Why: a walk of Inductor's code costs 1-2 s, and a graph compiled at several budgets walked the
     same plans again in each compile (every fraction's plan is walked; 0.0's is the least-peak
     search's own choice, walked in the search). Keyed by everything a partition, a simulation or a
     walk reads: the graph's code, its inputs' shapes, strides and dtypes, the forward's outputs, and
-    Inductor's and AOTAutograd's settings. Graphs with symbolic shapes are not shared."""
-    key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
-    if key is None:
-        return PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs,
+    Inductor's and AOTAutograd's settings. Only the figures are shared, not the earlier graph: its
+    fake tensors belong to another compile's fake mode, and lowering them inside this one fails
+    ("Mixing fake modes"). Graphs with symbolic shapes share nothing."""
+    simulate = PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs,
                              static_lifetime_input_indices=static_lifetime_input_indices, info=info)
-    simulate = _SIMULATORS.pop(key, None) or PeakSimulator(
-        gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static_lifetime_input_indices, info=info)
-    _SIMULATORS[key] = simulate  # the most recently used last
-    while len(_SIMULATORS) > SIMULATORS_KEPT:
-        _SIMULATORS.popitem(last=False)
+    key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
+    if key is not None:
+        simulate.results, simulate.exact_results = _FOUND.pop(key, None) or (simulate.results,
+                                                                                simulate.exact_results)
+        _FOUND[key] = simulate.results, simulate.exact_results  # the most recently used last
+        while len(_FOUND) > GRAPHS_KEPT:
+            _FOUND.popitem(last=False)
     return simulate
 
 

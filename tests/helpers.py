@@ -83,4 +83,4 @@ def forget_searches(monkeypatch) -> None:
     from recompile_opt import planner, simulator
 
     monkeypatch.setattr(planner, "_RANGE_ENDS", {})
-    monkeypatch.setattr(simulator, "_SIMULATORS", OrderedDict())
+    monkeypatch.setattr(simulator, "_FOUND", OrderedDict())

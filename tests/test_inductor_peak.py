@@ -135,21 +135,32 @@ def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
 
 
 def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
-    """The walks are kept per graph and settings (``simulator.simulator_for``): planned again, the 0.0
-    plan (walked by its search) is not lowered again; under other Inductor settings it is."""
+    """The walks are kept per graph and settings (``simulator.simulator_for``): compiled again, the 0.0
+    plan (walked by its search) is not lowered again; another fraction's plan is, in this compile's
+    graph; under other Inductor settings the 0.0 plan is walked anew."""
     import recompile_opt
     import torch
-    from helpers import tiny_gpt
+    from helpers import tiny_llama
+
+    def compiled_plan(budget):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"})
+        compiled(*inputs).backward()
+        return recompile_opt.last_plans()[-1]
 
     forget_searches(monkeypatch)
-    model, inputs = tiny_gpt()
-    first = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    model, inputs = tiny_llama()
+    first = compiled_plan(0.0)
     assert first.solver["exact_peaks"] >= 1 and first.solver["peak_from"] == "inductor-code"
-    again = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    again = compiled_plan(0.0)
     assert again.solver["exact_peaks"] == 0 and again.solver["peak_from"] == "inductor-code"
     assert again.predicted_peak_bytes == first.predicted_peak_bytes
+    # (the earlier compile's graph belongs to another fake mode: walked here, it failed "Mixing fake
+    # modes" and the plan fell back to the simulated peak)
+    mid = compiled_plan(0.3)
+    assert mid.solver["exact_peaks"] == 1 and mid.solver["peak_from"] == "inductor-code"
     with torch._inductor.config.patch(max_fusion_size=8):
-        other = recompile_opt.plan(model, inputs, memory_budget=0.0)
+        other = compiled_plan(0.0)
     assert other.solver["exact_peaks"] == 1 and other.solver["peak_from"] == "inductor-code"
 
 
