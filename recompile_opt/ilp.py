@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import tempfile
 import threading
 import time
 import warnings
@@ -222,16 +223,19 @@ def _peak_steps(problem: Problem) -> list[int]:
 
 def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
          ) -> tuple[str, float | None]:
-    """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance)."""
-    try:
-        lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False))
-    except pulp.PulpSolverError:
-        # CBC without preprocessing can stop at an early infeasibility proof without writing a
-        # solution file; with preprocessing it reports the status properly.
+    """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance).
+    CBC's files go to a folder of the solve's own, removed after it: PuLP removes them only when
+    CBC wrote a solution, and the first try below left an .mps and an empty .sol in /tmp."""
+    with tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-") as files:
         try:
-            lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=True))
-        except pulp.PulpSolverError as e:
-            return f"error: {e}", None
+            lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False, files=files))
+        except pulp.PulpSolverError:
+            # CBC without preprocessing can stop at an early infeasibility proof without writing a
+            # solution file; with preprocessing it reports the status properly.
+            try:
+                lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=True, files=files))
+            except pulp.PulpSolverError as e:
+                return f"error: {e}", None
     if lp.status == pulp.LpStatusInfeasible:
         return "infeasible", None
     if lp.sol_status == pulp.LpSolutionOptimal:
@@ -253,7 +257,8 @@ def _reported_gap(lp: pulp.LpProblem, solver: str) -> float | None:
         return None
 
 
-def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None, *, presolve: bool):
+def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None, *, presolve: bool,
+             files: str):
     if solver == "highs":
         nodes = {"mip_max_nodes": max_nodes} if max_nodes else {}
         return _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, **nodes)
@@ -261,8 +266,10 @@ def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | 
         warnings.simplefilter("ignore", DeprecationWarning)
         # CBC's preprocessing can return a slightly worse plan labelled optimal ("postprocessing
         # changed objective ... possible tolerance issue"); the problems are small, so turn it off.
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, maxNodes=max_nodes,
-                                 options=[] if presolve else ["preprocess off"])
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, maxNodes=max_nodes,
+                                options=[] if presolve else ["preprocess off"])
+    cbc.tmpDir = files  # where it writes the model and reads the solution
+    return cbc
 
 
 class _HiGHS(pulp.HiGHS):

@@ -387,6 +387,23 @@ def test_highs_solve_error_on_an_infeasible_model_is_answered_by_cbc():
     assert ilp.solve(p, budget=2 * MiB, solver="highs").status == "optimal"
 
 
+
+def test_a_cbc_run_that_stops_without_a_solution_leaves_no_files(monkeypatch, tmp_path):
+    """PuLP removes CBC's model and solution files only when CBC wrote a solution; runs that stopped
+    without one (an early infeasibility proof, preprocessing off) left an .mps and an empty .sol in
+    /tmp, two per run. Here both tries stop that way."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where PuLP writes unless told otherwise
+
+    def stops_without_a_solution(self, lp, use_mps=True):
+        for path in self.create_tmp_files(lp.name, "mps", "sol"):
+            open(path, "w").close()
+        raise pulp.PulpSolverError("Pulp: Error while executing")
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "solve_CBC", stops_without_a_solution)
+    p = problem(inp("x", 1), op("a", ["x"], 1, 5), op("b", ["a"], 1, 5))
+    assert ilp.solve(p, budget=2 * MiB, solver="cbc").status.startswith("error")
+    assert list(tmp_path.iterdir()) == []
+
 # -- random problems -------------------------------------------------------------------------------
 
 @st.composite
