@@ -76,7 +76,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                                  info=jg.info)
 
-        used = simulate.usage()  # the simulator may be an earlier compile's (the same graph)
+        used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
         plan = ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)

@@ -39,6 +39,7 @@ only for a problem it cannot simulate; with the graphs at hand it judges ``peak_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import tempfile
@@ -226,7 +227,8 @@ def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, m
     """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance).
     CBC's files go to a folder of the solve's own, removed after it: PuLP removes them only when
     CBC wrote a solution, and the first try below left an .mps and an empty .sol in /tmp."""
-    with tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-") as files:
+    folder = tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-") if solver == "cbc" else contextlib.nullcontext()
+    with folder as files:
         try:
             lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False, files=files))
         except pulp.PulpSolverError:
@@ -258,7 +260,7 @@ def _reported_gap(lp: pulp.LpProblem, solver: str) -> float | None:
 
 
 def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None, *, presolve: bool,
-             files: str):
+             files: str | None):
     if solver == "highs":
         nodes = {"mip_max_nodes": max_nodes} if max_nodes else {}
         return _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, **nodes)

@@ -387,7 +387,6 @@ def test_highs_solve_error_on_an_infeasible_model_is_answered_by_cbc():
     assert ilp.solve(p, budget=2 * MiB, solver="highs").status == "optimal"
 
 
-
 def test_a_cbc_run_that_stops_without_a_solution_leaves_no_files(monkeypatch, tmp_path):
     """PuLP removes CBC's model and solution files only when CBC wrote a solution; runs that stopped
     without one (an early infeasibility proof, preprocessing off) left an .mps and an empty .sol in
@@ -403,6 +402,7 @@ def test_a_cbc_run_that_stops_without_a_solution_leaves_no_files(monkeypatch, tm
     p = problem(inp("x", 1), op("a", ["x"], 1, 5), op("b", ["a"], 1, 5))
     assert ilp.solve(p, budget=2 * MiB, solver="cbc").status.startswith("error")
     assert list(tmp_path.iterdir()) == []
+
 
 # -- random problems -------------------------------------------------------------------------------
 
