@@ -60,7 +60,6 @@ def test_plan_dir_writes_every_plan(tmp_path):
     assert plan.saved_bytes == recompile_opt.last_plans()[-1].saved_bytes
 
 
-@pytest.mark.slow
 def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model, inputs = tiny_mlp()

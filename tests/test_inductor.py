@@ -1,4 +1,6 @@
-"""End to end through Inductor's code generation (slow: cold compiles take tens of seconds here)."""
+"""End to end through Inductor's code generation. Cold compiles take tens of seconds here, so the default
+run keeps a representative few (gradients at an ILP budget, a replayed dropout, the C++ build timer) and
+the rest are marked slow (CI runs them)."""
 
 import secrets
 
@@ -10,10 +12,8 @@ from recompile_opt.measure import saved_report
 
 from helpers import tiny_gpt, tiny_llama, train_side_by_side
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.mark.parametrize("options", [{"memory_budget": 0.0}, {"policy": "megatron-selective"}], ids=str)
+@pytest.mark.parametrize("options", [pytest.param({"memory_budget": 0.0}, marks=pytest.mark.slow),
+                                     {"policy": "megatron-selective"}], ids=str)
 def test_dropout_gradients_equal_eager_with_fallback_random(options):
     model, inputs = tiny_gpt(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
@@ -21,6 +21,7 @@ def test_dropout_gradients_equal_eager_with_fallback_random(options):
     assert plan.recomputed
 
 
+@pytest.mark.slow
 def test_inductor_rng_matches_our_save_all_plan():
     """With Inductor's own RNG the masks differ from eager's, so compare against save-all: a recomputed
     mask must equal the one the forward drew (same seed, so the same masks)."""
@@ -41,6 +42,7 @@ def test_gpt_at_half_budget_through_inductor_keeps_no_two_views_of_one_buffer():
     assert plan.recomputed
 
 
+@pytest.mark.slow
 def test_llama_gradients_and_saved_bytes_through_inductor():
     model, inputs = tiny_llama()
     plan = train_side_by_side(model, inputs, options={"memory_budget": 0.5}, steps=2)
