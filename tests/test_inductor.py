@@ -12,6 +12,7 @@ from recompile_opt.measure import saved_report
 
 from helpers import tiny_gpt, tiny_llama, train_side_by_side
 
+
 @pytest.mark.parametrize("options", [pytest.param({"memory_budget": 0.0}, marks=pytest.mark.slow),
                                      {"policy": "megatron-selective"}], ids=str)
 def test_dropout_gradients_equal_eager_with_fallback_random(options):
