@@ -10,8 +10,8 @@ graph's range). That happens both for ``torch.compile(DDP(model))`` and for ``DD
 
 from __future__ import annotations
 
+import faulthandler
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -48,17 +48,21 @@ def _batch():
     return example_batch(CONFIG, WORLD * ROWS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _progress(out: str, rank: int, step: str) -> None:
+    """A line in the rank's progress file: a rank killed at the deadline is reported with its last one."""
+    with open(os.path.join(out, f"rank{rank}.progress"), "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {step}\n")
 
 
-def _worker(rank: int, port: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
+    # a rank still running near the deadline prints every thread's stack (in the test's captured stderr)
+    faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    # rendezvous through a file of the test's own, not a TCP port another test could take meanwhile
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    _progress(out, rank, "process group up")
     try:
         model = _model()
         idx, tgt = (t[rank * ROWS:(rank + 1) * ROWS] for t in _batch())
@@ -71,26 +75,39 @@ def _worker(rank: int, port: int, wrap: str, options: dict, optimize_ddp: bool, 
         for _ in range(STEPS):
             opt.zero_grad(set_to_none=True)
             step_fn(idx, tgt).backward()
+            _progress(out, rank, f"step {len(grads)} done")
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
         plans = recompile_opt.last_plans()
         torch.save({"grads": grads, "n_plans": len(plans),
                     "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans]},
                    os.path.join(out, f"rank{rank}.pt"))
+        _progress(out, rank, "gradients saved")
     finally:
         dist.destroy_process_group()
+        _progress(out, rank, "process group destroyed")
 
 
-def _run_ranks(fn, args):
+def _run_ranks(fn, args, out: str):
     """``mp.spawn`` with a deadline: a rank that raises fails the test (its traceback in the error), and
-    ranks still running after ``JOIN_DEADLINE_S`` are killed and fail it too."""
+    ranks still running after ``JOIN_DEADLINE_S`` are killed and fail it too, with each rank's last
+    progress line (their stacks, dumped 30 s before, are in the captured stderr)."""
     ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_DEADLINE_S
     while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 proc.kill()
-            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed")
+            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed; last progress: "
+                        + "; ".join(f"rank {r}: {_last_progress(out, r)}" for r in range(WORLD)))
+
+
+def _last_progress(out: str, rank: int) -> str:
+    try:
+        with open(os.path.join(out, f"rank{rank}.progress")) as f:
+            return f.read().splitlines()[-1]
+    except (OSError, IndexError):
+        return "none (before the process group was up)"
 
 
 def DDP(module):
@@ -130,7 +147,7 @@ SLOW = {"compile(ddp)-budget0.5", "ddp(compile)", "ddp(compile)-optimize_ddp-off
 def test_ddp_gradients_equal_single_process(case, tmp_path):
     wrap, options, optimize_ddp = CASES[case]
     options = {**options, "compiler": "eager"}
-    _run_ranks(_worker, (_free_port(), wrap, options, optimize_ddp, str(tmp_path)))
+    _run_ranks(_worker, (wrap, options, optimize_ddp, str(tmp_path)), str(tmp_path))
     ref = _reference_grads()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, res in enumerate(results):
