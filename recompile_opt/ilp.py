@@ -42,10 +42,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import tempfile
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pulp
@@ -53,6 +55,9 @@ import pulp
 from recompile_opt.problem import Problem
 
 MAX_PEAK_STEPS = 96
+# HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps
+# this many going).
+ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass
@@ -222,20 +227,40 @@ def _peak_steps(problem: Problem) -> list[int]:
     return steps
 
 
+_SOLVER_THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+
+
+def _solver_threads() -> ThreadPoolExecutor:
+    """The process's long-lived threads on which every HiGHS solve runs.
+
+    Why: HiGHS builds a task scheduler, with worker threads of its own, for each thread that first
+    solves on it, and shuts it down when that thread exits; a thread that exits soon after its solve
+    can deadlock that shutdown (HiGHS PR #1886: "running HiGHS in a temporary thread ... will randomly
+    deadlock", C++ too). The planning runs on a fresh thread per compile and the least-peak search on a
+    pool per search, so without these, every compile ended threads that had solved. A forked child gets
+    a pool of its own (the parent's threads are not in it)."""
+    global _SOLVER_THREADS
+    if _SOLVER_THREADS is None or _SOLVER_THREADS[0] != os.getpid():
+        _SOLVER_THREADS = (os.getpid(), ThreadPoolExecutor(ILP_THREADS, thread_name_prefix="recompile_opt-highs"))
+    return _SOLVER_THREADS[1]
+
+
 def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
          ) -> tuple[str, float | None]:
     """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance).
     CBC's files go to a folder of the solve's own, removed after it: PuLP removes them only when
     CBC wrote a solution, and the first try below left an .mps and an empty .sol in /tmp."""
     folder = tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-") if solver == "cbc" else contextlib.nullcontext()
+    # CBC runs as a process of its own; HiGHS in this one, on its long-lived threads
+    run = lp.solve if solver == "cbc" else lambda command: _solver_threads().submit(lp.solve, command).result()
     with folder as files:
         try:
-            lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False, files=files))
+            run(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False, files=files))
         except pulp.PulpSolverError:
             # CBC without preprocessing can stop at an early infeasibility proof without writing a
             # solution file; with preprocessing it reports the status properly.
             try:
-                lp.solve(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=True, files=files))
+                run(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=True, files=files))
             except pulp.PulpSolverError as e:
                 return f"error: {e}", None
     if lp.status == pulp.LpStatusInfeasible:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol
@@ -39,8 +38,6 @@ PEAK_PROBES, PEAK_PROBE_STEP = 2, 0.0125
 # Predicted peaks this close are ties, and a tie goes to the plan that recomputes less. 0.0 means the
 # least memory, so the tie only absorbs near-equal predictions (it was 5%, which traded peak for speed).
 PEAK_TIE = 0.02
-# ILP solves run at once in the least-peak search (each HiGHS solve uses one thread).
-ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Branch-and-bound nodes a least-peak search solve may take. Its solves only propose candidates, so
 # the best plan found by then will do; a node limit, unlike a time limit, gives every machine the same
 # plan. The benchmark's GPT and Llama and the Hugging Face GPT-2, BERT and Llama need at most 85; two
@@ -210,7 +207,7 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     # solves on threads (HiGHS releases the GIL: 11 ladder solves of a 2-layer GPT took 1.80 s in turn,
     # 0.93 s on 2 threads), each result simulated here as soon as it is in
     kw = {**kw, "max_nodes": SEARCH_MAX_NODES}
-    with ThreadPoolExecutor(max_workers=ILP_THREADS) as pool:
+    with ThreadPoolExecutor(max_workers=ilp.ILP_THREADS) as pool:
         def solving(points: list[tuple[tuple, float]]) -> list[Future]:
             return [pool.submit(_solve, prob, red, int(lo + f * (hi - lo)), kw, [])
                     for (prob, red, lo, hi), f in points]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
 import pulp
@@ -646,3 +648,29 @@ def test_a_node_limit_returns_the_best_plan_found_with_its_gap():
     sol = ilp.solve(p, budget=budget, max_nodes=1, mip_gap=0.0)
     assert sol.status == "feasible" and sol.gap is not None and sol.gap > 0
     assert derived(p, sol)[2] <= budget
+
+
+def test_highs_solves_run_on_long_lived_threads(monkeypatch):
+    """HiGHS keeps a scheduler per thread and shuts it down when the thread exits, which can deadlock
+    for a thread that exits soon after its solve (HiGHS PR #1886); CI once lost a DDP test to a hang
+    in planning. Solves asked for from short-lived threads, as the planning and the least-peak search
+    ask, must all run on the same few long-lived threads; and a forked child must not wait on its
+    parent's threads, which it does not have."""
+    names, threads, original = [], set(), ilp._HiGHS.actualSolve
+
+    def recording(self, lp, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        threads.add(threading.get_ident())
+        return original(self, lp, *args, **kwargs)
+
+    monkeypatch.setattr(ilp._HiGHS, "actualSolve", recording)
+    for budget_mib in (9, 7, 6, 4, 3, 1):  # each from a thread that exits when its solve is in
+        with ThreadPoolExecutor(max_workers=2) as short_lived:
+            sols = list(short_lived.map(lambda b: ilp.solve(chain(), budget=b), (budget_mib * MiB, None)))
+        assert [s.status for s in sols] == ["optimal", "optimal"]
+    assert len(names) == 12 and all(n.startswith("recompile_opt-highs") for n in names), names
+    assert len(threads) <= ilp.ILP_THREADS
+    parent_pool = ilp._solver_threads()
+    monkeypatch.setattr(ilp.os, "getpid", lambda: -1)  # as a forked child sees it
+    assert ilp._solver_threads() is not parent_pool
+    assert ilp.solve(chain(), budget=7 * MiB).status == "optimal"
