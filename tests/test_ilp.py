@@ -671,6 +671,7 @@ def test_highs_solves_run_on_long_lived_threads(monkeypatch):
     assert len(names) == 12 and all(n.startswith("recompile_opt-highs") for n in names), names
     assert len(threads) <= ilp.ILP_THREADS
     parent_pool = ilp._solver_threads()
-    monkeypatch.setattr(ilp.os, "getpid", lambda: -1)  # as a forked child sees it
+    # as a forked child finds it: a pool made by another process
+    monkeypatch.setattr(ilp, "_SOLVER_THREADS", (ilp.os.getpid() + 1, parent_pool))
     assert ilp._solver_threads() is not parent_pool
     assert ilp.solve(chain(), budget=7 * MiB).status == "optimal"
