@@ -228,6 +228,7 @@ def _peak_steps(problem: Problem) -> list[int]:
 
 
 _SOLVER_THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+_SOLVER_THREADS_LOCK = threading.Lock()  # the search's first solves ask for the pool at once
 
 
 def _solver_threads() -> ThreadPoolExecutor:
@@ -240,9 +241,11 @@ def _solver_threads() -> ThreadPoolExecutor:
     pool per search, so without these, every compile ended threads that had solved. A forked child gets
     a pool of its own (the parent's threads are not in it)."""
     global _SOLVER_THREADS
-    if _SOLVER_THREADS is None or _SOLVER_THREADS[0] != os.getpid():
-        _SOLVER_THREADS = (os.getpid(), ThreadPoolExecutor(ILP_THREADS, thread_name_prefix="recompile_opt-highs"))
-    return _SOLVER_THREADS[1]
+    with _SOLVER_THREADS_LOCK:
+        if _SOLVER_THREADS is None or _SOLVER_THREADS[0] != os.getpid():
+            pool = ThreadPoolExecutor(ILP_THREADS, thread_name_prefix="recompile_opt-highs")
+            _SOLVER_THREADS = (os.getpid(), pool)
+        return _SOLVER_THREADS[1]
 
 
 def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
