@@ -57,7 +57,7 @@ Methodology
     storages deduplicated, parameters, buffers and the batch excluded.
   - *peak MiB*: most live CPU bytes above the pre-step baseline during one forward+backward
     entered with grads ``None``, integrated from the profiler's allocation records
-    (``recompile_opt.measure.memory_profile``).  Cross-check: *RSS rise MiB*, the process's
+    (``recompile_opt.costs.measure.memory_profile``).  Cross-check: *RSS rise MiB*, the process's
     resident high-water mark during another such call (``/proc/self/clear_refs`` resets it)
     minus its resident size before; it is lower when the C allocator reuses memory it kept.
   - *recompute GFLOP*: FLOPs executed in the backward beyond eager's save-all backward,
@@ -555,7 +555,7 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
     import gc
 
     import torch
-    from recompile_opt import measure
+    from recompile_opt.costs import measure
     from recompile_opt._torch_internals import cpp_build_timer
 
     if args.threads:

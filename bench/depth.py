@@ -1,5 +1,5 @@
 """Deep stacks: a small-width GPT of 12, 24, 48 and 96 layers planned with identical blocks solved as groups
-(``recompile_opt.blocks``) and in full, at the same byte budget.
+(``recompile_opt.planner.blocks``) and in full, at the same byte budget.
 
 Usage::
 
@@ -9,15 +9,15 @@ Usage::
 
 Each depth is captured once on the CPU (``recompile_opt.plan`` with ``policy="save-all"``: Dynamo,
 AOTAutograd, Inductor's joint passes and our partition run, no step is computed and no ILP is solved)
-and the captured :class:`~recompile_opt.problem.Problem` is then planned twice with
-:func:`recompile_opt.planner.make_plan`, the function the partitioner calls:
+and the captured :class:`~recompile_opt.planner.problem.Problem` is then planned twice with
+:func:`recompile_opt.planner.search.make_plan`, the function the partitioner calls:
 
 * ``reuse``: as shipped — ``reduce_blocks`` finds the identical blocks and solves one template per group of blocks;
-* ``full``: ``planner.reduce_blocks`` patched to return None, so the whole graph is one ILP.
+* ``full``: ``search.reduce_blocks`` patched to return None, so the whole graph is one ILP.
 
 Both see one int byte budget: ``least + fraction * (save_all - least)`` (``least`` from the reduced
 min-memory solve, an upper bound of the true least, so the budget is feasible for both). An int budget
-runs one solve; a float budget would run the 0.0 ladder (``planner._least_peak``) on top.
+runs one solve; a float budget would run the 0.0 ladder (``search._least_peak``) on top.
 
 Quality is the ILP's own objective, estimated recompute time plus the write and read of each kept
 tensor, and ``plan.recompute_s`` alone. A full solve that stops at the time limit reports a plan
@@ -49,10 +49,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 import recompile_opt  # noqa: E402
-from recompile_opt import backend, ilp, planner  # noqa: E402
+from recompile_opt import backend  # noqa: E402
+from recompile_opt.planner import ilp, search  # noqa: E402
 from recompile_opt.models import GPT, GPTConfig, example_batch  # noqa: E402
 from recompile_opt.options import parse_options  # noqa: E402
-from recompile_opt.problem import Problem  # noqa: E402
+from recompile_opt.planner.problem import Problem  # noqa: E402
 
 LAYERS = (12, 24, 48, 96)
 WIDTH = dict(n_head=4, n_embd=64, block_size=64, vocab_size=128)  # small width: depth is the point
@@ -148,13 +149,13 @@ def count_solves():
 
 @contextlib.contextmanager
 def block_reuse(enabled: bool):
-    original = planner.reduce_blocks
+    original = search.reduce_blocks
     if not enabled:
-        planner.reduce_blocks = lambda problem: None
+        search.reduce_blocks = lambda problem: None
     try:
         yield
     finally:
-        planner.reduce_blocks = original
+        search.reduce_blocks = original
 
 
 def objective_s(problem: Problem, plan) -> float:
@@ -168,7 +169,7 @@ def solve(problem: Problem, budget: int, *, reuse: bool, time_limit_s: float, mi
                              "compiler": "eager"})
     with block_reuse(reuse), cbc_log() as bound, count_solves() as solves:
         start = time.perf_counter()
-        plan = planner.make_plan(problem, options)
+        plan = search.make_plan(problem, options)
         wall = time.perf_counter() - start
         lower = bound()
     s = plan.solver
@@ -182,7 +183,7 @@ def solve(problem: Problem, budget: int, *, reuse: bool, time_limit_s: float, mi
 
 def reduced_size(problem: Problem) -> tuple[int | None, int | None]:
     """Values of the reduced problem, and of those the ones with a cost (not zero-byte inputs)."""
-    reduction = planner.reduce_blocks(problem)
+    reduction = search.reduce_blocks(problem)
     if reduction is None:
         return None, None
     values = reduction.reduced.values.values()
@@ -194,7 +195,7 @@ def reduced_size(problem: Problem) -> tuple[int | None, int | None]:
 def row(n_layer: int, *, fraction: float, time_limit_s: float, mip_gap: float,
         problem_dir: Path | None) -> dict:
     problem, capture_s = capture(n_layer, problem_dir)
-    ends = planner.make_plan(problem, parse_options({"memory_budget": 1.0, "compiler": "eager"}))
+    ends = search.make_plan(problem, parse_options({"memory_budget": 1.0, "compiler": "eager"}))
     budget = int(ends.min_bytes + fraction * (ends.baseline_bytes - ends.min_bytes))
     reduced, reduced_costly = reduced_size(problem)
     out = {"layers": n_layer, "values": len(problem.values), "reduced_values": reduced,

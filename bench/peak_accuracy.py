@@ -14,7 +14,7 @@ their measured peaks.
 ``--measure`` compiles the benchmark's 2-layer models (``recompile_opt.models.demo_gpt`` /
 ``demo_llama``) with each setting (a budget, a fixed policy, a ``peak_memory`` limit), one fresh
 process per setting with Inductor's caches off, runs three steps and measures a fourth with
-``recompile_opt.measure.peak_memory``; it stores every plan's kept and recomputed values with the
+``recompile_opt.costs.measure.peak_memory``; it stores every plan's kept and recomputed values with the
 predicted and measured peaks. ``--check`` rebuilds each model's graph and simulator and predicts the
 stored plans again with the simulator as it is now. Why: a simulator change moves the plans the
 searches choose, so judging it by the plans it chooses needs a new measurement per plan; the stored
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--settings", default="", help="comma-separated, default: every setting of the model")
     p.add_argument("--exact", action="store_true",
                    help="with --check: also each plan's peak walked in the code Inductor generates for it "
-                        "(recompile_opt.inductor_peak, what the planner checks the least-peak plan with)")
+                        "(recompile_opt.costs.inductor_peak, what the planner checks the least-peak plan with)")
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
                    help="eager: the same plans without code generation (measured peaks then differ)")
     return p.parse_args(argv)
@@ -70,7 +70,8 @@ def measure_one(model_name: str, setting: str, compiler: str) -> dict:
     import torch
 
     import recompile_opt
-    from recompile_opt import measure, models
+    from recompile_opt.costs import measure
+    from recompile_opt import models
 
     torch.set_num_threads(1)
     model, inputs = getattr(models, f"demo_{model_name}")()

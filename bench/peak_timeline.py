@@ -10,7 +10,7 @@ Compiles the benchmark's 2-layer model (``recompile_opt.models.demo_gpt`` / ``de
 Inductor with the given options, Inductor's caches off, runs two steps, then records the allocator
 events of a third (forward + backward from grads ``None``, as ``bench/compare.py`` measures the peak)
 and prints, for each phase, the sizes allocated (+) and freed (-) with the live MiB after each, then
-the simulator's events (``recompile_opt.peak.timeline``: kernel index, buffer) for the same graphs.
+the simulator's events (``recompile_opt.costs.peak.timeline``: kernel index, buffer) for the same graphs.
 Why: the prediction is judged by its peak alone elsewhere; where it misses, the two sequences show
 which buffers Inductor held or freed otherwise (e.g. a pooled buffer held across a block).
 """
@@ -52,9 +52,10 @@ def main(argv=None) -> None:
     import torch
 
     from recompile_opt import _torch_internals as ti
-    from recompile_opt import models, peak
+    from recompile_opt import models
+    from recompile_opt.costs import peak
     from recompile_opt.backend import RecompilePartitioner
-    from recompile_opt.measure import allocation_timeline
+    from recompile_opt.costs.measure import allocation_timeline
     from recompile_opt.options import parse_options
 
     torch.set_num_threads(1)

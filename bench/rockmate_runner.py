@@ -25,7 +25,7 @@ What it tries, in order (``--version`` picks one):
 
 Figures mirror compare.py's worker: first step (includes Rockmate's graph
 building and ILP/DP solve), median step time of forward+backward+SGD, saved bytes
-packed for backward (``recompile_opt.measure.saved_report``; Rockmate keeps its
+packed for backward (``recompile_opt.costs.measure.saved_report``; Rockmate keeps its
 activations in its own storage, not in autograd's saved tensors, so this is
 reported as ``saved_bytes_autograd`` only), peak bytes from the profiler, and
 max |dgrad| against an eager copy.

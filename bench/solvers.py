@@ -1,5 +1,5 @@
 """HiGHS against CBC on the planner's real work: the least-bytes solve and the least-peak ladder
-(``planner.PEAK_LADDER``: the solves behind a fractional budget's 0.0 end) of one joint graph.
+(``search.PEAK_LADDER``: the solves behind a fractional budget's 0.0 end) of one joint graph.
 
 Usage::
 
@@ -7,7 +7,7 @@ Usage::
     python bench/solvers.py --model gpt --solvers highs,cbc
 
 The graph is captured once (``recompile_opt.plan`` with ``policy="save-all"``: no ILP, no step); each
-solver then solves the same :class:`~recompile_opt.problem.Problem` at the same levels, 1% gap, the
+solver then solves the same :class:`~recompile_opt.planner.problem.Problem` at the same levels, 1% gap, the
 planner's settings. Prints the seconds per level and in all, and each level's recompute estimate, so
 that equal plans (or equally good ones) can be seen next to the times.
 """
@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 import recompile_opt  # noqa: E402
 from depth import grab_problems  # noqa: E402  (bench/depth.py: records each graph's Problem)
-from recompile_opt import ilp, models, planner  # noqa: E402
+from recompile_opt import models  # noqa: E402
+from recompile_opt.planner import ilp, search  # noqa: E402
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
 
@@ -49,10 +50,10 @@ def capture(model_name: str):
 def ladder(problem, solver: str) -> tuple[float, list[tuple[float, float, str]]]:
     kw = dict(solver=solver, time_limit_s=60, mip_gap=0.01, peak=None)
     start = time.perf_counter()
-    least = planner._least_bytes(problem, None, kw)
+    least = search._least_bytes(problem, None, kw)
     baseline = problem.kept_bytes(*problem.needed_closure(set()))
     rows = []
-    for f in planner.PEAK_LADDER:
+    for f in search.PEAK_LADDER:
         t = time.perf_counter()
         sol = ilp.solve(problem, budget=int(least + f * (baseline - least)), **kw)
         _, recomputed = problem.needed_closure(sol.recompute, sol.keep)
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--solvers", default="highs,cbc")
     args = ap.parse_args(argv)
     problem = capture(args.model)
-    print(f"{args.model}: {len(problem.values)} values; levels {planner.PEAK_LADDER}")
+    print(f"{args.model}: {len(problem.values)} values; levels {search.PEAK_LADDER}")
     for solver in args.solvers.split(","):
         total, rows = ladder(problem, solver)
         secs = " ".join(f"{s:.2f}" for s, _, _ in rows)

@@ -14,12 +14,12 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
+from recompile_opt.costs.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
                                      tensor_bytes)
-from recompile_opt.kernels import consumers
-from recompile_opt.peak import materialised, sweep
-from recompile_opt.policies import block_of
-from recompile_opt.problem import Problem, Value
+from recompile_opt.costs.kernels import consumers
+from recompile_opt.costs.peak import materialised, sweep
+from recompile_opt.planner.policies import block_of
+from recompile_opt.planner.problem import Problem, Value
 
 
 class JointGraph:
@@ -236,7 +236,7 @@ def _bwd_background(jg: JointGraph) -> list[int]:
 
 def _own_bytes(node: fx.Node) -> int:
     """Bytes a node allocates: its tensor unless it is a view (tuples count through their getitems)
-    or a pointwise op Inductor fuses into its consumer (see recompile_opt.peak)."""
+    or a pointwise op Inductor fuses into its consumer (see recompile_opt.costs.peak)."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and not is_view_node(node) and materialised(node, set()):
         return tensor_bytes(val)

@@ -26,7 +26,7 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
               static_lifetime_input_indices=None, info=None, for_simulation: bool = False
               ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times.
-    ``for_simulation``: graphs only to read (recompile_opt.peak), made faster: no Python code is
+    ``for_simulation``: graphs only to read (recompile_opt.costs.peak), made faster: no Python code is
     generated for them, so they cannot run."""
     nodes = list(gm.graph.nodes)
     if info is None:

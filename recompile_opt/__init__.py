@@ -9,7 +9,7 @@ from recompile_opt.api import plan
 from recompile_opt.backend import last_plans, recompile_opt_backend, reset_plans
 from recompile_opt.options import OptionError, Options
 from recompile_opt.plan import Plan, PlanEntry
-from recompile_opt.planner import InfeasibleBudget
+from recompile_opt.planner.search import InfeasibleBudget
 
 __all__ = ["InfeasibleBudget", "OptionError", "Options", "Plan", "PlanEntry", "last_plans", "plan",
            "recompile_opt_backend", "reset_plans"]

@@ -15,11 +15,11 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt import budget_split
+from recompile_opt.planner import budget_split
 from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.plan import Plan, fmt_bytes
-from recompile_opt.planner import InfeasibleBudget
+from recompile_opt.planner.search import InfeasibleBudget
 
 
 def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) -> Plan | list[Plan]:
@@ -27,7 +27,7 @@ def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) 
 
     A model that Dynamo breaks into several graphs gets a list, one plan per graph in execution order.
     An int budget is then one budget for the whole model: the graphs are learned first and the budget
-    split over them (:mod:`recompile_opt.budget_split`); the split is registered, so compiling the
+    split over them (:mod:`recompile_opt.planner.budget_split`); the split is registered, so compiling the
     model with the same budget afterwards uses it."""
     module = getattr(model, "_orig_mod", model)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from recompile_opt.measure import peak_memory, saved_report, step_time
+from recompile_opt.costs.measure import peak_memory, saved_report, step_time
 from recompile_opt.models import demo_gpt
 from recompile_opt.plan import fmt_bytes
 

@@ -14,7 +14,7 @@ Points (all estimated by our cost model, so they are comparable; measured figure
   it is plain ``torch.compile``'s partition). It runs on the very joint graph our partitioner sees
   (after Inductor's decompositions and joint passes). Its backward graph's inputs are the forward values
   it saves and are named like them; the forward nodes it recomputes appear in its backward under their
-  joint-graph names. Both map by name onto our :class:`~recompile_opt.problem.Problem`, which then gives
+  joint-graph names. Both map by name onto our :class:`~recompile_opt.planner.problem.Problem`, which then gives
   kept bytes (``Problem.kept_bytes``), recompute FLOPs and time; the peak is our simulation of torch's
   own forward and backward graphs. Every PyTorch point is checked three ways: every backward input is a
   known forward value; the kept bytes equal the bytes of the distinct non-parameter storages of the
@@ -55,10 +55,10 @@ from recompile_opt.api import _empty_outputs
 from recompile_opt.backend import compile_eager, graph_id
 from recompile_opt.options import Options, parse_options
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
-from recompile_opt.peak import predict_peak
+from recompile_opt.costs.peak import predict_peak
 from recompile_opt.plan import Plan, fmt_bytes
-from recompile_opt.planner import make_plan
-from recompile_opt.simulator import PeakSimulator
+from recompile_opt.planner.search import make_plan
+from recompile_opt.costs.simulator import PeakSimulator
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")

@@ -43,7 +43,7 @@ class Plan:
     recompute_s: float  # estimated recompute time
     step_s: float  # estimated forward + backward time without recompute
     predicted_peak_bytes: int
-    # where the predicted peak lies and what is alive there, by kind (recompile_opt.peak.peak_breakdown)
+    # where the predicted peak lies and what is alive there, by kind (recompile_opt.costs.peak.peak_breakdown)
     peak_breakdown: dict = field(default_factory=dict)
     # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
     # the graph (cost model, every solve and simulation of the search, partition), when compiled;

@@ -1,4 +1,4 @@
-"""The cost model's charge for recomputing fused pointwise ops (recompile_opt.cost_model)."""
+"""The cost model's charge for recomputing fused pointwise ops (recompile_opt.costs.cost_model)."""
 
 from __future__ import annotations
 

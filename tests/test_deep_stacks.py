@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import backend, planner
+from recompile_opt import backend
+from recompile_opt.planner import search
 from recompile_opt.models import GPT, GPTConfig, example_batch
 from recompile_opt.options import parse_options
 
@@ -120,7 +121,7 @@ def test_identical_blocks_recognised_at_depth(deep48, problem12):
     assert notes, f"no identical-blocks note in {plan.notes}"
     repeats, groups, reduced, total = map(int, notes[0].groups())
     assert (repeats, total) == (48, len(problem48.values))
-    red48, red12 = planner.reduce_blocks(problem48), planner.reduce_blocks(problem12)
+    red48, red12 = search.reduce_blocks(problem48), search.reduce_blocks(problem12)
     assert red12 is not None and red12.repeats == 12
     assert len(red48.reduced.values) == reduced
     # one template per group, about log2(depth) + 2 of them: 1+2+4+8+16+16+1 and 1+2+4+4+1 blocks
@@ -141,7 +142,7 @@ def test_identical_blocks_recognised_at_depth(deep48, problem12):
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.1, 0.3])
 def test_block_reuse_within_one_percent_of_full_solve(problem12, fraction):
-    ends = planner.make_plan(problem12, parse_options({"memory_budget": 1.0, "compiler": "eager"}))
+    ends = search.make_plan(problem12, parse_options({"memory_budget": 1.0, "compiler": "eager"}))
     budget = int(ends.min_bytes + fraction * (ends.baseline_bytes - ends.min_bytes))
     reuse = depth.solve(problem12, budget, reuse=True, time_limit_s=60, mip_gap=0.01)
     full = depth.solve(problem12, budget, reuse=False, time_limit_s=60, mip_gap=0.01)
@@ -157,7 +158,7 @@ def test_block_reuse_within_one_percent_of_full_solve(problem12, fraction):
 def test_time_limit_reports_the_gap_highs_proved(problem12):
     """A time-limited HiGHS solve returns its best plan with the relative gap it proved (12 layers
     solved in full, no block reuse, exact gap asked: not provable in a fraction of a second)."""
-    from recompile_opt import ilp
+    from recompile_opt.planner import ilp
 
     baseline = problem12.kept_bytes(*problem12.needed_closure(set()))
     for limit in (0.3, 1.0, 3.0):
@@ -174,7 +175,7 @@ def test_reduced_problem_keeps_the_full_problems_storage_order(problem12):
     """The ILP's columns follow the problem's storage order, and with a MIP gap the plan depends on it:
     the reduced problem built its storages from a set, so plans differed between processes (hash
     seeds; the 12-layer GPT's 0.0 plan kept 36.57 MiB in one bench round and 12.24 MiB in the next)."""
-    reduced = planner.reduce_blocks(problem12).reduced
+    reduced = search.reduce_blocks(problem12).reduced
     assert len(reduced.storage_bytes) > 10
     assert list(reduced.storage_bytes) == [s for s in problem12.storage_bytes if s in reduced.storage_bytes]
     assert list(reduced.save_s) == list(reduced.storage_bytes)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt.measure import saved_bytes
+from recompile_opt.costs.measure import saved_bytes
 
 from helpers import tiny_gpt
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import budget_split
-from recompile_opt.planner import InfeasibleBudget
+from recompile_opt.planner import budget_split
+from recompile_opt.planner.search import InfeasibleBudget
 
 
 class TwoHalves(torch.nn.Module):

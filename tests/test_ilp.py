@@ -25,10 +25,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recompile_opt import ilp
+from recompile_opt.planner import ilp
 from recompile_opt.options import SOLVERS
-from recompile_opt.planner import greedy_recompute
-from recompile_opt.problem import Problem, Value
+from recompile_opt.planner.search import greedy_recompute
+from recompile_opt.planner.problem import Problem, Value
 
 MiB = 1 << 20
 US = 1e-6  # one microsecond

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt.measure import saved_report
+from recompile_opt.costs.measure import saved_report
 
 from helpers import tiny_gpt, tiny_llama, train_side_by_side
 

@@ -1,4 +1,4 @@
-"""The kernel model behind the predicted peak (recompile_opt.kernels, recompile_opt.peak): fusion,
+"""The kernel model behind the predicted peak (recompile_opt.costs.kernels, recompile_opt.costs.peak): fusion,
 in-place writes, and the prediction against the measured peak of real compiled steps.
 
 Unit graphs use 256x256 fp32 tensors, so every buffer is 256 KiB and peaks are small multiples of it.
@@ -11,7 +11,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import recompile_opt
-from recompile_opt import kernels, measure, models, peak
+from recompile_opt.costs import kernels, measure, peak
+from recompile_opt import models
 from recompile_opt.plan import fmt_bytes
 
 from helpers import partitioned

@@ -1,4 +1,4 @@
-"""Exact-unit tests of recompile_opt.measure against hand-computed byte counts.
+"""Exact-unit tests of recompile_opt.costs.measure against hand-computed byte counts.
 
 All shapes are multiples of a 512x512 fp32 block, which is exactly 1 MiB, so
 expected values read as small integers of MiB.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from recompile_opt.measure import (
+from recompile_opt.costs.measure import (
     SavedTensorsMeter,
     allocation_timeline,
     memory_profile,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt.measure import SavedTensorsMeter, storage_ptrs
+from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
 
 from helpers import tiny_gpt
 

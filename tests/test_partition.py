@@ -6,7 +6,7 @@ import torch
 
 import recompile_opt
 from recompile_opt.backend import RecompilePartitioner, compile_eager
-from recompile_opt.measure import saved_report
+from recompile_opt.costs.measure import saved_report
 from recompile_opt.options import parse_options
 from recompile_opt.passes.partition import backward_saved_inputs, partition
 
@@ -56,7 +56,7 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkey
     the backward reordered in place) gives the same forward and backward, node for node and edge for
     edge, as torch's extraction and reordering, for every plan the search meets: through
     ``recompile_opt.plan`` with random ops replayed, and inside a compile (under a tracing context)."""
-    from recompile_opt import simulator
+    from recompile_opt.costs import simulator
 
     checked = []
 
@@ -110,7 +110,7 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
 
 def _saved_storages_shared(make, budget):
     """The forward's saved activations (not parameters or inputs) that share a storage, by base."""
-    from recompile_opt.cost_model import base_of
+    from recompile_opt.costs.cost_model import base_of
 
     part = partitioned(*make(), {"memory_budget": budget})
     outputs = next(reversed(part.last_forward.graph.nodes)).args[0]  # the loss, then what is kept

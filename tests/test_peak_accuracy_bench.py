@@ -40,7 +40,7 @@ def test_a_stored_plan_is_predicted_again_as_it_was(stored):
 
 
 def test_a_changed_simulator_shows_in_the_now_column(stored, monkeypatch):
-    from recompile_opt.simulator import PeakSimulator
+    from recompile_opt.costs.simulator import PeakSimulator
 
     simulate = PeakSimulator._simulate
     monkeypatch.setattr(PeakSimulator, "_simulate", lambda self, s, r: (simulate(self, s, r)[0] + 2**20, []))

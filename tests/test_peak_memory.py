@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import models, planner
+from recompile_opt import models
+from recompile_opt.planner import search
 from recompile_opt.options import parse_options
-from recompile_opt.planner import InfeasibleBudget
+from recompile_opt.planner.search import InfeasibleBudget
 
 from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
@@ -37,7 +38,7 @@ def test_a_plan_says_how_many_solves_and_simulations_its_planning_took(monkeypat
     forget_searches(monkeypatch)  # search even if an earlier test did
     model, inputs = tiny_gpt()
     searched = recompile_opt.plan(model, inputs, memory_budget=0.0).solver
-    assert searched["solves"] >= len(planner.PEAK_LADDER) and searched["simulations"] >= 5
+    assert searched["solves"] >= len(search.PEAK_LADDER) and searched["simulations"] >= 5
     assert 0 < searched["simulate_s"] < searched["plan_s"] and searched["solves_s"] > 0
     one = recompile_opt.plan(model, inputs, memory_budget=10 * 2**20)
     assert (one.solver["solves"], one.solver["simulations"]) == (1, 0)
@@ -61,7 +62,7 @@ def test_a_limit_just_above_the_least_peak_gets_less_recompute_than_the_least_pe
     # fits. The search's own winner, that is: without the check in Inductor's code, which replaces it
     # at 0.0 by a plan that recomputes less (test_inductor_peak) and moves the least peak
     forget_searches(monkeypatch)
-    monkeypatch.setattr(planner, "_verified", lambda problem, best, found, simulate: (best, None))
+    monkeypatch.setattr(search, "_verified", lambda problem, best, found, simulate: (best, None))
     model, inputs = models.demo_gpt()
     least = recompile_opt.plan(model, inputs, memory_budget=0.0)
     limit = int(least.predicted_peak_bytes * 1.10)
@@ -133,11 +134,11 @@ class _FakeSimulator:
 def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(monkeypatch):
     # One ladder level, no probes: the ILP's least-memory plan recomputes a, b and c. Keeping b is no
     # kept-byte budget's cheapest plan here, so only the refinement around the peak can find it.
-    monkeypatch.setattr(planner, "PEAK_LADDER", (0.0,))
-    monkeypatch.setattr(planner, "PEAK_PROBES", 0)
+    monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(search, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
                     op("c", ["b"], 4, 4), bwd_background=[])
-    plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
+    plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
     assert {e.name for e in plan.saved} == {"x", "b"}
     assert plan.recomputed_names() == {"a", "c"}
     assert any("kept on top of the ILP's choice, alive at its peak" in n and n.endswith(": b)")
@@ -163,11 +164,11 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
     # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
     # keeping a is worth its bytes and keeping b is not
     forget_searches(monkeypatch)  # the same problem under another simulator
-    monkeypatch.setattr(planner, "PEAK_LADDER", (0.0,))
-    monkeypatch.setattr(planner, "PEAK_PROBES", 0)
+    monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(search, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
                     op("c", ["b"], 4, 4), bwd_background=[])
-    plan = planner.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
+    plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
     assert {e.name for e in plan.saved} == {"x"} | kept
 
 
@@ -175,10 +176,10 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
     """Fractions, peak limits (which, with one kept-byte level, only the search's plans meet) and the
     compiler option share one search of a graph; a graph whose ops differ gets its own."""
     forget_searches(monkeypatch)
-    monkeypatch.setattr(planner, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
+    monkeypatch.setattr(search, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
     searches = []
-    original = planner._least_peak
-    monkeypatch.setattr(planner, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
+    original = search._least_peak
+    monkeypatch.setattr(search, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
 
     def chain(last_op="mul"):
         c = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
@@ -189,9 +190,9 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
     sim = _FakeSimulator()
     for opts in ({"memory_budget": 0.0}, {"memory_budget": 0.5}, {"peak_memory": 6 * MiB},
                  {"peak_memory": 7 * MiB, "compiler": "eager"}, {"memory_budget": 0.3, "compiler": "eager"}):
-        plan = planner.make_plan(chain(), parse_options(opts), simulate=sim)
+        plan = search.make_plan(chain(), parse_options(opts), simulate=sim)
         if "peak_memory" in opts:
             assert "b" in plan.saved_names() and any("least-peak search" in n for n in plan.notes), plan
     assert len(searches) == 1
-    planner.make_plan(chain("add"), parse_options({"memory_budget": 0.0}), simulate=sim)
+    search.make_plan(chain("add"), parse_options({"memory_budget": 0.0}), simulate=sim)
     assert len(searches) == 2

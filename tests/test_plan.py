@@ -29,8 +29,8 @@ import pytest
 
 from recompile_opt.options import parse_options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
-from recompile_opt.planner import InfeasibleBudget, make_plan
-from recompile_opt.problem import Problem, Value
+from recompile_opt.planner.search import InfeasibleBudget, make_plan
+from recompile_opt.planner.problem import Problem, Value
 
 MiB = 1 << 20
 US = 1e-6

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import recompile_opt
 from recompile_opt.models import GPT, Block, GPTConfig, example_batch
-from recompile_opt.policies import block_of
+from recompile_opt.planner.policies import block_of
 
 from helpers import TINY_GPT, partitioned, tiny_gpt, tiny_llama
 

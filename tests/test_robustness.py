@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import ilp
+from recompile_opt.planner import ilp
 
 from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 

@@ -1,10 +1,10 @@
 """Uniform plans: the least-peak search also tries every plan it meets with one block's decisions given
 to every identical block (``blocks.BlockMirror``), because Inductor builds identical code once."""
 
-from recompile_opt import planner
-from recompile_opt.blocks import block_mirror
+from recompile_opt.planner import search
+from recompile_opt.planner.blocks import block_mirror
 from recompile_opt.options import parse_options
-from recompile_opt.policies import block_of
+from recompile_opt.planner.policies import block_of
 
 from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
@@ -76,17 +76,17 @@ def search_one_level(monkeypatch, simulate):
     """The 0.0 plan of ``two_blocks`` from a single ladder level, and the ILP's plan at that level."""
     forget_searches(monkeypatch)
     for name, value in (("PEAK_LADDER", (0.3,)), ("PEAK_PROBES", 0), ("REFINE_ROUNDS", 0)):
-        monkeypatch.setattr(planner, name, value)
+        monkeypatch.setattr(search, name, value)
     met = []
-    original = planner._mirrored
+    original = search._mirrored
 
     def spy(problem, mirror, found, sim):
         met.extend(problem.needed_closure(c.sol.recompute, c.sol.keep)[1] for c in found)
         return original(problem, mirror, found, sim)
 
-    monkeypatch.setattr(planner, "_mirrored", spy)
+    monkeypatch.setattr(search, "_mirrored", spy)
     p = two_blocks()
-    plan = planner.make_plan(p, parse_options({"memory_budget": 0.0}), simulate=simulate)
+    plan = search.make_plan(p, parse_options({"memory_budget": 0.0}), simulate=simulate)
     (ladder,) = met
     assert not uniform(ladder), f"the ILP's plan is uniform already: the test shows nothing ({ladder})"
     return plan, ladder, p

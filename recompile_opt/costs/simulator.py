@@ -1,7 +1,7 @@
 """The predicted peak of candidate plans of one joint graph, for the planner's searches.
 
 Why a module: the least-peak search and the ``peak_memory`` fit judge 10-30 candidate plans of one
-graph by their simulated peak (:mod:`recompile_opt.peak`), each after partitioning the joint graph
+graph by their simulated peak (:mod:`recompile_opt.costs.peak`), each after partitioning the joint graph
 its way. Partitions are made for reading only (no Python code generation) and every plan is
 simulated once, however often the searches meet it.
 """
@@ -17,9 +17,9 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.inductor_peak import exact_peak, supported
+from recompile_opt.costs.inductor_peak import exact_peak, supported
 from recompile_opt.passes.partition import partition
-from recompile_opt.peak import peak_and_recomputed_at_peak
+from recompile_opt.costs.peak import peak_and_recomputed_at_peak
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class PeakSimulator:
         return self.results[key]
 
     def exact(self, saved: set, recomputed: set) -> int | None:
-        """The plan's peak from the code Inductor generates for it (recompile_opt.inductor_peak): about
+        """The plan's peak from the code Inductor generates for it (recompile_opt.costs.inductor_peak): about
         a second and a half of lowering per graph, so asked about a few plans only. None where it
         cannot tell: symbolic shapes, the meta device, or a lowering that failed (logged; the
         simulated peak then decides, as it would without this check)."""

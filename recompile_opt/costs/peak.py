@@ -4,7 +4,7 @@
 ``grad=None``: parameters and inputs are baseline; kept activations, the backward's working set and
 the parameter gradients count.
 
-The graphs run as Inductor's kernels (fusion, buffers and order from :mod:`recompile_opt.kernels`),
+The graphs run as Inductor's kernels (fusion, buffers and order from :mod:`recompile_opt.costs.kernels`),
 with Inductor's buffer reuse (:func:`sweep_kernels`). Against the measured peak of a 2-layer GPT and
 Llama (h=256, s=256, b=4; every policy and budget 0.0/0.2/0.5/none, 14 plans) the prediction is
 within -7.4% .. +9.2%; the node-by-node walk it replaces was off by up to -31% on the Llama, whose
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from recompile_opt.cost_model import base_of, is_view_node
-from recompile_opt.kernels import Kernel, is_extern, nbytes, schedule
+from recompile_opt.costs.cost_model import base_of, is_view_node
+from recompile_opt.costs.kernels import Kernel, is_extern, nbytes, schedule
 
 
 @dataclass
@@ -46,7 +46,7 @@ class PeakTrace:
 
 
 def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
-    """Simulated peak of running ``fw`` then ``bw`` as Inductor's kernels (recompile_opt.kernels);
+    """Simulated peak of running ``fw`` then ``bw`` as Inductor's kernels (recompile_opt.costs.kernels);
     forward outputs stay alive into the backward.
 
     A kept value may be a view: the backward's input then holds its base's whole buffer, shared with

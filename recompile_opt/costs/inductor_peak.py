@@ -1,6 +1,6 @@
 """The exact peak of a plan: its graphs lowered by Inductor, and the generated code's buffers counted.
 
-Why: the kernel model of :mod:`recompile_opt.peak` guesses Inductor's fusion, inlining and buffer
+Why: the kernel model of :mod:`recompile_opt.costs.peak` guesses Inductor's fusion, inlining and buffer
 reuse, and is off by -10%..+9% on the benchmark's plans. That is enough to pick the wrong plan where
 candidates lie a few percent apart: on the 2-layer GPT it ranked a plan that measured 25.58 MiB 13%
 above one that measured 24.80 MiB, and three that measured 28.56 MiB below it. Inductor itself decides
@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.kernels import nbytes
-from recompile_opt.peak import forward_state
+from recompile_opt.costs.kernels import nbytes
+from recompile_opt.costs.peak import forward_state
 
 _ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
 _ALIASES = {"reinterpret_tensor", "as_strided"}
@@ -38,7 +38,7 @@ _ALIASES = {"reinterpret_tensor", "as_strided"}
 
 def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) -> int:
     """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
-    ``bw`` walked, after the forward as :mod:`recompile_opt.peak` simulates it (its peak and the
+    ``bw`` walked, after the forward as :mod:`recompile_opt.costs.peak` simulates it (its peak and the
     buffers it keeps: the graphs from ``partition``, not made ``for_simulation``). ``bw`` is changed
     (Inductor's post-grad passes run on it).
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from ._torch_internals import allocator_records
+from recompile_opt._torch_internals import allocator_records
 
 __all__ = [
     "SavedTensorsMeter",

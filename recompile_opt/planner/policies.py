@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from recompile_opt.problem import Problem
+from recompile_opt.planner.problem import Problem
 
 _BLOCK = re.compile(r"^((?:.*?\.)??\d+)(?:\.|$)")  # "blocks.3.attn" -> "blocks.3"; "0.mlp.2" -> "0"
 _MATMULS = ("bmm", "matmul", "baddbmm")

@@ -1,7 +1,7 @@
 """The save/recompute ILP, solved with PuLP: HiGHS by default (highspy; 10x faster than CBC on a
 Llama layer's 11-level ladder), or the CBC that PuLP bundles.
 
-Data (from :class:`recompile_opt.problem.Problem`): values v with inputs in(v), storage S(v), recompute
+Data (from :class:`recompile_opt.planner.problem.Problem`): values v with inputs in(v), storage S(v), recompute
 time c_v, and the flags needed / can_save / can_recompute / random; storages S with bytes b_S and
 save time w_S (write + read); backward steps t with background bytes g_t; value windows
 [first_v, last_v] in the backward; B the byte budget, P the peak limit.
@@ -31,7 +31,7 @@ Constraints
 
 The peak rows are linear because recomputation is scheduled just before first use (a recomputed value
 lives over [first_v, last_v]) and a kept storage lives from the forward until its last use. They are
-conservative: against the simulated schedule of the partitioned graphs (recompile_opt.peak, what plans
+conservative: against the simulated schedule of the partitioned graphs (recompile_opt.costs.peak, what plans
 report) they over-estimate up to 2x, since they cannot see Inductor's fusion. So the planner uses them
 only for a problem it cannot simulate; with the graphs at hand it judges ``peak_memory`` by simulation
 (planner._fit_peak). Ties are broken towards fewer kept bytes rather than this coarse peak.
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from recompile_opt.problem import Problem
+from recompile_opt.planner.problem import Problem
 
 MAX_PEAK_STEPS = 96
 # HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps

@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from recompile_opt.policies import find_blocks
-from recompile_opt.problem import Problem, Value
+from recompile_opt.planner.policies import find_blocks
+from recompile_opt.planner.problem import Problem, Value
 
 MIN_REPEATS = 4  # fewer blocks make as many groups as blocks (1+1+1): nothing to gain
 

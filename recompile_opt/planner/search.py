@@ -14,12 +14,12 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol
 
-from recompile_opt import ilp
-from recompile_opt.blocks import BlockMirror, BlockReduction, block_mirror, reduce_blocks
+from recompile_opt.planner import ilp
+from recompile_opt.planner.blocks import BlockMirror, BlockReduction, block_mirror, reduce_blocks
 from recompile_opt.options import OptionError, Options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
-from recompile_opt.policies import POLICIES, attention_cores
-from recompile_opt.problem import Problem
+from recompile_opt.planner.policies import POLICIES, attention_cores
+from recompile_opt.planner.problem import Problem
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ REFINE_MIN_GAIN = 0.01
 # Candidates of the least-peak search within this factor of its least peak are mirrored (_mirrored): the
 # best uniform plans came from ones at 1.24x (GPT) and 1.10x (Llama); all of them took 5 s on the Llama.
 MIRROR_RANGE = 1.25
-# The least-peak plan is checked in the code Inductor generates (recompile_opt.inductor_peak: within
+# The least-peak plan is checked in the code Inductor generates (recompile_opt.costs.inductor_peak: within
 # 0.4% of the measured peak on the benchmark's 16 stored plans, ~1.5 s of lowering per graph) against
 # up to VERIFY_MAX plans that recompute VERIFY_GAIN less and whose simulated peak lies within
 # VERIFY_RANGE of its own (the simulator's errors on those plans: -10%..+9%). Exact peaks within
@@ -80,7 +80,7 @@ class _Candidate(NamedTuple):
 
 
 class Simulate(Protocol):
-    """Predicts plans' peaks from their partitioned graphs (recompile_opt.simulator.PeakSimulator)."""
+    """Predicts plans' peaks from their partitioned graphs (recompile_opt.costs.simulator.PeakSimulator)."""
 
     def __call__(self, saved: set, recomputed: set) -> int: ...  # predicted peak bytes
 
