@@ -113,9 +113,11 @@ from comparison.pareto import covers, dominates, is_ours, pareto_check, pareto_m
 from comparison.report import (  # noqa: F401
     COLUMNS,
     CSV_KEYS,
+    HEADLINE_COLUMNS,
     LEGEND,
     aggregate,
     group_markdown,
+    headline_table,
     markdown_table,
     report_markdown,
     write_csv,
@@ -221,6 +223,11 @@ def main(argv=None) -> int:
         print(f"note: --steps {args.steps} < 5, medians will be noisy", file=sys.stderr)
     print(f"{len(configs)} model size(s) x {len(names)} strategies x {args.repeats} round(s), "
           f"{args.jobs} at a time", file=sys.stderr, flush=True)
+    # lazy: the driver's only import of torch. Taken before the runs, so the load it records is the
+    # machine's, not this run's own
+    from recompile_opt.provenance import header_line
+
+    header = header_line()
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed run still prints its tables
     t0 = time.perf_counter()
     groups = [{"config": cfg, "runs": []} for cfg in configs]
@@ -235,22 +242,22 @@ def main(argv=None) -> int:
     for g in groups:
         g["rows"] = [aggregate(n, g["runs"]) for n in names]
         g["pareto"] = pareto_check(g["rows"], args.noise)
-    write_outputs(groups, args, argv=argv, wall_s=wall)
+    write_outputs(groups, args, argv=argv, header=header, wall_s=wall)
     return 0
 
 
-def write_outputs(groups: list[dict], args, *, argv, wall_s: float) -> None:
-    """Print the markdown report and write the files asked for."""
+def write_outputs(groups: list[dict], args, *, argv, header: str, wall_s: float) -> None:
+    """Print the markdown report (its first line the provenance header) and write the files asked for."""
     settings = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "threads", "jobs", "native_rng",
                                               "cold_every_round", "noise", "order_seed", "ours_compiler")}
     command = "python bench/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report = report_markdown(groups, command=command, settings=settings, wall_s=wall_s)
-    print("\n" + report)
+    report = report_markdown(groups, header=header, command=command, settings=settings, wall_s=wall_s)
+    print(report)
     print(f"\ntotal wall {wall_s / 60:.1f} min", file=sys.stderr)
     if args.md:
         Path(args.md).write_text(report + "\n")
     if args.json:
-        write_json(args.json, groups, command=command, settings=settings, wall_s=wall_s)
+        write_json(args.json, groups, header=header, command=command, settings=settings, wall_s=wall_s)
     if args.csv:
         write_csv(args.csv, groups)
 

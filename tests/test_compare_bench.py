@@ -1,6 +1,7 @@
-"""bench/compare.py: aggregation, the markdown table, the Pareto check on synthetic rows, and one tiny
-real run through ``main()`` (eager-selective and ours with the eager compiler: no Inductor code
-generation; two workers at once, < 60 s)."""
+"""bench/compare.py (its pieces in bench/comparison/, re-exported by the script): aggregation, the
+headline and full markdown tables, the report's provenance line, the Pareto check on synthetic rows,
+and one tiny real run through ``main()`` (eager-selective and ours with the eager compiler: no Inductor
+code generation; two workers at once, < 60 s)."""
 
 import importlib.util
 import json
@@ -70,6 +71,40 @@ def test_markdown_header_marks_measured_counted_estimated():
     header = compare.markdown_table([]).splitlines()[0]
     assert "peak MiB [M]" in header and "recompute GFLOP [C]" in header and "plan peak MiB [E]" in header
     assert "**M** measured" in compare.LEGEND and "**E** our" in compare.LEGEND
+
+
+def cells(table: str) -> dict:
+    """A markdown table as {strategy: {column header: cell}}."""
+    head, _, *body = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    return {row[0]: dict(zip(head, row, strict=True)) for row in body}
+
+
+def test_headline_table_repeats_the_full_tables_figures():
+    rows = [compare.aggregate("ours-0.5", [run("ours-0.5", 100, 30, recompute_flops=2e9)]),
+            compare.aggregate("rockmate", [{"strategy": "rockmate", "error": "boom"}])]
+    head = compare.headline_table(rows).splitlines()[0]
+    assert head == ("| strategy | peak MiB [M] | step ms median [M] | recompute GFLOP [C] | "
+                    "kept (saved) MiB [M] |")
+    short, full = cells(compare.headline_table(rows)), cells(compare.markdown_table(rows))
+    assert short["ours-0.5"] == {"strategy": "ours-0.5", "peak MiB [M]": "30.00", "step ms median [M]": "100.0",
+                                 "recompute GFLOP [C]": "2.000", "kept (saved) MiB [M]": "15.00"}
+    for name, row in short.items():  # the same figures, formatted the same, as the full table's
+        assert row["kept (saved) MiB [M]"] == full[name]["saved MiB [M]"]
+        assert all(row[k] == full[name][k] for k in row if k != "kept (saved) MiB [M]"), name
+    assert set(short["rockmate"].values()) == {"rockmate", "—"}
+
+
+def test_report_opens_with_the_provenance_line_then_the_headlines():
+    args = compare.parse_args(["--layers", "1"])
+    rows = [compare.aggregate("eager", [run("eager", 100, 30)])]
+    group = {"config": compare.group_configs(args)[0], "rows": rows, "pareto": compare.pareto_check(rows)}
+    text = compare.report_markdown([group], header="torch X; CPU; 2026-01-01", command="python bench/compare.py",
+                                   settings={}, wall_s=60.0)
+    lines = text.splitlines()
+    assert lines[0] == "torch X; CPU; 2026-01-01" and lines[1] == ""
+    assert lines[2] == f"**{compare.group_title(group['config'])}**"
+    assert lines[4].startswith("| strategy | peak MiB [M] |")
+    assert text.index("| strategy | peak MiB [M] |") < text.index("### gpt small") < text.index("Columns:")
 
 
 def test_dominance_needs_lower_peak_and_more_than_noise_faster():
@@ -165,6 +200,11 @@ def test_tiny_run_through_main(tmp_path, capsys):
     assert {e["strategy"] for e in group["pareto"]["ours"]} == {"ours-0.5", "ours-peak-64MiB"}
     report = (tmp_path / "out.md").read_text()
     assert "| eager-selective |" in report and "Pareto check" in report
+    header = report.splitlines()[0]  # provenance.header_line(): versions, machine, load, date
+    assert header.startswith("torch ") and "recompile_opt" in header and "load" in header
+    assert group["config"]["provenance"] == header
+    assert capsys.readouterr().out.startswith(header + "\n")
+    assert report.index("| strategy | peak MiB [M] |") < report.index("| strategy | step ms median [M] |")
     assert (tmp_path / "out.csv").read_text().startswith("model,size,strategy,")
 
 

@@ -3,6 +3,8 @@
 A row aggregates every process of one strategy: medians of the per-process figures, min–max over every
 timed step, compile time over the cold processes only (a warm cache's first step is no compile).
 Memory figures repeat exactly from process to process, so a spread is flagged rather than averaged.
+The markdown report opens with the provenance line (versions, machine, load, date): its figures hold
+only for a setup like that one.
 """
 
 from __future__ import annotations
@@ -142,6 +144,24 @@ def markdown_table(rows: list[dict], cpus: int | None = None) -> str:
     return "\n".join(lines)
 
 
+# (header, kind) of the headline table: the figures a README quotes, formatted as in the full table
+HEADLINE_COLUMNS = [("strategy", ""), ("peak MiB", "M"), ("step ms median", "M"), ("recompute GFLOP", "C"),
+                    ("kept (saved) MiB", "M")]
+
+
+def headline_table(rows: list[dict]) -> str:
+    """Peak, median step, recompute and bytes kept for backward per strategy: the same figures as
+    :func:`markdown_table`, fewer columns, short enough for a README."""
+    head = [f"{h} [{k}]" if k else h for h, k in HEADLINE_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(HEADLINE_COLUMNS)]
+    for r in rows:
+        cells = [r["strategy"], _mib(r.get("peak_bytes")),
+                 f"{r['step_ms']:.1f}" if "step_ms" in r else "—",
+                 _gflop(r.get("recompute_flops")), _mib(r.get("saved_bytes"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 CSV_KEYS = ["model", "size", "strategy", "processes", "step_ms", "step_ms_min", "step_ms_max",
             "compile_s", "compile_s_min", "compile_s_max", "kernel_build_s", "plan_s", "kernels_built",
             "warm_first_s", "saved_bytes", "peak_bytes", "rss_rise_bytes", "max_grad_diff", "recompute_flops",
@@ -165,14 +185,19 @@ def group_markdown(group: dict, args=None) -> str:
                       pareto_markdown(group["rows"], group["pareto"])])
 
 
-def report_markdown(groups: list[dict], *, command: str, settings: dict, wall_s: float) -> str:
-    """The whole report: the command and its settings, each group's full table and Pareto check, the
-    legend."""
-    return "\n\n".join([f"`{command}`: {json.dumps(settings)}; {wall_s / 60:.1f} min on {os.cpu_count()} CPUs",
+def report_markdown(groups: list[dict], *, header: str, command: str, settings: dict, wall_s: float) -> str:
+    """The whole report: the provenance line, a headline table per group, the command and its settings,
+    each group's full table and Pareto check, the legend."""
+    headlines = [f"**{group_title(g['config'])}**\n\n{headline_table(g['rows'])}" for g in groups]
+    return "\n\n".join([header, *headlines,
+                        f"`{command}`: {json.dumps(settings)}; {wall_s / 60:.1f} min on {os.cpu_count()} CPUs",
                         *(group_markdown(g) for g in groups), LEGEND])
 
 
-def write_json(path: str, groups: list[dict], *, command: str, settings: dict, wall_s: float) -> None:
-    """Config, rows, Pareto check and raw runs of every group."""
+def write_json(path: str, groups: list[dict], *, header: str, command: str, settings: dict,
+               wall_s: float) -> None:
+    """Config, rows, Pareto check and raw runs of every group; each config also records the provenance
+    line, so a JSON file read on its own still says what it was measured on."""
+    groups = [{**g, "config": {**g["config"], "provenance": header}} for g in groups]
     Path(path).write_text(json.dumps({"command": command, "settings": settings, "wall_s": wall_s,
                                       "groups": groups}, indent=1))
