@@ -223,8 +223,8 @@ def main(argv=None) -> int:
         print(f"note: --steps {args.steps} < 5, medians will be noisy", file=sys.stderr)
     print(f"{len(configs)} model size(s) x {len(names)} strategies x {args.repeats} round(s), "
           f"{args.jobs} at a time", file=sys.stderr, flush=True)
-    # lazy: the driver's only import of torch. Taken before the runs, so the load it records is the
-    # machine's, not this run's own
+    # lazy (it imports torch); taken before the runs, so the load it records is the machine's, not
+    # this run's own
     from recompile_opt.provenance import header_line
 
     header = header_line()
