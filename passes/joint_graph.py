@@ -17,7 +17,6 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
                                      tensor_bytes)
 from recompile_opt.costs.kernels import consumers
-from recompile_opt.costs.peak import materialised, sweep
 from recompile_opt.planner.policies import block_of
 from recompile_opt.planner.problem import Problem, Value
 
@@ -114,19 +113,20 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
     pos = {n: i for i, n in enumerate(jg.bwd_nodes)}
     values: dict[str, Value] = {}
     storage_bytes_: dict[str, int] = {}
+    first_use: dict[str, int] = {}  # backward step of a value's first direct use
     for node in jg.fwd_nodes:
         if not _is_value(node):
             continue
         value = values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
-        value.live_bytes = _own_bytes(node)
+        first_use[node.name] = min((pos[u] for u in node.users if u in pos), default=len(jg.bwd_nodes))
         if value.random and not replay_random:
             value.can_recompute = False
-    _propagate_first_use(jg, values)
+    _propagate_last_use(jg, values, first_use)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
     return Problem(values=values, storage_bytes=storage_bytes_, save_s=save_s,
                    rng_state_bytes=ti.rng_state_bytes(device),
-                   bwd_background=_bwd_background(jg), fwd_transient=_fwd_transient(jg),
+                   bwd_steps=len(jg.bwd_nodes), bwd_byte_steps=sum(_bwd_live_bytes(jg)),
                    step_s=_step_seconds(jg, roofline), device=device.type)
 
 
@@ -158,7 +158,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         in_forward=_made_by_forward(jg, node),
         random=node.op == "call_function" and ti.is_random_op(node),
         recompute_s=cost.seconds, flops=cost.flops,
-        first_use=min(bwd_uses, default=len(jg.bwd_nodes)), last_use=max(bwd_uses, default=-1),
+        last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )
 
@@ -202,21 +202,27 @@ def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:
     return all(is_fusible_pointwise(u) for u in readers)
 
 
-def _propagate_first_use(jg: JointGraph, values: dict[str, Value]) -> None:
-    """A value could be needed as soon as anything recomputed from it is: first_use flows backwards
+def _propagate_last_use(jg: JointGraph, values: dict[str, Value], first_use: dict[str, int]) -> None:
+    """A value could be needed as soon as anything recomputed from it is: its first use flows backwards
     through forward users, within a transformer block (good plans keep block boundaries, so a block's
-    values are recomputed in that block's backward, not when the next block's backward starts)."""
+    values are recomputed in that block's backward, not when the next block's backward starts), and a
+    value is alive at least until then (``last_use``)."""
     for name in reversed(list(values)):
         v = values[name]
         block = block_of(v.info.get("module", ""))
         for u in jg.name_to_node[name].users:
             if u.name in values and (block is None or block_of(values[u.name].info.get("module", "")) == block):
-                v.first_use = min(v.first_use, values[u.name].first_use)
-        v.last_use = max(v.last_use, v.first_use)
+                first_use[name] = min(first_use[name], first_use[u.name])
+        v.last_use = max(v.last_use, first_use[name])
 
 
-def _bwd_background(jg: JointGraph) -> list[int]:
-    """Live bytes of tensors the backward itself creates, at each backward step (plan-independent)."""
+def _bwd_live_bytes(jg: JointGraph) -> list[int]:
+    """Live bytes of tensors the backward itself creates, at each backward step, counted node by node
+    (plan-independent). Only the ILP's kept-bytes tie-break uses it, as a byte scale (ilp.set_objective):
+    peaks are priced by recompile_opt.costs.peak alone. Why it stays: the tie-break's scale picks among
+    plans within the 1% MIP gap; scaled by kept bytes alone, 5 of the 16 stored plans of
+    bench/measured_peaks.json moved (bench/plan_digest.py), peak_memory="27MiB" to a plan predicted
+    at 28.1 MiB instead of 26.8."""
     last_use: dict[fx.Node, int] = {}
     for i, n in enumerate(jg.bwd_nodes):
         for a in n.all_input_nodes:
@@ -236,14 +242,29 @@ def _bwd_background(jg: JointGraph) -> list[int]:
 
 def _own_bytes(node: fx.Node) -> int:
     """Bytes a node allocates: its tensor unless it is a view (tuples count through their getitems)
-    or a pointwise op Inductor fuses into its consumer (see recompile_opt.costs.peak)."""
+    or a pointwise op whose one consumer is pointwise too (fused)."""
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and not is_view_node(node) and materialised(node, set()):
+    if isinstance(val, torch.Tensor) and not is_view_node(node) and _materialised(node):
         return tensor_bytes(val)
     return 0
 
 
-def _fwd_transient(jg: JointGraph) -> int:
-    """The forward's own working set at its widest point, not counting what is kept for backward."""
-    order = [n for n in jg.fwd_nodes if n.op == "call_function" and n in jg.required_fw]
-    return sweep(order, {n: _own_bytes(n) for n in order}, keep=set(), live=0)[1]
+def _materialised(node: fx.Node) -> bool:
+    if not _is_pointwise(node):
+        return True
+    users = _consumers_through_getitem(node)
+    return len(users) > 1 or any(not _is_pointwise(u) for u in users if u.op != "output")
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _consumers_through_getitem(node: fx.Node) -> list[fx.Node]:
+    out = []
+    for u in node.users:
+        if is_view_node(u) or u.target is operator.getitem:
+            out.extend(_consumers_through_getitem(u))
+        else:
+            out.append(u)
+    return out

@@ -94,7 +94,8 @@ class Plan:
             + (f", least possible {fmt_bytes(self.min_bytes)}" if self.min_bytes is not None else ""),
             f"  recompute         : {fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms "
             f"= {100 * self.recompute_share:.1f}% of the est. step ({self.step_s * 1e3:.3f} ms)",
-            f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline"
+            ("  predicted peak    : not simulated (planned without its graphs)" if not self.predicted_peak_bytes else
+             f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline")
             + (f" (walked in Inductor's generated code; the kernel model below says "
                f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
                if self.solver.get("peak_from") == "inductor-code" else ""),

@@ -32,8 +32,7 @@ from recompile_opt.planner.problem import Problem, Value
 
 MiB = 1 << 20
 US = 1e-6  # one microsecond
-EPS = 1e-9  # seconds: the ILP's peak tie-break term is worth at most 1e-3 us
-BG = [0, 0, 0, 0]  # four backward steps, no background: the peak rows never bind unless asked
+EPS = 1e-9  # seconds: the ILP's kept-bytes tie-break term is worth at most 1e-3 us
 
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -52,7 +51,7 @@ def op(name, inputs, mib, us, *, needed=True, storage=None, **kw):
                  recompute_s=us * US, **kw), (mib if own else None)
 
 
-def problem(*entries, save_us=None, rng_state_bytes=0, bwd_background=BG, fwd_transient=0):
+def problem(*entries, save_us=None, rng_state_bytes=0, bwd_steps=4):
     """``entries`` are (Value, MiB or None for a view) in topological order; save time 0 unless given."""
     values, storage_bytes = {}, {}
     for v, mib in entries:
@@ -61,8 +60,7 @@ def problem(*entries, save_us=None, rng_state_bytes=0, bwd_background=BG, fwd_tr
             storage_bytes[v.storage] = mib * MiB
     save_s = {s: (save_us or {}).get(s, 0) * US for s in storage_bytes}
     return Problem(values=values, storage_bytes=storage_bytes, save_s=save_s,
-                   rng_state_bytes=rng_state_bytes, bwd_background=list(bwd_background),
-                   fwd_transient=fwd_transient)
+                   rng_state_bytes=rng_state_bytes, bwd_steps=bwd_steps)
 
 
 def derived(p: Problem, sol: ilp.Solution):
@@ -114,10 +112,10 @@ def chain():
 
     The backward reads c at step 0, b at step 1, a at step 2 (and a at step 1 to recompute b), x at 3.
     """
-    return problem(inp("x", 1, needed=True, first_use=3, last_use=3),
-                   op("a", ["x"], 2, 1, first_use=1, last_use=2),
-                   op("b", ["a"], 3, 2, first_use=1, last_use=1),
-                   op("c", ["b"], 4, 4, first_use=0, last_use=0))
+    return problem(inp("x", 1, needed=True, last_use=3),
+                   op("a", ["x"], 2, 1, last_use=2),
+                   op("b", ["a"], 3, 2, last_use=1),
+                   op("c", ["b"], 4, 4, last_use=0))
 
 
 # -- hand examples ---------------------------------------------------------------------------------
@@ -289,44 +287,7 @@ def test_no_budget_recomputes_only_when_cheaper(recompute_us, save_us, expect):
     assert recomputed == expect
 
 
-def test_peak_limit_counts_the_forward_transient():
-    """peak_memory bounds kept + fwd_transient: with 2 MiB of transient, a 8 MiB peak is a 6 MiB budget
-    (the backward then peaks at 6 MiB at step 1: x + recomputed a and b)."""
-    p = chain()
-    p.fwd_transient = 2 * MiB
-    _, saved, recomputed, kept = solve_ok(p, budget=None, peak=8 * MiB)
-    assert recomputed == {"a", "b"} and kept == 5 * MiB
-    assert p.predicted_bwd_peak(saved, recomputed) == 6 * MiB
-    assert ilp.solve(p, budget=None, peak=3 * MiB - 1).status == "infeasible"
 
-
-def test_peak_limit_counts_recomputed_values_in_the_backward():
-    """Backward steps 0..3 with 6 MiB of background at step 0. c (1 MiB) is read at step 0, a (4 MiB)
-    at step 3. Kept, a lives from the forward to step 3, so on top of step 0's 6 + 1 MiB; recomputed,
-    it lives only at step 3. Recomputing c does not help: it is read at step 0 anyway."""
-    p = problem(inp("x", 0), op("a", ["x"], 4, 1, first_use=3, last_use=3),
-                op("c", ["x"], 1, 9, first_use=0, last_use=0), bwd_background=[6 * MiB, 0, 0, 0])
-    _, saved, recomputed, kept = solve_ok(p, budget=None)
-    assert recomputed == set() and p.predicted_bwd_peak(saved, recomputed) == 11 * MiB  # step 0
-    for limit in (10 * MiB, 7 * MiB):
-        _, saved, recomputed, kept = solve_ok(p, budget=None, peak=limit)
-        assert recomputed == {"a"} and kept == 1 * MiB
-        assert p.predicted_bwd_peak(saved, recomputed) == 7 * MiB  # 6 + c at step 0; a alone at 3
-    assert ilp.solve(p, budget=None, peak=7 * MiB - 1).status == "infeasible"
-
-
-def test_peak_limit_is_met_where_the_background_rises():
-    """a (100 B) is kept until step 1; the background rises 0, 10, 11, 12 B. The true peak is
-    100 + 10 = 110 B at step 1, but the ILP only has rows for step 0 (a's first use) and step 3 (the
-    background's maximum), so it accepts peak=105 and the plan it returns peaks at 110."""
-    p = Problem(values={"x": Value("x", "x", can_recompute=False),
-                        "a": Value("a", "a", inputs=("x",), needed=True, recompute_s=US,
-                                   first_use=0, last_use=1)},
-                storage_bytes={"x": 0, "a": 100}, save_s={"x": 0.0, "a": 0.0},
-                bwd_background=[0, 10, 11, 12])
-    sol = ilp.solve(p, budget=None, peak=105)
-    saved, recomputed, _ = derived(p, sol)
-    assert sol.status == "infeasible" or p.predicted_bwd_peak(saved, recomputed) <= 105
 
 
 def test_solution_reports_model_size():
@@ -409,7 +370,7 @@ def test_a_cbc_run_that_stops_without_a_solution_leaves_no_files(monkeypatch, tm
 # -- random problems -------------------------------------------------------------------------------
 
 @st.composite
-def problems(draw, *, max_values=12, zero_save=False, steps=4, falling_background=False):
+def problems(draw, *, max_values=12, zero_save=False, steps=4):
     """A random DAG: inputs first, then ops reading 1-3 earlier values; some views, some tuples
     (no storage, can_save=False), some random ops, some not recomputable, a few user tags."""
     n = draw(st.integers(3, max_values))
@@ -422,8 +383,7 @@ def problems(draw, *, max_values=12, zero_save=False, steps=4, falling_backgroun
         last = draw(st.integers(first, steps - 1))
         needed = draw(st.booleans())
         if i < n_inputs:
-            values[name] = Value(name, name, needed=needed, can_recompute=False, first_use=first,
-                                 last_use=last)
+            values[name] = Value(name, name, needed=needed, can_recompute=False, last_use=last)
             storage_bytes[name] = draw(st.integers(0, 4)) * MiB  # 0: a parameter
             continue
         earlier = [f"v{j}" for j in range(i)]
@@ -442,16 +402,13 @@ def problems(draw, *, max_values=12, zero_save=False, steps=4, falling_backgroun
             can_recompute=draw(st.sampled_from([True] * 5 + [False])),
             in_forward=draw(st.sampled_from([True] * 7 + [False])),
             random=draw(st.sampled_from([False] * 5 + [True])),
-            recompute_s=draw(st.integers(0, 20)) * US, first_use=first, last_use=last,
+            recompute_s=draw(st.integers(0, 20)) * US, last_use=last,
             tag=draw(st.sampled_from([None] * 8 + ["must_save", "must_recompute"])) if can_save else None,
         )
     save_s = {s: 0.0 if zero_save else draw(st.integers(0, 10)) * US for s in storage_bytes}
-    background = [draw(st.integers(0, 4)) * MiB for _ in range(steps)]
-    if falling_background:
-        background.sort(reverse=True)
     return Problem(values=values, storage_bytes=storage_bytes, save_s=save_s,
                    rng_state_bytes=draw(st.sampled_from([0, MiB // 2, MiB])),
-                   bwd_background=background, fwd_transient=draw(st.integers(0, 4)) * MiB)
+                   bwd_steps=steps)
 
 
 def save_seconds(p: Problem, saved: set[str]) -> float:
@@ -620,19 +577,6 @@ def test_minimize_memory_finds_the_least_kept_bytes(p):
     saved, recomputed, kept = derived(p, sol)
     assert kept == min(k for _, _, k, _ in plans)
 
-
-@PROPERTY
-@given(problems(falling_background=True), st.data())
-def test_peak_limit_is_met(p, data):
-    """Under peak=P the derived plan's predicted backward peak and kept + fwd_transient are <= P.
-    (Backgrounds that never rise; test_peak_limit_is_met_where_the_background_rises covers rising ones.)"""
-    limit = data.draw(st.integers(0, 40 * MiB), label="peak")
-    sol = ilp.solve(p, budget=None, peak=limit)
-    if sol.status != "optimal":
-        return
-    saved, recomputed, kept = derived(p, sol)
-    assert kept + p.fwd_transient <= limit
-    assert p.predicted_bwd_peak(saved, recomputed) <= limit
 
 
 def test_a_node_limit_returns_the_best_plan_found_with_its_gap():

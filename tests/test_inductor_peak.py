@@ -65,7 +65,7 @@ def test_an_input_not_named_is_the_baseline():
 def chain():
     """x is kept by every plan; keeping a (2 MiB) saves 1000 us of recompute, b and c cost little."""
     return problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 2),
-                   op("c", ["b"], 4, 4), bwd_background=[])
+                   op("c", ["b"], 4, 4), bwd_steps=0)
 
 
 class _ScriptedSimulator:

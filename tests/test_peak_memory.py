@@ -137,7 +137,7 @@ def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(mon
     monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(search, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_background=[])
+                    op("c", ["b"], 4, 4), bwd_steps=0)
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
     assert {e.name for e in plan.saved} == {"x", "b"}
     assert plan.recomputed_names() == {"a", "c"}
@@ -167,7 +167,7 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
     monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(search, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
-                    op("c", ["b"], 4, 4), bwd_background=[])
+                    op("c", ["b"], 4, 4), bwd_steps=0)
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
     assert {e.name for e in plan.saved} == {"x"} | kept
 
@@ -183,7 +183,7 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
 
     def chain(last_op="mul"):
         c = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_background=[])
+                    op("c", ["b"], 4, 4), bwd_steps=0)
         c.values["c"].info["op"] = last_op
         return c
 

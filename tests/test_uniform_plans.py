@@ -22,7 +22,7 @@ def two_blocks(second_shape=(4,)):
                    # a costly a1 (a block's cost is not part of its structure): the ILP keeps it
                    op("a1", ["b0"], 2, 500, **at("h.1.mlp", second_shape)),
                    op("b1", ["a1"], 1, 50, **at("h.1.mlp")),
-                   op("y", ["b1"], 1, 1, **at("head")), bwd_background=[])
+                   op("y", ["b1"], 1, 1, **at("head")), bwd_steps=0)
 
 
 def test_the_mirror_pairs_blocks_by_position_and_the_first_blocks_input_with_its_twin():
@@ -43,7 +43,7 @@ def test_an_input_with_two_twins_is_kept_only_where_neither_is_recomputed():
     p = problem(inp("x", 1, needed=True), op("e", ["x"], 1, 1, **at("wte")),
                 op("x0", ["e"], 1, 5, **at("h.0")), op("h0", ["e"], 1, 5, **at("h.0")),
                 op("x1", ["x0"], 1, 5, **at("h.1")), op("h1", ["h0"], 1, 5, **at("h.1")),
-                bwd_background=[])
+                bwd_steps=0)
     mirror = block_mirror(p)
     assert mirror.entry_twins == {"e": ("x0", "h0")}
     stream = {"e", "x0", "x1"}  # the x stream recomputed, the h stream kept: e is still needed

@@ -14,9 +14,6 @@ The pool span (``POOL_SPAN``) is fitted to those measurements: Inductor's pool h
 recently freed buffer, so where a size is common (4 MiB: GELU, attention scores, the MLP's matmuls)
 a buffer freed long ago is never taken again and is freed where it died; a dead buffer is counted
 as held for a later allocation only within ``POOL_SPAN`` kernels.
-
-``sweep`` and ``materialised`` are the simpler node-by-node model behind the ILP's linear peak rows
-(passes/joint_graph.py).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from recompile_opt.costs.cost_model import base_of, is_view_node
+from recompile_opt.costs.cost_model import base_of
 from recompile_opt.costs.kernels import Kernel, is_extern, nbytes, schedule
 
 
@@ -296,57 +293,3 @@ def _single_tensor(node: fx.Node) -> bool:
 def _key(buf, size: dict) -> tuple:
     val = buf.meta.get("val") if isinstance(buf, fx.Node) else None
     return (getattr(val, "dtype", torch.float32), size.get(buf, 0))
-
-
-def sweep(nodes: list[fx.Node], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int,
-          shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None) -> tuple[int, int]:
-    """Run the schedule: allocate each buffer when made, free it after its last use unless kept.
-    ``shared`` maps inputs to the kept buffer they view: one buffer, freed after the last of them."""
-    keys, buffers = shared or ({}, {})
-    last = _last_uses(nodes)
-    last_of_key: dict[str, int] = {}
-    for n, i in last.items():
-        if n in keys:
-            last_of_key[keys[n]] = max(last_of_key.get(keys[n], -1), i)
-    sizes, buffers = dict(sizes), dict(buffers)
-    peak = live
-    for i, n in enumerate(nodes):
-        live += sizes.get(n, 0) if n.op == "call_function" else 0
-        peak = max(peak, live)
-        for a in {base_of(a) for a in n.all_input_nodes}:
-            if a in keys:
-                if last_of_key[keys[a]] == i:
-                    live -= buffers.pop(keys[a], 0)
-            elif last.get(a) == i and a not in keep and a in sizes:
-                live -= sizes.pop(a)
-    return live, peak
-
-
-def _last_uses(nodes: list[fx.Node]) -> dict[fx.Node, int]:
-    last = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last[base_of(a)] = i
-    return last
-
-
-def _is_pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
-
-
-def _consumers(node: fx.Node) -> list[fx.Node]:
-    """Users of a buffer, looking through views and getitems."""
-    out = []
-    for u in node.users:
-        if is_view_node(u) or u.target is operator.getitem:
-            out.extend(_consumers(u))
-        else:
-            out.append(u)
-    return out
-
-
-def materialised(node: fx.Node, outs: set[fx.Node]) -> bool:
-    if node in outs or not _is_pointwise(node):
-        return True
-    users = _consumers(node)
-    return len(users) > 1 or any(not _is_pointwise(u) for u in users if u.op != "output")

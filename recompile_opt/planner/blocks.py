@@ -190,4 +190,4 @@ def _build(problem: Problem, block_of: dict, local: dict, blocks: dict, to_templ
     return replace(problem, values=values,
                    storage_bytes={s: problem.storage_bytes[s] * scale[s] for s in storages},
                    save_s={s: problem.save_s[s] * scale[s] for s in storages},
-                   rng_state_bytes=problem.rng_state_bytes, bwd_background=[])
+                   rng_state_bytes=problem.rng_state_bytes, bwd_steps=0)

@@ -3,14 +3,12 @@ Llama layer's 11-level ladder), or the CBC that PuLP bundles.
 
 Data (from :class:`recompile_opt.planner.problem.Problem`): values v with inputs in(v), storage S(v), recompute
 time c_v, and the flags needed / can_save / can_recompute / random; storages S with bytes b_S and
-save time w_S (write + read); backward steps t with background bytes g_t; value windows
-[first_v, last_v] in the backward; B the byte budget, P the peak limit.
+save time w_S (write + read); B the byte budget.
 
 Variables
     s_v ∈ {0,1}   v is kept from the forward for the backward          (only if can_save)
     r_v ∈ {0,1}   v is recomputed in the backward                       (only if can_recompute)
     z_S ∈ {0,1}   storage S stays alive between forward and backward    (only if b_S > 0)
-    p   ≥ 0       predicted peak of the backward
 
 Objective (lexicographic, by weights)
     min  Σ_v c_v r_v + Σ_S w_S z_S                 recompute and saving time (µs)
@@ -25,16 +23,13 @@ Constraints
     Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → add_budget()
         (ρ: the RNG state a replayed random op keeps)
     s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → add_user_tags()
-    g_t + Σ_{S: t ≤ last_S} b_S z_S + Σ_{v owns S(v), first_v ≤ t ≤ last_v} b_S r_v ≤ p
-                                  for sampled backward steps t               → add_peak()
-    p ≤ P  and  Σ_S b_S z_S + fwd_transient ≤ P    when peak_memory is given  → add_peak()
 
-The peak rows are linear because recomputation is scheduled just before first use (a recomputed value
-lives over [first_v, last_v]) and a kept storage lives from the forward until its last use. They are
-conservative: against the simulated schedule of the partitioned graphs (recompile_opt.costs.peak, what plans
-report) they over-estimate up to 2x, since they cannot see Inductor's fusion. So the planner uses them
-only for a problem it cannot simulate; with the graphs at hand it judges ``peak_memory`` by simulation
-(planner._fit_peak). Ties are broken towards fewer kept bytes rather than this coarse peak.
+There is no peak row. A step's peak depends on the kernels Inductor makes and the order it frees
+buffers in, which no linear row over values can see (the node-by-node rows this model once had
+over-estimated the simulated peak up to 2x and were used only where no simulator was at hand). So
+``peak_memory`` and the least-peak plan are found around the ILP: by a search over byte budgets whose
+plans are partitioned and simulated (recompile_opt.planner.search), the one peak model
+(recompile_opt.costs.peak, checked in Inductor's code by recompile_opt.costs.inductor_peak).
 """
 
 from __future__ import annotations
@@ -54,7 +49,6 @@ import pulp
 
 from recompile_opt.planner.problem import Problem
 
-MAX_PEAK_STEPS = 96
 # HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps
 # this many going).
 ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -85,20 +79,20 @@ class SolveLog:
             self.seconds += seconds
 
 
-def solve(problem: Problem, *, budget: int | None, peak: int | None = None, solver: str = "highs",
+def solve(problem: Problem, *, budget: int | None, solver: str = "highs",
           time_limit_s: float = 30.0, mip_gap: float = 0.0, minimize_memory: bool = False,
           log: SolveLog | None = None, max_nodes: int | None = None) -> Solution:
     """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes.
     ``log`` counts the solve and its time (``Solution.solve_s``). ``max_nodes``: stop the branch and
     bound after this many nodes with the best plan found ("feasible", with its gap), a limit that,
     unlike time, gives the same plan on every machine."""
-    sol = _solve(problem, budget, peak, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory)
+    sol = _solve(problem, budget, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory)
     if log is not None:
         log.add(sol.solve_s)
     return sol
 
 
-def _solve(problem: Problem, budget, peak, solver: str, limits: tuple, minimize_memory: bool) -> Solution:
+def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory: bool) -> Solution:
     start = time.perf_counter()
     m = _Model(problem)
     m.add_availability()
@@ -107,8 +101,6 @@ def _solve(problem: Problem, budget, peak, solver: str, limits: tuple, minimize_
     m.add_user_tags()
     if budget is not None:
         m.add_budget(budget)
-    if peak is not None:
-        m.add_peak(peak)
     m.set_objective(minimize_memory=minimize_memory)
     if not m.s and not m.r:  # nothing the backward reads from the forward: nothing to decide
         return Solution(set(), set(), "optimal", time.perf_counter() - start, 0.0)
@@ -131,7 +123,6 @@ class _Model:
         self.s = {v.name: binary(f"s_{i}") for i, v in enumerate(vals) if v.can_save}
         self.r = {v.name: binary(f"r_{i}") for i, v in enumerate(vals) if v.can_recompute}
         self.z = {s: binary(f"z_{i}") for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
-        self.peak = self.lp.add_variable("peak", lowBound=0)
         self.penalties = []
         self._rows = itertools.count()
 
@@ -178,20 +169,6 @@ class _Model:
             elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
                 self.penalties.append(self.s[v.name])
 
-    def add_peak(self, limit: int):
-        last = {}
-        for v in self.p.values.values():
-            if v.storage in self.z:
-                last[v.storage] = max(last.get(v.storage, -1), v.last_use)
-        for t in _peak_steps(self.p):
-            live = [self.p.storage_bytes[s] * z for s, z in self.z.items() if t <= last.get(s, -1)]
-            live += [self.p.recomputed_bytes(v) * self.r[v.name] for v in self.p.values.values()
-                     if v.name in self.r and v.storage == v.name and v.storage in self.z
-                     and v.first_use <= t <= v.last_use]
-            self.lp += self.p.bwd_background[t] + pulp.lpSum(live) <= self.peak, self.row("peak")
-        self.lp += self.peak <= limit, "peak_limit"
-        self.lp += self.kept_bytes_expr() + self.p.fwd_transient <= limit, "fwd_peak_limit"
-
     def set_objective(self, *, minimize_memory: bool):
         us = 1e6  # seconds -> microseconds keeps coefficients near 1
         time_cost = (pulp.lpSum(us * self.p.values[n].recompute_s * r for n, r in self.r.items()
@@ -199,7 +176,7 @@ class _Model:
                      + pulp.lpSum(us * self.p.save_s[s] * z for s, z in self.z.items()))
         total_time = us * (sum(v.recompute_s for v in self.p.values.values())
                            + sum(self.p.save_s.values())) + 1.0
-        total_bytes = sum(self.p.storage_bytes.values()) + sum(self.p.bwd_background or [0]) + 1
+        total_bytes = sum(self.p.storage_bytes.values()) + self.p.bwd_byte_steps + 1
         pref = (total_time + 1.0) * pulp.lpSum(self.penalties)
         if minimize_memory:  # the caller re-solves under the bytes found, for the least time
             self.lp += self.kept_bytes_expr() * (1.0 / total_bytes)
@@ -209,22 +186,6 @@ class _Model:
     @staticmethod
     def chosen(variables: dict) -> set[str]:
         return {n for n, x in variables.items() if (x.varValue or 0) > 0.5}
-
-
-def _peak_steps(problem: Problem) -> list[int]:
-    """Steps where the live bytes can peak: first and last uses (kept and recomputed bytes only change
-    there) and the background's local maxima; subsampled beyond MAX_PEAK_STEPS."""
-    n = len(problem.bwd_background)
-    if n == 0:
-        return []
-    steps = {t for v in problem.values.values() for t in (v.first_use, v.last_use) if 0 <= t < n}
-    bg = problem.bwd_background
-    steps |= {t for t in range(n) if (t == 0 or bg[t] >= bg[t - 1]) and (t == n - 1 or bg[t] >= bg[t + 1])}
-    steps = sorted(steps)
-    if len(steps) > MAX_PEAK_STEPS:
-        stride = len(steps) / MAX_PEAK_STEPS
-        steps = [steps[int(i * stride)] for i in range(MAX_PEAK_STEPS)]
-    return steps
 
 
 _SOLVER_THREADS: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)

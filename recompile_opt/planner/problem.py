@@ -22,9 +22,9 @@ class Value:
     random: bool = False  # recompute replays a saved RNG state (charged rng_state_bytes)
     recompute_s: float = 0.0
     flops: int = 0
-    first_use: int = 0  # backward step at which it could first be needed (for the peak model)
-    last_use: int = 0  # backward step of its last direct use
-    live_bytes: int = -1  # bytes it occupies when recomputed (0 if fused away); -1: its storage's
+    # backward step of its last use (direct, or through a value of its block recomputed from it); the
+    # least-peak search weighs a kept byte by how long it stays alive (search._lifetime_weighted)
+    last_use: int = 0
     copies: int = 1  # identical blocks this value stands for (a reduced problem, see blocks.py)
     tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
@@ -36,8 +36,8 @@ class Problem:
     storage_bytes: dict[str, int]  # 0 for parameters and buffers (they live anyway)
     save_s: dict[str, float]  # time to write + read a kept storage
     rng_state_bytes: int = 0
-    bwd_background: list[int] = field(default_factory=list)  # live bytes of backward tensors per step
-    fwd_transient: int = 0  # most bytes alive in the forward besides what is kept
+    bwd_steps: int = 0  # nodes in the backward (the scale of last_use); 0: no schedule (a reduced problem)
+    bwd_byte_steps: int = 0  # Σ over backward steps of the bytes its own tensors hold: the ILP's byte scale
     step_s: float = 0.0  # estimated forward + backward time without recompute
     device: str = "cpu"
 
@@ -81,33 +81,3 @@ class Problem:
 
     def recompute_seconds(self, recomputed: set[str]) -> float:
         return sum(self.values[n].recompute_s for n in recomputed if self.values[n].in_forward)
-
-    def predicted_bwd_peak(self, saved: set[str], recomputed: set[str]) -> int:
-        """Peak of the backward under the linear model the ILP uses (see ilp.py, "peak")."""
-        n_steps = len(self.bwd_background)
-        delta = [0] * (n_steps + 1)  # live-byte changes: kept storages until their last use,
-        for s, last in self._storage_last_use(saved).items():  # recomputed values over their window
-            if last >= 0:
-                delta[0] += self.storage_bytes[s]
-                delta[min(last, n_steps - 1) + 1] -= self.storage_bytes[s]
-        for n in recomputed:
-            v = self.values[n]
-            if v.storage == n and v.first_use <= v.last_use and v.first_use < n_steps:  # views: no bytes
-                delta[max(v.first_use, 0)] += self.recomputed_bytes(v)
-                delta[min(v.last_use, n_steps - 1) + 1] -= self.recomputed_bytes(v)
-        peak, live = 0, 0
-        for t, background in enumerate(self.bwd_background):
-            live += delta[t]
-            peak = max(peak, background + live)
-        return peak
-
-    def recomputed_bytes(self, v: Value) -> int:
-        return self.storage_bytes.get(v.storage, 0) if v.live_bytes < 0 else v.live_bytes
-
-    def _storage_last_use(self, saved: set[str]) -> dict[str, int]:
-        last: dict[str, int] = {}
-        for n in saved:
-            v = self.values[n]
-            if v.storage:
-                last[v.storage] = max(last.get(v.storage, -1), v.last_use)
-        return last

@@ -120,23 +120,22 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
 
 def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str],
                 simulate: Simulate | None = None, solves: ilp.SolveLog | None = None):
-    kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap,
-              peak=options.peak_memory, log=solves)
-    # identical blocks are solved as a few groups; the ILP's own peak rows need the whole backward schedule, so
-    # not when they are used (a peak limit without a simulator)
-    fit_peak = options.peak_memory is not None and simulate is not None
-    reduction = reduce_blocks(problem) if options.peak_memory is None or fit_peak else None
+    kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap, log=solves)
+    fit_peak = options.peak_memory is not None
+    if fit_peak and simulate is None:  # the ILP has no peak rows: a peak is only known by simulation
+        raise ValueError("recompile_opt: peak_memory needs plans simulated on the graphs (recompile_opt.plan "
+                         "or torch.compile); make_plan was given no simulator")
+    reduction = reduce_blocks(problem)  # identical blocks are solved as a few groups
     min_bytes = None
     budget = options.memory_budget
     if isinstance(budget, float):
-        # the range's ends know no peak limit: a simulated limit is applied below, by _fit_peak
-        range_kw = {**kw, "peak": None} if fit_peak else kw
+        # the range's ends know no peak limit: a limit is applied below, by _fit_peak
         if simulate is not None and budget < 1.0:
-            ends = _range_search(problem, reduction, range_kw, baseline, simulate, options)
+            ends = _range_search(problem, reduction, kw, baseline, simulate, options)
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
             notes.extend([ends.note] if ends.note else [])
         else:
-            min_bytes = _least_bytes(problem, reduction, range_kw)
+            min_bytes = _least_bytes(problem, reduction, kw)
             floor, least_peak = min_bytes, None
         if budget == 0.0 and least_peak is not None and not fit_peak:
             return least_peak, _solver_info(options, least_peak), floor, min_bytes
@@ -223,7 +222,7 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
             return out
 
         points = [((problem, reduction, min_bytes, baseline), f) for f in PEAK_LADDER]
-        if reduction is None and problem.bwd_background:  # deep stacks: one ladder (compile time)
+        if reduction is None and problem.bwd_steps:  # deep stacks: one ladder (compile time)
             weighted = _lifetime_weighted(problem)
             top = weighted.kept_bytes(weighted.needed_closure(set())[0])
             least = pool.submit(_least_bytes, weighted, None, kw)
@@ -384,7 +383,7 @@ def _lifetime_weighted(problem: Problem) -> Problem:
     block, freed early in the backward, like a byte of the first block, alive to its end, but only
     the latter sits under every later peak. On a 2-layer Llama the least predicted peak (29.1 MiB)
     comes at 16 ms of estimated recompute this way, 32 ms on the plain ladder."""
-    steps = len(problem.bwd_background)
+    steps = problem.bwd_steps
     last: dict[str, int] = {}
     for v in problem.values.values():
         if v.storage:
@@ -446,7 +445,8 @@ def _fingerprint(problem: Problem, options: Options) -> str:
     rather than replayed, the problem's data differs)."""
     rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False,
                                compiler="inductor")
-    blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_background, problem.rng_state_bytes,
+    blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_steps, problem.bwd_byte_steps,
+                 problem.rng_state_bytes,
                  [(dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
                   for v in problem.values.values()], rest.key()))
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -462,7 +462,6 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     end of a fractional budget) is the last try: the least recompute among all the plans it met that
     fit. Why all: on the benchmark's GPT, ``peak_memory="26MiB"`` got the least-peak plan (23.79 MiB,
     32.1 ms est.) where the search had met one at 25.81 MiB for 27.5 ms."""
-    kw = {**kw, "peak": None}
     if min_bytes is None:
         min_bytes = _least_bytes(problem, reduction, kw)
     if budget is not None and min_bytes is not None and budget < min_bytes:  # the byte limit first
@@ -729,14 +728,13 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
                                               dtype="uint8", shape=[problem.rng_state_bytes]))
     forward_recomputed = {n for n in recomputed if problem.values[n].in_forward}
     kept = problem.kept_bytes(saved, recomputed)
-    peak = max(kept + problem.fwd_transient, problem.predicted_bwd_peak(saved, recomputed))
     return Plan(
         graph=graph, policy=options.policy, saved=kept_entries, recomputed=rec_entries,
         saved_bytes=kept, baseline_bytes=baseline, min_bytes=min_bytes, budget_bytes=budget,
         peak_limit_bytes=options.peak_memory,
         recompute_flops=sum(problem.values[n].flops for n in forward_recomputed),
         recompute_s=problem.recompute_seconds(recomputed), step_s=problem.step_s,
-        predicted_peak_bytes=peak, solver=solver_info, notes=notes,
+        predicted_peak_bytes=0, solver=solver_info, notes=notes,  # the caller simulates it (backend)
         options={k: v for k, v in vars(options).items() if v not in (None, {}, "")},
     )
 
