@@ -323,3 +323,10 @@ def test_infeasible_budget_falls_back_to_the_least_memory_plan():
     assert p.saved_bytes == p.min_bytes == MiB + RNG
     assert any("using the least-memory plan" in n for n in p.notes)
     assert Plan.from_json(p.to_json()) == p
+
+
+def test_a_peak_limit_needs_a_simulator():
+    """The ILP has no peak rows: a peak is known only by simulating the partitioned graphs, so planning a
+    bare Problem under peak_memory is refused rather than answered with an unchecked plan."""
+    with pytest.raises(ValueError, match="peak_memory needs plans simulated"):
+        plan_for(peak_memory="8MiB")
