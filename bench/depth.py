@@ -6,6 +6,7 @@ Usage::
     python bench/depth.py                          # 12, 24, 48, 96 layers: markdown tables
     python bench/depth.py --layers 12,24 --json    # JSON list of rows
     python bench/depth.py --problem-dir /tmp/depth # keep the captured problems (capture is the slow part)
+    python bench/depth.py --md depth.md            # also write the tables, under a provenance line
 
 Each depth is captured once on the CPU (``recompile_opt.plan`` with ``policy="save-all"``: Dynamo,
 AOTAutograd, Inductor's joint passes and our partition run, no step is computed and no ILP is solved)
@@ -54,6 +55,7 @@ from recompile_opt.planner import ilp, search  # noqa: E402
 from recompile_opt.models import GPT, GPTConfig, example_batch  # noqa: E402
 from recompile_opt.options import parse_options  # noqa: E402
 from recompile_opt.planner.problem import Problem  # noqa: E402
+from recompile_opt.provenance import header_line  # noqa: E402
 
 LAYERS = (12, 24, 48, 96)
 WIDTH = dict(n_head=4, n_embd=64, block_size=64, vocab_size=128)  # small width: depth is the point
@@ -268,6 +270,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_document(rows: list[dict]) -> str:
+    """What ``--md`` writes: the provenance line, the model and settings, then :func:`markdown`. The
+    capture and solve seconds depend on the machine's load (the provenance line gives it)."""
+    width = ", ".join(f"{k}={v}" for k, v in WIDTH.items())
+    fractions = sorted({r["fraction"] for r in rows})
+    return (f"{header_line()}\n\nGPT ({width}, batch {BATCH}), one int byte budget for both solves "
+            f"(fraction {', '.join(f'{f:g}' for f in fractions)} of the range), HiGHS\n\n{markdown(rows)}\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default=",".join(map(str, LAYERS)), help="comma-separated depths")
@@ -277,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mip-gap", type=float, default=0.01, help="relative gap at which a solve stops")
     ap.add_argument("--problem-dir", type=Path, help="cache captured problems here (pickles)")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of markdown")
+    ap.add_argument("--md", metavar="FILE", help="also write the markdown tables here, opening with "
+                    "recompile_opt.provenance.header_line() (versions, machine, load, date)")
     args = ap.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.layers.split(",")):
@@ -284,6 +297,8 @@ def main(argv=None) -> int:
                         problem_dir=args.problem_dir))
         print(f"# {n} layers done: {rows[-1]['within_1pct']}", file=sys.stderr, flush=True)
     print(json.dumps(rows, indent=2) if args.json else markdown(rows))
+    if args.md:
+        Path(args.md).write_text(markdown_document(rows))
     return 0
 
 

@@ -5,6 +5,7 @@ Usage::
 
     python bench/paper.py                        # 22B, 175B, 530B, 1T: markdown table + explanations
     python bench/paper.py --json --models 22B,1T # JSON list of rows
+    python bench/paper.py --md paper_table.md    # also write the markdown, under a provenance line
 
 One layer per model (s=2048, b=1, bf16, dropout 0.1, no tensor/sequence parallelism) is built by
 ``recompile_opt.models.paper_layer`` and planned four ways: ``save-all`` (the paper's "no recompute"),
@@ -44,6 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import recompile_opt  # noqa: E402
 from recompile_opt.models import paper_layer  # noqa: E402
+from recompile_opt.provenance import header_line  # noqa: E402
 
 S, B = 2048, 1
 MODELS = {"22B": (6144, 64), "175B": (12288, 96), "530B": (20480, 128), "1T": (25600, 160)}
@@ -257,7 +259,21 @@ def parse_args(argv=None):
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated subset of: " + ", ".join(MODELS))
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
+    p.add_argument("--md", metavar="FILE", help="also write the markdown (table and explanations) here, "
+                   "opening with recompile_opt.provenance.header_line() (versions, machine, load, date)")
     return p.parse_args(argv)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The printed report: a title line, the table and the explanations."""
+    title = (f"Korthikanti et al. 2022, Table 2 per layer: s={S}, b={B}, bf16, dropout 0.1, t=1; "
+             "planned on the meta device")
+    return f"{title}\n\n{markdown_table(rows)}\n{explanations(rows)}"
+
+
+def markdown_document(rows: list[dict]) -> str:
+    """What ``--md`` writes: the provenance line, then :func:`markdown`."""
+    return f"{header_line()}\n\n{markdown(rows)}\n"
 
 
 def main(argv=None) -> int:
@@ -267,13 +283,9 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {list(MODELS)}")
     rows = [r for name in names for r in model_rows(name)]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(f"Korthikanti et al. 2022, Table 2 per layer: s={S}, b={B}, bf16, dropout 0.1, t=1; "
-              "planned on the meta device\n")
-        print(markdown_table(rows))
-        print(explanations(rows))
+    print(json.dumps(rows, indent=1) if args.json else markdown(rows))
+    if args.md:
+        Path(args.md).write_text(markdown_document(rows))
     return 0
 
 

@@ -4,7 +4,8 @@
     recompile-opt show plan.json
     recompile-opt diff a.json b.json
     recompile-opt demo [--budget 0.3]
-    recompile-opt frontier [MODULE:FACTORY] [--budgets 0,0.1,...] [--out frontier] [--measure] [--no-pytorch]
+    recompile-opt frontier [MODULE:FACTORY] [--budgets 0,0.1,...] [--out frontier] [--md table.md] [--measure]
+                           [--no-pytorch]
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def cmd_frontier(args) -> None:
     print(f"\n{len(points)} points in {time.perf_counter() - t0:.1f} s")
     for path in frontier.draw(points, args.out, title=args.factory):
         print(f"wrote {path}")
+    if args.md:
+        Path(args.md).write_text(frontier.markdown(points, title=args.factory))
+        print(f"wrote {args.md}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("factory", nargs="?", default="recompile_opt.models:demo_gpt")
     p.add_argument("--budgets", help="comma-separated fractions in [0, 1] (default 0,0.05,...,1)")
     p.add_argument("--out", default="frontier", help="path stem: writes STEM.png and STEM.svg")
+    p.add_argument("--md", metavar="FILE", help="also write the table as markdown here, opening with one "
+                   "provenance line (versions, machine, load, date)")
     p.add_argument("--measure", action="store_true", help="also train each strategy a few steps and measure")
     p.add_argument("--steps", type=int, default=3, help="measured steps per strategy")
     p.add_argument("--compiler", default="eager", choices=("inductor", "eager"),

@@ -354,6 +354,16 @@ def table(points: list[Point]) -> str:
     return "\n".join(rows)
 
 
+def markdown(points: list[Point], *, title: str = "") -> str:
+    """What ``recompile-opt frontier --md FILE`` writes: one provenance line (versions, machine, load,
+    date: :func:`recompile_opt.provenance.header_line`), the model, then :func:`table`."""
+    from recompile_opt.provenance import header_line
+
+    what = f"{title}: " if title else ""
+    return (f"{header_line()}\n\n{what}{len(points)} points; kept bytes, recompute and peaks estimated "
+            f"by our cost model and simulator\n\n{table(points)}\n")
+
+
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:.3f}"
 
