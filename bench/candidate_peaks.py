@@ -6,7 +6,7 @@ Usage::
     python bench/candidate_peaks.py --index 3                 # compile candidate 3 as the 0.0 plan, measure
     python bench/candidate_peaks.py --index 3 --keep add      # the same with the value ``add`` kept too
 
-The search (``search._least_peak``, the 0.0 end of a fractional budget) ranks plans by the simulated
+The search (``least_peak._least_peak``, the 0.0 end of a fractional budget) ranks plans by the simulated
 peak; this swaps its choice for a chosen candidate (caches off, so the partitioner runs), compiles the
 benchmark's model through Inductor and measures its peak as ``bench/peak_accuracy.py`` does. Why: to
 see whether a plan that recomputes less than the chosen one really peaks higher, and where the
@@ -50,9 +50,9 @@ def main(argv=None) -> None:
 
     from peak_accuracy import measure_one  # this script's folder is on the path
 
-    from recompile_opt.planner import search
+    from recompile_opt.planner import least_peak
 
-    search, chosen = search._least_peak, {}
+    search, chosen = least_peak._least_peak, {}
 
     def pick(problem, reduction, kw, min_bytes, baseline, simulate, notes):
         kept, sol, found = search(problem, reduction, kw, min_bytes, baseline, simulate, notes)
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
         chosen.update(index=args.index, recompute_ms=round(c.recompute_s * 1e3, 1), kept_on_top=sorted(keep))
         return kept, sol, found
 
-    search._least_peak = pick
+    least_peak._least_peak = pick
     row = measure_one(args.model, "0.0", "inductor")
     print(json.dumps({**chosen, "kept_mib": round(row["kept_bytes"] / MiB, 2),
                       "predicted_mib": round(row["predicted_bytes"] / MiB, 2),

@@ -52,16 +52,20 @@ V101_PATH = os.environ.get("ROCKMATE_101_PATH", "/work/rockmate-venv/rockmate-1.
 
 
 def load_file_module(name: str, path: Path):
-    """Import one of our modules by path, as ``recompile_opt.<stem>`` of a bare package (our
-    source folder as its path, its ``__init__`` not run): ``recompile_opt/__init__`` pulls the
+    """Import one of our modules by path, as ``recompile_opt.<dotted path>`` of bare packages (our
+    source folders as their paths, their ``__init__`` not run): ``recompile_opt/__init__`` pulls the
     whole package (PuLP, networkx and the ``passes`` sub-package mapped by pyproject), which the
-    Rockmate venv does not install; models.py needs only torch, measure.py torch and our
+    Rockmate venv does not install; models.py needs only torch, costs/measure.py torch and our
     ``_torch_internals`` (found through the bare package). ``name`` is an alias kept in sys.modules."""
-    if "recompile_opt" not in sys.modules:
-        package = types.ModuleType("recompile_opt")
-        package.__path__ = [str(path.parent)]
-        sys.modules["recompile_opt"] = package
-    spec = importlib.util.spec_from_file_location(f"recompile_opt.{path.stem}", path)
+    root = REPO / "recompile_opt"
+    parts = path.relative_to(root).with_suffix("").parts
+    for i in range(len(parts)):  # recompile_opt, then each sub-package above the module
+        package_name = ".".join(("recompile_opt", *parts[:i]))
+        if package_name not in sys.modules:
+            package = types.ModuleType(package_name)
+            package.__path__ = [str(root.joinpath(*parts[:i]))]
+            sys.modules[package_name] = package
+    spec = importlib.util.spec_from_file_location(".".join(("recompile_opt", *parts)), path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -203,7 +207,7 @@ def run(args, out: dict) -> None:
         torch.set_num_threads(args.threads)
     out.update(torch=torch.__version__, threads=torch.get_num_threads())
     models = load_file_module("ro_models", REPO / "recompile_opt" / "models.py")
-    measure = load_file_module("ro_measure", REPO / "recompile_opt" / "measure.py")
+    measure = load_file_module("ro_measure", REPO / "recompile_opt" / "costs" / "measure.py")
     if args.model == "gpt":
         config = models.GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
                                   block_size=args.seq, vocab_size=args.vocab, dropout=args.dropout)

@@ -30,7 +30,8 @@ from recompile_opt.planner import budget_split
 from recompile_opt.options import Options, parse_options
 from recompile_opt.costs.peak import peak_breakdown
 from recompile_opt.plan import Plan
-from recompile_opt.planner.search import make_plan, range_walked
+from recompile_opt.planner.least_peak import range_walked
+from recompile_opt.planner.search import make_plan
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.partition import partition

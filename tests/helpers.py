@@ -80,8 +80,8 @@ def forget_searches(monkeypatch) -> None:
     and walked for its plans (both are kept per graph for the process)."""
     from collections import OrderedDict
 
-    from recompile_opt.planner import search
+    from recompile_opt.planner import least_peak
     from recompile_opt.costs import simulator
 
-    monkeypatch.setattr(search, "_RANGE_ENDS", {})
+    monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
     monkeypatch.setattr(simulator, "_FOUND", OrderedDict())

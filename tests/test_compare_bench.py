@@ -255,7 +255,7 @@ def test_rockmate_runner_loads_measure_without_our_package():
         sys.path.insert(0, {str(_PATH.parent)!r})
         import rockmate_runner, torch
         measure = rockmate_runner.load_file_module(
-            "ro_measure", rockmate_runner.REPO / "recompile_opt" / "measure.py")
+            "ro_measure", rockmate_runner.REPO / "recompile_opt" / "costs" / "measure.py")
         print(measure.memory_profile(lambda: torch.empty(1024, 256)).peak_bytes, "pulp" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

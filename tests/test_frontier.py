@@ -6,7 +6,7 @@ import torch
 import recompile_opt
 from recompile_opt import frontier
 from recompile_opt.costs import inductor_peak
-from recompile_opt.planner import search
+from recompile_opt.planner.least_peak import EXACT_TIE
 from recompile_opt.cli import main
 from recompile_opt.frontier import Point, draw, knee, sweep, table
 
@@ -31,7 +31,7 @@ def test_sweep_is_monotone(points):
     costs more estimated recompute. The least-peak plan (0.0) is judged by its peak instead: it may
     keep more bytes than a cheaper plan (its refinement keeps values alive at its peak), but no plan
     of the sweep peaks lower: walked in Inductor's code, within the tie that lets it recompute less
-    (search.EXACT_TIE; the sweep's points carry the simulator's peaks, which may rank them otherwise)."""
+    (EXACT_TIE; the sweep's points carry the simulator's peaks, which may rank them otherwise)."""
     ilp = _ilp(points)
     assert [b for p in ilp for b in p.budgets] == list(BUDGETS)
     kept = [p.kept_bytes for p in ilp]
@@ -43,7 +43,7 @@ def test_sweep_is_monotone(points):
     assert rec[0] > rec[-1]
     lowest = min((p for p in points if p.kind == "ilp"), key=lambda p: p.predicted_peak_bytes)
     if lowest is not least_peak:
-        assert _walked_peak(least_peak) <= _walked_peak(lowest) * (1 + search.EXACT_TIE)
+        assert _walked_peak(least_peak) <= _walked_peak(lowest) * (1 + EXACT_TIE)
 
 
 def _walked_peak(point: Point) -> int:

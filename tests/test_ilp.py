@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from recompile_opt.planner import ilp
 from recompile_opt.options import SOLVERS
-from recompile_opt.planner.search import greedy_recompute
+from recompile_opt.planner.solving import greedy_recompute
 from recompile_opt.planner.problem import Problem, Value
 
 MiB = 1 << 20

@@ -7,7 +7,7 @@ import torch
 
 import recompile_opt
 from recompile_opt import models
-from recompile_opt.planner import search
+from recompile_opt.planner import least_peak, search
 from recompile_opt.options import parse_options
 from recompile_opt.planner.search import InfeasibleBudget
 
@@ -38,7 +38,7 @@ def test_a_plan_says_how_many_solves_and_simulations_its_planning_took(monkeypat
     forget_searches(monkeypatch)  # search even if an earlier test did
     model, inputs = tiny_gpt()
     searched = recompile_opt.plan(model, inputs, memory_budget=0.0).solver
-    assert searched["solves"] >= len(search.PEAK_LADDER) and searched["simulations"] >= 5
+    assert searched["solves"] >= len(least_peak.PEAK_LADDER) and searched["simulations"] >= 5
     assert 0 < searched["simulate_s"] < searched["plan_s"] and searched["solves_s"] > 0
     one = recompile_opt.plan(model, inputs, memory_budget=10 * 2**20)
     assert (one.solver["solves"], one.solver["simulations"]) == (1, 0)
@@ -62,7 +62,7 @@ def test_a_limit_just_above_the_least_peak_gets_less_recompute_than_the_least_pe
     # fits. The search's own winner, that is: without the check in Inductor's code, which replaces it
     # at 0.0 by a plan that recomputes less (test_inductor_peak) and moves the least peak
     forget_searches(monkeypatch)
-    monkeypatch.setattr(search, "_verified", lambda problem, best, found, simulate: (best, None))
+    monkeypatch.setattr(least_peak, "_verified", lambda problem, best, found, simulate: (best, None))
     model, inputs = models.demo_gpt()
     least = recompile_opt.plan(model, inputs, memory_budget=0.0)
     limit = int(least.predicted_peak_bytes * 1.10)
@@ -134,8 +134,8 @@ class _FakeSimulator:
 def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(monkeypatch):
     # One ladder level, no probes: the ILP's least-memory plan recomputes a, b and c. Keeping b is no
     # kept-byte budget's cheapest plan here, so only the refinement around the peak can find it.
-    monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
-    monkeypatch.setattr(search, "PEAK_PROBES", 0)
+    monkeypatch.setattr(least_peak, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(least_peak, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
                     op("c", ["b"], 4, 4), bwd_steps=0)
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
@@ -164,8 +164,8 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
     # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
     # keeping a is worth its bytes and keeping b is not
     forget_searches(monkeypatch)  # the same problem under another simulator
-    monkeypatch.setattr(search, "PEAK_LADDER", (0.0,))
-    monkeypatch.setattr(search, "PEAK_PROBES", 0)
+    monkeypatch.setattr(least_peak, "PEAK_LADDER", (0.0,))
+    monkeypatch.setattr(least_peak, "PEAK_PROBES", 0)
     chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
                     op("c", ["b"], 4, 4), bwd_steps=0)
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
@@ -176,10 +176,10 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
     """Fractions, peak limits (which, with one kept-byte level, only the search's plans meet) and the
     compiler option share one search of a graph; a graph whose ops differ gets its own."""
     forget_searches(monkeypatch)
-    monkeypatch.setattr(search, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
+    monkeypatch.setattr(least_peak, "PEAK_SEARCH", (1.0,))  # save-all: 8 MiB, so a limit falls to the search
     searches = []
-    original = search._least_peak
-    monkeypatch.setattr(search, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
+    original = least_peak._least_peak
+    monkeypatch.setattr(least_peak, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
 
     def chain(last_op="mul"):
         c = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),

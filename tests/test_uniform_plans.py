@@ -1,7 +1,7 @@
 """Uniform plans: the least-peak search also tries every plan it meets with one block's decisions given
 to every identical block (``blocks.BlockMirror``), because Inductor builds identical code once."""
 
-from recompile_opt.planner import search
+from recompile_opt.planner import least_peak, search
 from recompile_opt.planner.blocks import block_mirror
 from recompile_opt.options import parse_options
 from recompile_opt.planner.policies import block_of
@@ -76,15 +76,15 @@ def search_one_level(monkeypatch, simulate):
     """The 0.0 plan of ``two_blocks`` from a single ladder level, and the ILP's plan at that level."""
     forget_searches(monkeypatch)
     for name, value in (("PEAK_LADDER", (0.3,)), ("PEAK_PROBES", 0), ("REFINE_ROUNDS", 0)):
-        monkeypatch.setattr(search, name, value)
+        monkeypatch.setattr(least_peak, name, value)
     met = []
-    original = search._mirrored
+    original = least_peak._mirrored
 
     def spy(problem, mirror, found, sim):
         met.extend(problem.needed_closure(c.sol.recompute, c.sol.keep)[1] for c in found)
         return original(problem, mirror, found, sim)
 
-    monkeypatch.setattr(search, "_mirrored", spy)
+    monkeypatch.setattr(least_peak, "_mirrored", spy)
     p = two_blocks()
     plan = search.make_plan(p, parse_options({"memory_budget": 0.0}), simulate=simulate)
     (ladder,) = met

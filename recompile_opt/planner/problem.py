@@ -23,7 +23,7 @@ class Value:
     recompute_s: float = 0.0
     flops: int = 0
     # backward step of its last use (direct, or through a value of its block recomputed from it); the
-    # least-peak search weighs a kept byte by how long it stays alive (search._lifetime_weighted)
+    # least-peak search weighs a kept byte by how long it stays alive (least_peak._lifetime_weighted)
     last_use: int = 0
     copies: int = 1  # identical blocks this value stands for (a reduced problem, see blocks.py)
     tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute

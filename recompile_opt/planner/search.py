@@ -7,87 +7,22 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Protocol
 
-from recompile_opt.planner import ilp
-from recompile_opt.planner.blocks import BlockMirror, BlockReduction, block_mirror, reduce_blocks
-from recompile_opt.options import OptionError, Options
+from recompile_opt.options import Options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
+from recompile_opt.planner import ilp
+from recompile_opt.planner.blocks import reduce_blocks
+from recompile_opt.planner.least_peak import _fit_peak, _range_search
 from recompile_opt.planner.policies import POLICIES, attention_cores
 from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.solving import (InfeasibleBudget, Simulate, below_least, least_bytes,
+                                           one_tensor_per_storage, solve_reduced, solver_info, greedy_recompute)
+
+__all__ = ["InfeasibleBudget", "make_plan"]
 
 log = logging.getLogger(__name__)
-
-
-class InfeasibleBudget(OptionError):
-    """``strict=True`` and no plan meets ``memory_budget`` / ``peak_memory``."""
-
-
-# Kept-byte levels (fractions of the range least-possible .. save-all) tried for the least peak.
-PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
-# A second ladder over kept bytes weighted by how long they stay alive in the backward (see
-# _lifetime_weighted): it finds plans of the same least peak that recompute less.
-LIFETIME_LADDER = (0.1, 0.15, 0.2, 0.25)
-# The lowest-peak levels found get probes this far on either side (a quarter of a ladder step).
-PEAK_PROBES, PEAK_PROBE_STEP = 2, 0.0125
-# Predicted peaks this close are ties, and a tie goes to the plan that recomputes less. 0.0 means the
-# least memory, so the tie only absorbs near-equal predictions (it was 5%, which traded peak for speed).
-PEAK_TIE = 0.02
-# Branch-and-bound nodes a least-peak search solve may take. Its solves only propose candidates, so
-# the best plan found by then will do; a node limit, unlike a time limit, gives every machine the same
-# plan. The benchmark's GPT and Llama and the Hugging Face GPT-2, BERT and Llama need at most 85; two
-# of a 2-layer T5's 22 took 4470 and 7948 nodes (30 s and 20 s: its planning took 36 s, 10 s with this
-# limit, the benchmark models' plans unchanged).
-SEARCH_MAX_NODES = 200
-# Rounds of the least-peak refinement, and the recomputed values alive at the peak tried per round.
-REFINE_ROUNDS, REFINE_MOVES = 2, 16
-# A refinement move that keeps the peak must cut the recompute by this share to be taken.
-REFINE_MIN_GAIN = 0.01
-# Candidates of the least-peak search within this factor of its least peak are mirrored (_mirrored): the
-# best uniform plans came from ones at 1.24x (GPT) and 1.10x (Llama); all of them took 5 s on the Llama.
-MIRROR_RANGE = 1.25
-# The least-peak plan is checked in the code Inductor generates (recompile_opt.costs.inductor_peak: within
-# 0.4% of the measured peak on the benchmark's 16 stored plans, ~1.5 s of lowering per graph) against
-# up to VERIFY_MAX plans that recompute VERIFY_GAIN less and whose simulated peak lies within
-# VERIFY_RANGE of its own (the simulator's errors on those plans: -10%..+9%). Exact peaks within
-# EXACT_TIE are ties, won by the least recompute: on the benchmark's GPT 3.1% more peak (24.80 ->
-# 25.58 MiB measured) for 43% less recompute (28.8 -> 16.4 ms est.), the step 1.19x -> 1.06x of
-# plain torch.compile's (README, "Cold compile and step of the checked 0.0 plan").
-VERIFY_RANGE, VERIFY_GAIN, VERIFY_MAX = 1.15, 0.2, 2
-EXACT_TIE = 0.05
-# Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
-PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
-# Between the first level that fits and the one above it, probes this far apart.
-PEAK_SEARCH_PROBE = 0.025
-
-
-class _Candidate(NamedTuple):
-    """A plan met by the least-peak search: its predicted peak, recompute time and kept bytes, the ILP
-    solution, where it came from (a ladder and level), and the values the refinement kept on top."""
-    peak: int
-    recompute_s: float
-    kept: int
-    sol: ilp.Solution
-    ladder: tuple | None = None
-    level: float | None = None
-    refined: tuple[str, ...] = ()
-    mirrored: int | None = None  # the block whose decisions every identical block took
-
-
-class Simulate(Protocol):
-    """Predicts plans' peaks from their partitioned graphs (recompile_opt.costs.simulator.PeakSimulator)."""
-
-    def __call__(self, saved: set, recomputed: set) -> int: ...  # predicted peak bytes
-
-    def recomputed_at_peak(self, saved: set, recomputed: set) -> list[str]: ...
-
-    # optional: the exact peak from Inductor's generated code, None where unknown (see _verified)
-    def exact(self, saved: set, recomputed: set) -> int | None: ...
 
 
 def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
@@ -109,7 +44,7 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         _note_policy(problem, options.policy, notes)
-    saved, recomputed = _one_tensor_per_storage(problem, recompute, keep)
+    saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
                      min_bytes=min_bytes, solver_info=solver_info, notes=notes)
@@ -135,14 +70,14 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
             notes.extend([ends.note] if ends.note else [])
         else:
-            min_bytes = _least_bytes(problem, reduction, kw)
+            min_bytes = least_bytes(problem, reduction, kw)
             floor, least_peak = min_bytes, None
         if budget == 0.0 and least_peak is not None and not fit_peak:
-            return least_peak, _solver_info(options, least_peak), floor, min_bytes
+            return least_peak, solver_info(options, least_peak), floor, min_bytes
         budget = int(floor + budget * (baseline - floor))
     if fit_peak:
         return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
-    sol = _solve(problem, reduction, budget, kw, notes)
+    sol = solve_reduced(problem, reduction, budget, kw, notes)
     if sol.status == "infeasible":
         sol, min_bytes = _infeasible(problem, options, budget, kw, notes, reduction)
     elif sol.status.startswith("error"):
@@ -150,394 +85,18 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
         warnings.warn(msg)
         notes.append(msg)
         greedy = ilp.Solution(greedy_recompute(problem, budget), status=sol.status)
-        return greedy, _solver_info(options, sol), budget, min_bytes
+        return greedy, solver_info(options, sol), budget, min_bytes
     if sol.status == "feasible":
         notes.append(f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
                      + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver"))
-    return sol, _solver_info(options, sol), budget, min_bytes
-
-
-def _solve(problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str],
-           **extra) -> ilp.Solution:
-    """Solve the reduced problem and expand it. The first block reads the embedding where the template
-    reads its own copy, so the expanded plan can keep a little more than the reduced one claimed:
-    tighten the budget by that excess and re-solve (twice at most), else solve in full."""
-    target = budget
-    for _ in range(3 if reduction is not None else 0):
-        sol = ilp.solve(reduction.reduced, budget=target, **kw, **extra)
-        if sol.status not in ("optimal", "feasible"):
-            break
-        full = ilp.Solution(reduction.expand(sol.recompute), reduction.expand(sol.keep), sol.status,
-                            sol.solve_s, sol.gap, sol.n_vars, sol.n_constraints)
-        kept = problem.kept_bytes(*problem.needed_closure(full.recompute, full.keep))
-        if budget is None or extra.get("minimize_memory") or kept <= budget:
-            _note_once(notes, reduction.note(len(problem.values)))
-            return full
-        claimed = reduction.reduced.kept_bytes(*reduction.reduced.needed_closure(sol.recompute, sol.keep))
-        target = claimed - (kept - budget) - 1
-    return ilp.solve(problem, budget=budget, **kw, **extra)
-
-
-def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline: int,
-                simulate: Simulate, notes: list[str]) -> tuple[int, ilp.Solution | None, list[_Candidate]]:
-    """The plan with the least predicted peak over a ladder of kept-byte budgets, its kept bytes, and
-    every plan the search met (``peak_memory`` takes the least recompute among those that fit).
-
-    Below some budget, keeping fewer bytes only raises the peak: a recomputed value lives from its
-    first to its last use in the backward, so recomputing the whole forward holds all of it at once
-    (PyTorch's knapsack at 0.05 keeps 2 MiB yet peaks higher than at 0.5). A fraction's 0.0 end is
-    therefore the least-peak plan, not the least-kept one; an int budget can still go lower.
-
-    The peak along a ladder is not monotone, nor smooth: a 4 KiB norm statistic kept or recomputed
-    moves it by 3 MiB, so the levels next to the lowest-peak ones are probed too (on a 2-layer GPT
-    the plain ladder's best plan measured 28.6 MiB; the probe a quarter step beside its second best
-    found one that measured 24.8 MiB). This is a search, not a proof of the least peak;
-    ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen. Peaks within
-    ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least. The best
-    plan is then refined by keeping, one at a time, recomputed values alive at its peak
-    (:func:`_keep_moves`), for up to ``REFINE_ROUNDS`` rounds while a move lowers the peak or cuts
-    the recompute by ``REFINE_MIN_GAIN``. Last, for a stack of identical blocks solved in full, every
-    plan within ``MIRROR_RANGE`` of the least peak is tried with each block's decisions given to all
-    blocks (:func:`_mirrored`), and such a uniform plan replaces the best when it is as good on both
-    counts: a peak within ``PEAK_TIE`` of the least and no more recompute. Inductor builds a uniform plan's
-    block kernels once (the GPT's least-peak plan: 23 kernel modules, the asymmetric one 34). Why not
-    a lower peak alone: on the Llama a uniform plan predicted 4% below the best (25.99 MiB) for twice
-    its recompute measured 27.99 MiB, against the best's 25.11."""
-    # solves on threads (HiGHS releases the GIL: 11 ladder solves of a 2-layer GPT took 1.80 s in turn,
-    # 0.93 s on 2 threads), each result simulated here as soon as it is in
-    kw = {**kw, "max_nodes": SEARCH_MAX_NODES}
-    with ThreadPoolExecutor(max_workers=ilp.ILP_THREADS) as pool:
-        def solving(points: list[tuple[tuple, float]]) -> list[Future]:
-            return [pool.submit(_solve, prob, red, int(lo + f * (hi - lo)), kw, [])
-                    for (prob, red, lo, hi), f in points]
-
-        def candidates(points: list[tuple[tuple, float]], futures: list[Future]) -> list[_Candidate]:
-            out = []
-            for (ladder, f), future in zip(points, futures):  # simulate each while later ones solve
-                sol = future.result()
-                if sol.status in ("optimal", "feasible"):
-                    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-                    out.append(_Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                                          problem.kept_bytes(saved, recomputed), sol, ladder, f))
-            return out
-
-        points = [((problem, reduction, min_bytes, baseline), f) for f in PEAK_LADDER]
-        if reduction is None and problem.bwd_steps:  # deep stacks: one ladder (compile time)
-            weighted = _lifetime_weighted(problem)
-            top = weighted.kept_bytes(weighted.needed_closure(set())[0])
-            least = pool.submit(_least_bytes, weighted, None, kw)
-            futures = solving(points)
-            more = [((weighted, None, least.result(), top), f) for f in LIFETIME_LADDER]
-            points, futures = points + more, futures + solving(more)
-        else:
-            futures = solving(points)
-        found = candidates(points, futures)
-        if not found:
-            return min_bytes, None, []
-        lowest = sorted(found, key=lambda c: c.peak)[:PEAK_PROBES]  # the peak is spiky in the level
-        probes = [(c.ladder, f) for c in lowest
-                  for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP) if 0 <= f <= 1]
-        found += candidates(probes, solving(probes))
-    best = _least_of(found)
-    # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
-    # and its two rounds cost 12 s
-    for _ in range(REFINE_ROUNDS if reduction is None else 0):  # keep what only feeds an earlier recompute
-        found += _keep_moves(problem, best, simulate)
-        candidate = _least_of(found)
-        if not _improves(candidate, best):
-            break
-        best = candidate
-    least = min(c.peak for c in found)
-    mirror = block_mirror(problem) if reduction is None else None
-    if mirror is not None:  # uniform versions of the plans met; one that is as good on both counts wins
-        uniform = _mirrored(problem, mirror, found, simulate)
-        found += uniform
-        rivals = [c for c in uniform if c.peak <= least * (1 + PEAK_TIE) and c.recompute_s <= best.recompute_s]
-        best = min(rivals, key=lambda c: (c.recompute_s, c.peak), default=best)
-    checked = None
-    if reduction is None:  # deep stacks: lowering their graphs takes too long (~1.5 s per 2 blocks)
-        best, checked = _verified(problem, best, found, simulate)
-    refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
-               f"less): {', '.join(best.refined)}")
-    same = (f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
-            "block's kernels")
-    notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
-                 f"{fmt_bytes(best.peak)} (keeping less only raises the peak). Searched by simulated peaks "
-                 f"(least {fmt_bytes(least)}; within {PEAK_TIE:.0%} are ties, the least recompute wins"
-                 + (refined if best.refined else "") + (same if best.mirrored is not None else "") + ")"
-                 + (f"; {checked}" if checked else ""))
-    return best.kept, best.sol, found
-
-
-def _verified(problem: Problem, best: _Candidate, found: list[_Candidate], simulate: Simulate
-              ) -> tuple[_Candidate, str | None]:
-    """``best`` checked against plans that recompute much less, by the peaks of the code Inductor
-    generates for them (``simulate.exact``): the cheapest whose exact peak is within ``EXACT_TIE`` of
-    best's replaces it. Returns the choice (its peak the exact one where known) and a note.
-
-    Why: the simulated peak is off by -10%..+9% on measured plans, so among plans a few percent apart
-    it ranks by its errors: on the benchmark's GPT it put a plan that measured 25.58 MiB (16.4 ms of
-    recompute, est.) 13% above the least-peak plan (24.80 MiB measured, 28.8 ms), and plans that
-    measured 28.56 MiB between them. Inductor's own code is exact but costs a lowering per plan, so
-    only up to ``VERIFY_MAX`` rivals are lowered, cheapest first."""
-    exact = getattr(simulate, "exact", None)
-    if exact is None:
-        return best, None
-    rivals: dict[tuple, _Candidate] = {}
-    for c in sorted(found, key=lambda c: (c.recompute_s, c.peak)):
-        if c.peak <= best.peak * VERIFY_RANGE and c.recompute_s <= best.recompute_s * (1 - VERIFY_GAIN):
-            rivals.setdefault(_as_compiled(problem, c), c)
-    if not rivals:
-        return best, None
-    least = exact(*_as_compiled(problem, best))
-    if least is None:
-        return best, None
-    for sets, c in list(rivals.items())[:VERIFY_MAX]:
-        peak = exact(*sets)
-        if peak is not None and peak <= least * (1 + EXACT_TIE):
-            return c._replace(peak=peak), (
-                f"then checked in Inductor's generated code: the search's choice ({_ms(best)} of recompute, "
-                f"est.) peaks at {fmt_bytes(least)}, this plan at {fmt_bytes(peak)} ({peak / least - 1:+.1%}, "
-                f"within the {EXACT_TIE:.0%} tie) for {_ms(c)}")
-    n = min(len(rivals), VERIFY_MAX)
-    return best._replace(peak=least), (
-        f"then checked in Inductor's generated code: peaks at {fmt_bytes(least)}; the {n} plan(s) that "
-        f"recompute least peak more than {EXACT_TIE:.0%} above it")
-
-
-def _as_compiled(problem: Problem, c: _Candidate) -> tuple[frozenset, frozenset]:
-    """The (saved, recomputed) sets a candidate is compiled with (one kept value per storage)."""
-    saved, recomputed = _one_tensor_per_storage(problem, c.sol.recompute, c.sol.keep)
-    return frozenset(saved), frozenset(recomputed)
-
-
-def _ms(c: _Candidate) -> str:
-    return f"{c.recompute_s * 1e3:.3g} ms"
-
-
-def _mirrored(problem: Problem, mirror: BlockMirror, found: list[_Candidate], simulate: Simulate
-              ) -> list[_Candidate]:
-    """Every candidate with one block's decisions given to all blocks, for each block: uniform plans.
-    Why not search uniform plans directly: on the 2-layer GPT the ILP over one template found a least
-    peak of 26.60 MiB; mirroring the full search's plans found 23.84 MiB, and for less recompute than
-    the full search's own least-peak plan (28.8 against 32.1 ms, est.)."""
-    out: dict[tuple, _Candidate] = {}
-    least = min(c.peak for c in found)
-    for c in (c for c in found if c.peak <= least * MIRROR_RANGE):
-        for source in range(mirror.repeats):
-            mirrored, keep = mirror.mirror(c.sol.recompute, source), mirror.mirror(c.sol.keep, source)
-            saved, recomputed = problem.needed_closure(mirrored, keep)
-            recompute = mirror.keep_entries(mirrored, recomputed)
-            key = (frozenset(recompute), frozenset(keep))
-            if key in out:
-                continue
-            if recompute != mirrored:  # an entry kept: the closure changes
-                saved, recomputed = problem.needed_closure(recompute, keep)
-            sol = dataclasses.replace(c.sol, recompute=recompute, keep=keep)
-            out[key] = _Candidate(
-                simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                problem.kept_bytes(saved, recomputed), sol, c.ladder, c.level,
-                tuple(sorted(mirror.mirror(set(c.refined), source))), source)
-    return list(out.values())
-
-
-def _least_of(candidates: list[_Candidate]) -> _Candidate:
-    """The candidate of least peak; peaks within PEAK_TIE of it are ties, won by the least recompute."""
-    least = min(c.peak for c in candidates)
-    return min((c for c in candidates if c.peak <= least * (1 + PEAK_TIE)),
-               key=lambda c: (c.recompute_s, c.peak))
-
-
-def _improves(new: _Candidate, old: _Candidate) -> bool:
-    """A lower peak, or REFINE_MIN_GAIN less recompute. Why the margin: keeping a 2 KiB ``iota`` saves
-    nanoseconds of recompute, and taking it cost the GPT search a second refinement round (1 s)."""
-    return new.peak < old.peak or new.recompute_s < old.recompute_s * (1 - REFINE_MIN_GAIN)
-
-
-def _keep_moves(problem: Problem, base: _Candidate, simulate: Simulate) -> list[_Candidate]:
-    """``base`` with one more value kept, for each recomputed value alive at its predicted peak.
-
-    Why: the ILP counts kept bytes, not when recomputation happens. On a 2-layer Llama the least-peak
-    plan recomputed the first block's mid-block residual, so its MLP backward recomputed the block's
-    embedding, norm and residual first, and those sat under the peak (the SwiGLU backward) until the
-    attention backward; keeping that 1 MiB residual lowered the predicted peak from 29.09 to 28.05 MiB
-    and the recompute from 16.4 to 15.0 ms. The search's ladders cannot find such a plan: no
-    kept-byte budget makes the ILP prefer it."""
-    sol = base.sol
-    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-    moves = [n for n in simulate.recomputed_at_peak(saved, recomputed)
-             if problem.values[n].in_forward and problem.values[n].can_save
-             and problem.values[n].tag not in ("must_recompute", "prefer_recompute")]  # the user's word
-    out = []
-    for name in moves[:REFINE_MOVES]:
-        trial = dataclasses.replace(sol, recompute=sol.recompute - {name}, keep=sol.keep | {name})
-        s2, r2 = problem.needed_closure(trial.recompute, trial.keep)
-        out.append(_Candidate(simulate(s2, r2), problem.recompute_seconds(r2), problem.kept_bytes(s2, r2),
-                              trial, refined=(*base.refined, name)))
-    return out
-
-
-def _lifetime_weighted(problem: Problem) -> Problem:
-    """The problem with each storage's bytes scaled by the share of the backward it stays alive (from
-    the forward's end to its last use). Why: the plain ladder's budget counts a byte of the last
-    block, freed early in the backward, like a byte of the first block, alive to its end, but only
-    the latter sits under every later peak. On a 2-layer Llama the least predicted peak (29.1 MiB)
-    comes at 16 ms of estimated recompute this way, 32 ms on the plain ladder."""
-    steps = problem.bwd_steps
-    last: dict[str, int] = {}
-    for v in problem.values.values():
-        if v.storage:
-            last[v.storage] = max(last.get(v.storage, -1), v.last_use)
-    share = {s: max((last.get(s, steps - 1) + 1) / steps, 0.02) for s in problem.storage_bytes}
-    return dataclasses.replace(problem, storage_bytes={s: int(b * share[s])
-                                                      for s, b in problem.storage_bytes.items()})
-
-
-class _RangeEnds(NamedTuple):
-    """A fractional budget's range for one graph: the least any plan keeps, the least-peak plan (the 0.0
-    end: its kept bytes and solution, None if every solve failed), its note, and every plan the
-    least-peak search met (what a ``peak_memory`` limit picks from when no kept-byte level fits)."""
-    min_bytes: int | None
-    floor: int | None
-    least_peak: ilp.Solution | None
-    note: str | None
-    found: list[_Candidate]
-    walked: bool = False  # the search checked plans in Inductor's generated code (_verified)
-
-
-# The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
-# plans): fractions of one graph (a frontier sweep) and peak limits on it (a peak sweep) search once.
-_RANGE_ENDS: dict[str, _RangeEnds] = {}
-
-
-def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
-                  options: Options, min_bytes: int | None = None) -> _RangeEnds:
-    """The range's ends from the least-peak search, searched once per graph and options (the byte
-    and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
-    any plan keeps, when the caller has solved for it already."""
-    key = _fingerprint(problem, options)
-    if key in _RANGE_ENDS:
-        return _RANGE_ENDS[key]
-    if min_bytes is None:
-        min_bytes = _least_bytes(problem, reduction, kw)
-    notes: list[str] = []
-    asked = getattr(simulate, "exact_asked", 0)
-    floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
-    ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      getattr(simulate, "exact_asked", 0) > asked)
-    if least_peak is not None:
-        _RANGE_ENDS[key] = ends
-    return ends
-
-
-def range_walked(problem: Problem, options: Options) -> bool:
-    """Whether this graph's least-peak search (a fraction's range, searched once per graph and options)
-    checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
-    finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
-    ends = _RANGE_ENDS.get(_fingerprint(problem, options))
-    return ends is not None and ends.walked
-
-
-def _fingerprint(problem: Problem, options: Options) -> str:
-    """Everything the range ends depend on: the problem's data and the options but the limits (the
-    search runs without a peak limit: it is applied to the plans the search meets) and the compiler
-    (the eager path plans the graph Inductor would get; where the two differ, e.g. random ops kept
-    rather than replayed, the problem's data differs)."""
-    rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False,
-                               compiler="inductor")
-    blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_steps, problem.bwd_byte_steps,
-                 problem.rng_state_bytes,
-                 [(dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
-                  for v in problem.values.values()], rest.key()))
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: int, min_bytes,
-              kw: dict, notes: list[str], simulate: Simulate):
-    """``peak_memory`` judged by the simulated schedule, the peak every plan reports. The ILP's linear
-    peak rows over-estimate it up to 2x (they cannot see Inductor's fusion), so they would refuse
-    limits that plans meet; instead walk kept-byte levels from the byte budget down to the first plan
-    whose simulated peak fits, then probe between it and the level above (the peak is spiky in the
-    level), and take the least recompute that fits. When no level fits, the least-peak search (the 0.0
-    end of a fractional budget) is the last try: the least recompute among all the plans it met that
-    fit. Why all: on the benchmark's GPT, ``peak_memory="26MiB"`` got the least-peak plan (23.79 MiB,
-    32.1 ms est.) where the search had met one at 25.81 MiB for 27.5 ms."""
-    if min_bytes is None:
-        min_bytes = _least_bytes(problem, reduction, kw)
-    if budget is not None and min_bytes is not None and budget < min_bytes:  # the byte limit first
-        msg = "recompile_opt: " + _below_least(budget, min_bytes)
-        if options.strict:
-            raise InfeasibleBudget(msg + " (strict=True)")
-        msg += "; planning for the peak limit at that least"
-        warnings.warn(msg)
-        notes.append(msg)
-        budget = min_bytes
-    top = baseline if budget is None else min(budget, baseline)
-    limit = options.peak_memory
-
-    def at_level(f: float) -> _Candidate | None:
-        sol = _solve(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, [])
-        if sol.status not in ("optimal", "feasible"):
-            return None
-        saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-        kept = problem.kept_bytes(saved, recomputed)
-        if budget is not None and kept > budget:
-            return None
-        return _Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed), kept, sol, None, f)
-
-    tried: list[_Candidate] = []
-    for above, f in zip((None, *PEAK_SEARCH), PEAK_SEARCH):
-        found = at_level(f)
-        tried += [found] if found else []
-        if found and found.peak <= limit:
-            between = [at_level(f + i * PEAK_SEARCH_PROBE) for i in range(1, 4)] if above is not None else []
-            tried += [c for c in between if c]
-            return _fitted(options, budget, min_bytes, notes, tried,
-                           "the least-recompute plan whose simulated peak fits ({}), over kept-byte levels")
-    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
-    found = [c for c in _range_search(problem, reduction, kw, baseline, simulate, options, min_bytes).found
-             if budget is None or c.kept <= budget]
-    tried += found
-    if any(c.peak <= limit for c in found):
-        return _fitted(options, budget, min_bytes, notes, found,
-                       "no kept-byte level fits; the least-recompute plan of the least-peak search that "
-                       "does ({})")
-    least = min(tried, key=lambda c: c.peak, default=None)
-    msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} cannot be met; the least "
-           f"predicted peak found is {fmt_bytes(least.peak) if least else 'none'}")
-    if options.strict:
-        raise InfeasibleBudget(msg + " (strict=True)")
-    warnings.warn(msg + "; using that plan")
-    notes.append(msg)
-    sol = least.sol if least else ilp.Solution(greedy_recompute(problem, budget))
-    return sol, _solver_info(options, sol), budget, min_bytes
-
-
-def _fitted(options: Options, budget, min_bytes, notes: list[str], candidates: list[_Candidate], why: str):
-    """The least recompute among the candidates whose peak fits ``peak_memory`` (then the least peak)."""
-    best = min((c for c in candidates if c.peak <= options.peak_memory), key=lambda c: (c.recompute_s, c.peak))
-    notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: " + why.format(fmt_bytes(best.peak)))
-    return best.sol, _solver_info(options, best.sol), budget, min_bytes
-
-
-def _note_once(notes: list[str], note: str) -> None:
-    if note not in notes:
-        notes.append(note)
-
-
-def _least_bytes(problem: Problem, reduction: BlockReduction | None, kw: dict) -> int | None:
-    sol = _solve(problem, reduction, None, kw, [], minimize_memory=True)
-    if sol.status not in ("optimal", "feasible"):  # the greedy fallback's least, so budgets stay defined
-        sol = ilp.Solution(greedy_recompute(problem, 0))
-    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-    return problem.kept_bytes(saved, recomputed)
+    return sol, solver_info(options, sol), budget, min_bytes
 
 
 def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: list[str], reduction):
-    min_bytes = _least_bytes(problem, reduction, kw)
+    min_bytes = least_bytes(problem, reduction, kw)
     what = []
     if budget is not None and (min_bytes is None or budget < min_bytes):
-        what.append(_below_least(budget, min_bytes))
+        what.append(below_least(budget, min_bytes))
     if options.peak_memory is not None:
         what.append(f"peak_memory={fmt_bytes(options.peak_memory)} cannot be met")
     msg = "recompile_opt: " + "; ".join(what or ["the limits cannot be met"])
@@ -546,129 +105,11 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     msg += "; using the least-memory plan"
     warnings.warn(msg)
     notes.append(msg)
-    sol = _solve(problem, reduction, min_bytes, kw, notes)
+    sol = solve_reduced(problem, reduction, min_bytes, kw, notes)
     if sol.status not in ("optimal", "feasible"):
         sol = ilp.Solution(greedy_recompute(problem, 0), status=sol.status, solve_s=sol.solve_s)
     return sol, min_bytes
 
-
-def _below_least(budget: int, min_bytes: int | None) -> str:
-    return (f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
-            f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
-
-
-def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
-    """Fallback: recompute the kept storage with the most bytes freed per second of recompute, until
-    the plan fits.
-
-    Always correct (the closure derives what must be kept); not optimal. Also the baseline that the
-    property tests hold the ILP against. A move recomputes every kept value of one storage (a view
-    alone frees nothing while its base stays kept). Moves are ranked by a local estimate (the storage
-    freed, its inputs' storages newly kept) and the best is confirmed with the exact closure, so a
-    step costs one closure, not one per candidate (that was cubic: 347 s for a 24-layer GPT).
-    """
-    recompute: set[str] = set()
-    feasible = problem.recomputable()
-    saved, rec = problem.needed_closure(recompute, feasible=feasible)
-    kept = problem.kept_bytes(saved, rec)
-    useless: set[str] = set()  # storages whose recompute frees nothing, as things stand
-    while budget is not None and kept > budget:
-        for storage, names in _ranked_moves(problem, saved, rec, useless):
-            s2, r2 = problem.needed_closure(recompute | names, feasible=feasible)
-            if problem.kept_bytes(s2, r2) < kept:
-                recompute |= names
-                saved, rec, kept = s2, r2, problem.kept_bytes(s2, r2)
-                useless.clear()  # what is kept changed: earlier verdicts may not hold
-                break
-            useless.add(storage)
-        else:
-            break
-    if budget is not None and kept > budget:  # stalled: no single move frees bytes; recompute all
-        everything = problem.needed_closure(set(problem.values))
-        if problem.kept_bytes(*everything) < kept:
-            return everything[1]
-    return rec
-
-
-def _ranked_moves(problem: Problem, saved: set[str], rec: set[str], skip: set[str]
-                  ) -> list[tuple[str, set[str]]]:
-    """For each kept storage, the values to recompute so that it is freed (its kept values, its base,
-    and their ancestors back to kept values), by estimated bytes freed per second, best first (ties
-    by name: every process breaks them alike)."""
-    by_storage: dict[str, set[str]] = {}
-    for n in saved:
-        by_storage.setdefault(problem.values[n].storage, set()).add(n)
-    scored = []
-    for storage, names in by_storage.items():
-        if storage in skip or not storage or not problem.storage_bytes.get(storage, 0):
-            continue
-        move, fresh = _move(problem, names | ({storage} & problem.values.keys()), saved, rec)
-        if move is None:
-            continue
-        freed = (problem.storage_bytes[storage]
-                 - sum(problem.storage_bytes.get(s, 0) for s in fresh - set(by_storage) - {""})
-                 - sum(problem.rng_state_bytes * problem.values[n].copies for n in move
-                       if problem.values[n].random))
-        seconds = sum(problem.values[n].recompute_s for n in move) + 1e-12
-        scored.append((-freed / seconds, storage, move))
-    return [(storage, move) for _, storage, move in sorted(scored, key=lambda t: t[:2])]
-
-
-MAX_MOVE = 64  # values one greedy move may recompute (bounds the search in long unsaved chains)
-
-
-def _move(problem: Problem, start: set[str], saved: set[str], rec: set[str]):
-    """``start`` and its ancestors up to kept or recomputed values, and the storages of the inputs that
-    would become kept; None when one of ``start`` cannot be recomputed or the move grows too large."""
-    move, fresh, todo = set(), set(), list(start)
-    while todo:
-        n = todo.pop()
-        if n in move or n in rec:
-            continue
-        v = problem.values[n]
-        if (n in saved and n not in start) or not v.can_recompute:
-            if n in start:
-                return None, set()
-            fresh.add(v.storage)  # stays kept, or becomes kept
-            continue
-        move.add(n)
-        if len(move) > MAX_MOVE:
-            return None, set()
-        todo.extend(v.inputs)
-    return move, fresh
-
-
-def _one_tensor_per_storage(problem: Problem, recompute: set[str], keep: set[str]) -> tuple[set[str], set[str]]:
-    """The plan's (saved, recomputed), with one kept value per storage: where it would keep several
-    values of one buffer (``div`` and its view ``permute_61``; two views of one ``clone``), it keeps
-    the buffer's own value and recomputes the views from it in the backward (free). Same bytes.
-
-    Why: AOTAutograd marks every saved activation that does not alias a graph input or output as a
-    *donated buffer* (``collect_bw_donated_buffer_idxs``; it does not look for aliasing among the
-    saved tensors themselves), and Inductor may then write over it in the backward once that input
-    is dead, while another saved tensor still reads the same memory: the tests' tiny GPT at
-    ``memory_budget=0.5`` got gradients off by 0.024 through Inductor, right with
-    ``donated_buffer=False`` or the eager compiler."""
-    saved, recomputed = problem.needed_closure(recompute, keep)
-    groups: dict[str, list[str]] = {}
-    for name in saved:
-        storage = problem.values[name].storage
-        if storage and problem.storage_bytes.get(storage, 0) > 0:
-            groups.setdefault(storage, []).append(name)
-    shared = {s for s, names in groups.items()
-              if len(names) > 1 and s in problem.values and problem.values[s].can_save
-              and problem.values[s].tag != "must_recompute"}
-    if not shared:
-        return saved, recomputed
-    # every view of those storages, so that the chain from the kept value to a view the backward reads
-    # (div -> expand -> view -> permute) is recomputed too: the closure keeps what it is not told to
-    views = {n for n, v in problem.values.items() if v.storage in shared and n != v.storage}
-    return problem.needed_closure((recompute | views) - shared, keep | shared)
-
-
-def _solver_info(options: Options, sol: ilp.Solution) -> dict:
-    return {"name": options.solver, "status": sol.status, "solve_s": round(sol.solve_s, 4),
-            "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints}
 
 
 def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
