@@ -18,7 +18,7 @@ and the captured :class:`~recompile_opt.planner.problem.Problem` is then planned
 
 Both see one int byte budget: ``least + fraction * (save_all - least)`` (``least`` from the reduced
 min-memory solve, an upper bound of the true least, so the budget is feasible for both). An int budget
-runs one solve; a float budget would run the 0.0 ladder (``search._least_peak``) on top.
+runs one solve; a float budget would run the 0.0 ladder (``least_peak._least_peak``) on top.
 
 Quality is the ILP's own objective, estimated recompute time plus the write and read of each kept
 tensor, and ``plan.recompute_s`` alone. A full solve that stops at the time limit reports a plan

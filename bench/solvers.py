@@ -1,5 +1,5 @@
 """HiGHS against CBC on the planner's real work: the least-bytes solve and the least-peak ladder
-(``search.PEAK_LADDER``: the solves behind a fractional budget's 0.0 end) of one joint graph.
+(``least_peak.PEAK_LADDER``: the solves behind a fractional budget's 0.0 end) of one joint graph.
 
 Usage::
 
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import recompile_opt  # noqa: E402
 from depth import grab_problems  # noqa: E402  (bench/depth.py: records each graph's Problem)
 from recompile_opt import models  # noqa: E402
-from recompile_opt.planner import ilp, search  # noqa: E402
+from recompile_opt.planner import ilp, least_peak, solving  # noqa: E402
 from recompile_opt.provenance import header_line  # noqa: E402
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
@@ -54,10 +54,10 @@ def ladder(problem, solver: str) -> tuple[float, list[tuple[float, float, float,
     """Seconds in all, and per level of the ladder: (level, seconds, estimated recompute s, status)."""
     kw = dict(solver=solver, time_limit_s=60, mip_gap=0.01)
     start = time.perf_counter()
-    least = search._least_bytes(problem, None, kw)
+    least = solving.least_bytes(problem, None, kw)
     baseline = problem.kept_bytes(*problem.needed_closure(set()))
     rows = []
-    for f in search.PEAK_LADDER:
+    for f in least_peak.PEAK_LADDER:
         t = time.perf_counter()
         sol = ilp.solve(problem, budget=int(least + f * (baseline - least)), **kw)
         _, recomputed = problem.needed_closure(sol.recompute, sol.keep)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                     "recompile_opt.provenance.header_line() (versions, machine, load, date)")
     args = ap.parse_args(argv)
     problem = capture(args.model)
-    print(f"{args.model}: {len(problem.values)} values; levels {search.PEAK_LADDER}")
+    print(f"{args.model}: {len(problem.values)} values; levels {least_peak.PEAK_LADDER}")
     results = {}
     for solver in args.solvers.split(","):
         total, rows = results[solver] = ladder(problem, solver)
