@@ -39,7 +39,9 @@ from recompile_opt.passes.partition import partition
 log = logging.getLogger(__name__)
 
 _PLANS: list[Plan] = []
-_SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.glob("*.py")))
+# every source file of ours that can change a partition, sub-packages included (their hash enters the
+# compile caches' key through the partitioner's uuid())
+_SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.rglob("*.py")))
 
 
 def last_plans() -> list[Plan]:

@@ -42,3 +42,17 @@ def test_the_planner_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", guard + code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_the_cache_key_covers_every_source_of_ours():
+    """The partitioner's uuid() (the compile caches' key) hashes our sources: a file moved into a
+    sub-package (planner/, costs/) must still count, or a cache hit could replay a partition that
+    older planner code made."""
+    from pathlib import Path
+
+    from recompile_opt import backend
+
+    package = Path(recompile_opt.__file__).parent
+    hashed = set(backend._SOURCES)
+    for sub in ("planner/ilp.py", "planner/least_peak.py", "costs/peak.py", "costs/simulator.py", "options.py"):
+        assert str(package / sub) in hashed, sub
