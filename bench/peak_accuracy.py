@@ -8,7 +8,7 @@ Usage::
     python bench/peak_accuracy.py --measure peaks.json                # 16 settings through Inductor (~6 min)
     python bench/peak_accuracy.py --measure p.json --models gpt --settings none,0.0
 
-``bench/measured_peaks.json`` holds the plans of a712757 (the ones the README's tables measured) and
+``bench/measured_peaks.json`` holds 16 stored plans of the benchmark's 2-layer GPT and Llama and
 their measured peaks.
 
 ``--measure`` compiles the benchmark's 2-layer models (``recompile_opt.models.demo_gpt`` /

@@ -4,7 +4,7 @@ budgets, with the fixed policies and PyTorch's own knapsack on the same axes (``
 Points (all estimated by our cost model, so they are comparable; measured figures only when asked):
 
 * **ilp** — our ILP at each fraction of ``budgets`` (0.0 = the least-peak plan, 1.0 = save-all; see
-  README "What 0.0 means"). Fractions that give the same plan (same kept and recomputed values in every
+  docs/design.md, "Budgets, and the least-peak search"). Fractions that give the same plan (same kept and recomputed values in every
   graph) make one point. With 0.0 swept, a few more ILP points under byte budgets between the least
   any plan can keep and the 0.0 plan's bytes (``BELOW_FLOOR``): they keep less at a higher peak, and
   show our curve where PyTorch's knapsack at small budgets lands.
@@ -64,7 +64,7 @@ BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
 PYTORCH_BUDGETS = (1.0, 0.5, 0.2, 0.05)
 # With 0.0 swept, byte budgets below the least-peak plan's kept bytes: this far from the least possible
-# kept bytes (0.0) to the least-peak plan's. They keep less at a higher peak (README "What 0.0 means").
+# kept bytes (0.0) to the least-peak plan's. They keep less at a higher peak (docs/design.md, "Budgets, and the least-peak search").
 BELOW_FLOOR = (0.0, 0.25, 0.5, 0.75)
 MiB = 2**20
 

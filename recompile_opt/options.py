@@ -31,7 +31,7 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class Options:
-    """Validated options of one compilation (see README "Options")."""
+    """Validated options of one compilation (README.md, "Options")."""
 
     memory_budget: int | float | None = None  # int: bytes; float in [0, 1]: fraction; None: no limit
     peak_memory: int | None = None  # bytes: hard limit on the predicted step peak

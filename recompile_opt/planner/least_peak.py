@@ -53,7 +53,7 @@ MIRROR_RANGE = 1.25
 # VERIFY_RANGE of its own (the simulator's errors on those plans: -10%..+9%). Exact peaks within
 # EXACT_TIE are ties, won by the least recompute: on the benchmark's GPT 3.1% more peak (24.80 ->
 # 25.58 MiB measured) for 43% less recompute (28.8 -> 16.4 ms est.), the step 1.19x -> 1.06x of
-# plain torch.compile's (README, "Cold compile and step of the checked 0.0 plan").
+# plain torch.compile's (python bench/compare.py, docs/benchmarks.md).
 VERIFY_RANGE, VERIFY_GAIN, VERIFY_MAX = 1.15, 0.2, 2
 EXACT_TIE = 0.05
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
