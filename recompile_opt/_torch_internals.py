@@ -1,18 +1,49 @@
 """Every private PyTorch API recompile_opt depends on, in one place.
 
 A torch upgrade should touch only this module. Each name is re-exported under a stable local name
-and grouped by the torch module it comes from (pinned: torch 2.13).
+and grouped by the torch module it comes from. Supported: ``2.13 <= torch < 2.16`` (checked on import,
+:func:`check_torch_version`; ``pyproject.toml`` states the same range).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch._dynamo import config as dynamo_config
+
+SUPPORTED_TORCH = ((2, 13), (2, 16))  # (major, minor): the first supported, the first not supported
+
+
+def parse_torch_version(version) -> tuple[int, int, int]:
+    """``(major, minor, patch)`` of a torch version string: ``"2.14.1+cu130"`` -> ``(2, 14, 1)``; a
+    pre-release or local build counts as its release (``"2.16.0a0+git1234"`` -> ``(2, 16, 0)``)."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    if m is None:
+        raise ImportError(f"recompile_opt: cannot read the installed torch's version {str(version)!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def check_torch_version(version=None) -> tuple[int, int, int]:
+    """The installed torch's (or ``version``'s) ``(major, minor, patch)``; ImportError outside the
+    supported range. Runs on import, before the private imports below, so an unsupported torch fails
+    with this message rather than with whichever private name it lacks."""
+    version = str(torch.__version__ if version is None else version)
+    parsed = parse_torch_version(version)
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    if not (lo_major, lo_minor) <= parsed[:2] < (hi_major, hi_minor):
+        raise ImportError(
+            f"recompile_opt supports {lo_major}.{lo_minor} <= torch < {hi_major}.{hi_minor}; "
+            f"torch {version} is installed (pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}')")
+    return parsed
+
+
+TORCH_VERSION = check_torch_version()
+
+from torch._dynamo import config as dynamo_config  # noqa: E402 (after the version check)
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
@@ -52,7 +83,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
-    "concrete_size",
+    "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
     "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state",
     "_is_bwd_seed_offset", "_is_fwd_seed_offset", "_must_be_in_backward", "_must_be_in_forward",
