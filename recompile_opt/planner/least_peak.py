@@ -338,9 +338,9 @@ def _fingerprint(problem: Problem, options: Options) -> str:
 
 def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: int, min_bytes,
               kw: dict, notes: list[str], simulate: Simulate):
-    """``peak_memory`` judged by the simulated schedule, the peak every plan reports. The ILP's linear
-    peak rows over-estimate it up to 2x (they cannot see Inductor's fusion), so they would refuse
-    limits that plans meet; instead walk kept-byte levels from the byte budget down to the first plan
+    """``peak_memory`` judged by the simulated schedule, the peak every plan reports (the ILP has no
+    peak rows: linear rows over values over-estimated it up to 2x, blind to Inductor's fusion). Walk
+    kept-byte levels from the byte budget down to the first plan
     whose simulated peak fits, then probe between it and the level above (the peak is spiky in the
     level), and take the least recompute that fits. When no level fits, the least-peak search (the 0.0
     end of a fractional budget) is the last try: the least recompute among all the plans it met that
