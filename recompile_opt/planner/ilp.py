@@ -176,6 +176,8 @@ class _Model:
                      + pulp.lpSum(us * self.p.save_s[s] * z for s, z in self.z.items()))
         total_time = us * (sum(v.recompute_s for v in self.p.values.values())
                            + sum(self.p.save_s.values())) + 1.0
+        # the tie-break's byte scale; bwd_byte_steps keeps it as it was when peak rows existed (why:
+        # passes/joint_graph._bwd_live_bytes)
         total_bytes = sum(self.p.storage_bytes.values()) + self.p.bwd_byte_steps + 1
         pref = (total_time + 1.0) * pulp.lpSum(self.penalties)
         if minimize_memory:  # the caller re-solves under the bytes found, for the least time
