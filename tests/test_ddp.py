@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -86,6 +87,13 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
     finally:
         dist.destroy_process_group()
         _progress(out, rank, "process group destroyed")
+    # Leave at once, skipping the interpreter's teardown: in CI (torch 2.13, 2 cores under load) both ranks
+    # of the optimize_ddp-off case hung for 7 minutes after this point, the main thread inside the
+    # destructors run as this frame's locals (DDP's reducer, the compiled module) went away. The results
+    # are on disk by now; an exception above still propagates to mp.spawn as before.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_ranks(fn, args, out: str):
