@@ -35,9 +35,11 @@ def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
-                       rtol=1e-5, atol=1e-6):
+                       rtol=1e-5, atol=1e-6, measure_peak=False):
     """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
-    copy) and on the compiled model with identical seeds; assert every step's gradients match."""
+    copy) and on the compiled model with identical seeds; assert every step's gradients match.
+    Returns the last plan; with ``measure_peak``, also the measured peak of one more compiled step
+    (entered with gradients None, as every predicted peak assumes)."""
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     ref_fn = ref if reference_options is None else torch.compile(
         ref, backend="recompile_opt", options=reference_options)
@@ -55,7 +57,11 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
             opt.step()
     plans = recompile_opt.last_plans()
     assert plans, "no plan recorded: the model was not compiled by recompile_opt"
-    return plans[-1]
+    if not measure_peak:
+        return plans[-1]
+    from recompile_opt.costs.measure import peak_memory
+    ours.zero_grad(set_to_none=True)
+    return plans[-1], peak_memory(lambda: ours_fn(*inputs).backward())
 
 
 def partitioned(model, inputs, options: dict):
