@@ -38,6 +38,15 @@ def test_units():
     assert parse_budget(0.25) == 0.25 and parse_budget(1024) == 1024 and parse_budget(None) is None
 
 
+def test_decimal_sizes_are_read_exactly():
+    # the number times the unit in floats lost a byte: "2.01GB" read as 2009999999, "1.001kB" as 1000
+    assert parse_bytes("x", "2.01GB") == 2_010_000_000
+    assert parse_bytes("x", "1.001kB") == 1001
+    assert parse_budget("122.88kB") == 122_880
+    assert all(parse_bytes("x", f"{i / 1000}kB") == i for i in range(1, 20_000))
+    assert parse_bytes("x", "0.3GiB") == int(0.3 * 2**30)  # a fraction of a byte is dropped
+
+
 def test_bad_option_surfaces_readably_through_torch_compile():
     model, inputs = tiny_mlp()
     compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": "512"})
