@@ -254,7 +254,8 @@ def test_roofline_scales_the_estimates(route):
     assert slow.step_s == pytest.approx(10 * base.step_s, rel=1e-9)
     for a, b in zip(base.recomputed, slow.recomputed):
         assert b.recompute_s == pytest.approx(10 * a.recompute_s, rel=1e-9), a.name
-    torch._dynamo.reset()
+    if route == "compile":
+        return  # the same options reach the same partitioner: one route is enough for the rest
     flops_bound = _full_plan(route, {"flops_per_s": 1e6})  # so slow that every matmul is FLOP-bound
     matmuls = [e for e in flops_bound.recomputed if e.flops]
     assert matmuls, "expected the full policy to recompute some matmul"
