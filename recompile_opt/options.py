@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 
 POLICIES = ("auto", "save-all", "full", "megatron-selective")
 SOLVERS = ("cbc", "highs")
@@ -69,7 +70,8 @@ def parse_bytes(name: str, value) -> int:
         if not m:
             raise OptionError(f"option {name!r}: cannot read {value!r}; write a number with units, "
                               f"one of {sorted(_UNITS)} (e.g. '512MiB', '2GB')")
-        number, unit = float(m.group(1)), m.group(2).lower()
+        # exact: in floats 2.01 * 10**9 is 2009999999.9999998, and int() dropped a byte
+        number, unit = Fraction(m.group(1)), m.group(2).lower()
         if unit not in _UNITS:
             raise OptionError(f"option {name!r}: unknown unit {m.group(2)!r} in {value!r}; "
                               f"accepted units: {sorted(_UNITS)}")

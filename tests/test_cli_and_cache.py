@@ -1,16 +1,24 @@
-"""The command line, plan_dir, the plan cache on an Inductor cache hit, and the multi-graph error."""
+"""The command line (every subcommand and flag), plan_dir, the plan cache on an Inductor cache hit, and
+the multi-graph error."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import recompile_opt
-from recompile_opt.cli import main
+from recompile_opt import frontier
+from recompile_opt.cli import build_parser, main, parse_budget_arg
+from recompile_opt.plan import Plan
+from recompile_opt.planner import budget_split
 
 from helpers import tiny_mlp
+from test_graph_breaks import TwoHalves, _inputs
 
 
 def test_plan_show_and_diff(tmp_path, capsys):
@@ -77,3 +85,164 @@ def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path
     (other,) = compile_and_run({"memory_budget": 1.0})
     assert not any("plan cache" in n for n in other.notes)
     assert other.saved_bytes > cold.saved_bytes
+
+
+# -- every subcommand and flag ---------------------------------------------------------------------
+
+def two_halves():
+    """A factory for the command line: a model Dynamo breaks into two graphs, and its inputs."""
+    return TwoHalves(), _inputs()
+
+
+def _plan_cli(tmp_path, capsys, *args) -> tuple[str, list[Plan]]:
+    """``recompile-opt plan ARGS --json``: the printout and the plans written."""
+    path = tmp_path / f"plan{len(list(tmp_path.glob('*.json')))}.json"
+    main(["plan", *args, "--json", str(path)])
+    data = json.loads(path.read_text())
+    plans = [Plan.from_json(json.dumps(d)) for d in (data if isinstance(data, list) else [data])]
+    return capsys.readouterr().out, plans
+
+
+def test_budget_arg_reads_fractions_bytes_and_sizes():
+    assert parse_budget_arg(None) is None
+    assert parse_budget_arg("0.3") == 0.3 and isinstance(parse_budget_arg("0.0"), float)
+    assert parse_budget_arg("65536") == 65536 and isinstance(parse_budget_arg("65536"), int)
+    assert parse_budget_arg("64KiB") == "64KiB"  # the options parse the units
+
+
+def test_plan_budget_in_bytes_and_in_units(tmp_path, capsys):
+    """8 KiB binds on the tiny MLP: its no-budget plan keeps 8.75 KiB."""
+    out_free, (free,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp")
+    out_int, (as_int,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--budget", "8192")
+    out_unit, (as_unit,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--budget", "8KiB")
+    assert "budget=none" in out_free and free.budget_bytes is None and free.saved_bytes > 8192
+    for plan, out in ((as_int, out_int), (as_unit, out_unit)):
+        assert plan.budget_bytes == plan.options["memory_budget"] == 8192
+        assert plan.saved_bytes <= 8192 and plan.recomputed_names() - free.recomputed_names()
+        assert "budget=8.00 KiB" in out
+    assert as_unit.saved_names() == as_int.saved_names()
+
+
+def test_plan_peak_flag(tmp_path, capsys):
+    """The tiny MLP peaks at 26.28 KiB keeping everything, 24.53 KiB at least: 25 KiB needs a recompute."""
+    _, (free,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp")
+    for peak in ("25KiB", "25600"):
+        out, (plan,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--peak", peak)
+        assert plan.peak_limit_bytes == plan.options["peak_memory"] == 25600, peak
+        assert plan.predicted_peak_bytes <= 25600 < free.predicted_peak_bytes, peak
+        assert "peak_memory 25.00 KiB: the least-recompute plan whose simulated peak fits" in out, peak
+        assert plan.recomputed_names() - free.recomputed_names(), peak
+
+
+def test_plan_policy_flag(tmp_path, capsys):
+    _, (auto,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp")
+    out, (save_all,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--policy", "save-all")
+    assert "policy=save-all" in out and save_all.policy == "save-all" and save_all.solver["name"] == "policy"
+    assert save_all.recompute_flops == 0 and save_all.saved_bytes == save_all.baseline_bytes > auto.saved_bytes
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        main(["plan", "helpers:tiny_mlp", "--policy", "selective"])
+    assert "invalid choice: 'selective'" in capsys.readouterr().err
+
+
+def test_plan_solver_flag(tmp_path, capsys):
+    """(CBC's plans against HiGHS's: test_options.test_cbc_through_plan_keeps_what_highs_keeps.)"""
+    out, (cbc,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--budget", "7000", "--solver", "cbc")
+    assert "solver            : cbc optimal" in out
+    assert cbc.solver["name"] == cbc.options["solver"] == "cbc" and cbc.saved_bytes <= 7000
+    _, (highs,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--budget", "7000")
+    assert highs.solver["name"] == "highs" and highs.saved_names() == cbc.saved_names()
+
+
+def test_a_factory_must_be_named_module_colon_function():
+    with pytest.raises(SystemExit, match=r"expected MODULE:FACTORY, got 'helpers.tiny_mlp'"):
+        main(["plan", "helpers.tiny_mlp"])
+
+
+@pytest.fixture
+def fresh_split():
+    budget_split.clear()
+    yield
+    budget_split.clear()
+
+
+def test_plan_and_show_a_model_of_several_graphs(tmp_path, capsys, fresh_split):
+    """One byte budget for the model's two graphs; the file holds both plans, and show prints both."""
+    out, plans = _plan_cli(tmp_path, capsys, "test_cli_and_cache:two_halves", "--budget", "100KiB")
+    assert len(plans) == 2 and plans[0].graph != plans[1].graph
+    assert [p.graph for p in recompile_opt.last_plans()[-2:]] == [p.graph for p in plans]
+    assert out.index("== graph 1 of 2 ==") < out.index(f"graph={plans[0].graph}") \
+        < out.index("== graph 2 of 2 ==") < out.index(f"graph={plans[1].graph}")
+    assert sum(p.saved_bytes for p in plans) <= 102_400 < sum(p.baseline_bytes for p in plans)
+    path = sorted(tmp_path.glob("*.json"))[-1]
+    main(["show", str(path)])
+    shown = capsys.readouterr().out
+    assert re.findall(r"recompile_opt plan  graph=(\w+)", shown) == [p.graph for p in plans]
+    assert shown == "".join(str(p) + "\n" for p in plans)
+
+
+def test_demo_flags_reach_the_demo(monkeypatch):
+    from recompile_opt import demo
+
+    calls = []
+    monkeypatch.setattr(demo, "run_demo", lambda **kw: calls.append(kw))
+    main(["demo"])
+    main(["demo", "--budget", "64KiB", "--steps", "2", "--compiler", "eager"])
+    main(["demo", "--budget", "65536"])
+    assert calls == [{"budget": 0.0, "steps": 6, "compiler": "inductor"},
+                     {"budget": "64KiB", "steps": 2, "compiler": "eager"},
+                     {"budget": 65536, "steps": 6, "compiler": "inductor"}]
+    assert [type(c["budget"]) for c in calls] == [float, str, int]  # a fraction, a size, bytes
+
+
+@pytest.mark.slow
+def test_demo_runs_from_the_shell():
+    """``recompile-opt demo`` as README's set-up runs it (about 2 minutes on 2 cores, most of it Inductor
+    building plain torch.compile's kernels): the plan, then both variants measured; ours keeps for
+    backward what its plan says, less than plain torch.compile."""
+    exe = Path(sys.executable).with_name("recompile-opt")
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    run = subprocess.run([str(exe), "demo", "--budget", "20MiB", "--steps", "1", "--compiler", "eager"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "budget='20MiB'; compiler=eager" in out and "budget=20.00 MiB" in out
+    planned = re.search(r"kept for backward : (\S+ \w+) of", out).group(1)
+    rows = {m.group(1).strip(): m.group(2) for m in
+            re.finditer(r"^(torch\.compile \(inductor\)|recompile_opt budget=20MiB)\s+(\S+ \w+)\s", out, re.M)}
+    assert rows["recompile_opt budget=20MiB"] == planned, out
+    assert float(planned.split()[0]) <= 20 < float(rows["torch.compile (inductor)"].split()[0]), out
+
+
+def test_frontier_flags_reach_the_sweep(tmp_path, capsys, monkeypatch):
+    """--measure, --steps and --compiler go to the measurement (stubbed here: the real one is below).
+    (--md: test_docs.test_frontier_md_opens_with_the_header_line.)"""
+    calls = []
+    monkeypatch.setattr(frontier, "measure_points", lambda model, inputs, points, **kw: calls.append(kw))
+    main(["frontier", "helpers:tiny_mlp", "--budgets", "1", "--no-pytorch", "--out", str(tmp_path / "f"),
+          "--measure", "--steps", "2", "--compiler", "inductor"])
+    assert [(c["compiler"], c["steps"]) for c in calls] == [("inductor", 2)]
+    assert "| ilp 1 | ilp |" in capsys.readouterr().out
+    calls.clear()
+    main(["frontier", "helpers:tiny_mlp", "--budgets", "1", "--no-pytorch", "--out", str(tmp_path / "g")])
+    assert calls == []  # no --measure: nothing trained
+
+
+def test_frontier_defaults():
+    args = build_parser().parse_args(["frontier"])
+    assert (args.factory, args.budgets, args.out, args.md, args.measure, args.steps, args.compiler,
+            args.no_pytorch) == ("recompile_opt.models:demo_gpt", None, "frontier", None, False, 3, "eager", False)
+    assert frontier.BUDGETS[0] == 0.0 and frontier.BUDGETS[-1] == 1.0 and len(frontier.BUDGETS) == 21
+
+
+def test_frontier_measure(tmp_path, capsys):
+    """--measure trains every point (eager compiler): the bytes saved for backward are the kept bytes
+    the table estimates, for each row."""
+    md = tmp_path / "f.md"
+    main(["frontier", "helpers:tiny_mlp", "--budgets", "1", "--no-pytorch", "--out", str(tmp_path / "f"),
+          "--measure", "--steps", "1", "--md", str(md)])
+    head, _, *rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("|")]
+    col = {name.strip("| "): i for i, name in enumerate(head)}
+    assert len(rows) == 4
+    for row in rows:
+        assert row[col["meas. saved MiB"]] == row[col["kept MiB"]], row
+        assert float(row[col["meas. peak MiB"]]) > 0 and float(row[col["meas. step ms"]]) > 0, row

@@ -231,6 +231,48 @@ def test_diff_of_identical_plans(plans):
     assert text.splitlines()[1:] == ["  (same decisions)"]
 
 
+def other_graph_problem() -> Problem:
+    """Another graph: x @ w1 -> relu -> gelu, relu and gelu read by the backward; it shares the names
+    primals_1, primals_2, mm and relu with the MLP block, not dropout, t, mm_1 or primals_3."""
+    def v(name, op, **kw):
+        return Value(name, kw.pop("storage", name), info=info(op, [512, 2048]), **kw)
+
+    values = [
+        v("primals_1", "input", needed=True, can_recompute=False, last_use=1),
+        v("primals_2", "input", needed=True, can_recompute=False, last_use=1),
+        v("mm", "mm", inputs=("primals_1", "primals_2"), recompute_s=10 * US, flops=2 * 512 * 512 * 2048,
+          last_use=0),
+        v("relu", "relu", inputs=("mm",), needed=True, recompute_s=1 * US, flops=512 * 2048, last_use=1),
+        v("gelu", "gelu", inputs=("relu",), needed=True, recompute_s=1 * US, flops=512 * 2048, last_use=0),
+    ]
+    storage_bytes = {"primals_1": MiB, "primals_2": 0, "mm": 4 * MiB, "relu": 4 * MiB, "gelu": 4 * MiB}
+    return Problem(values={x.name: x for x in values}, storage_bytes=storage_bytes,
+                   save_s={s: 0.0 for s in storage_bytes}, rng_state_bytes=RNG, bwd_steps=2, step_s=100 * US)
+
+
+def test_diff_across_graphs_says_so_and_matches_values_by_name(plans):
+    other = make_plan(other_graph_problem(), parse_options({"memory_budget": "5MiB"}), graph="g1")
+    assert other.saved_names() == {"primals_1", "primals_2", "relu"} and other.recomputed_names() == {"gelu"}
+    text = plans["6MiB"].diff(other)
+    lines = text.splitlines()
+    assert lines[0] == ("plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.05 MFLOP, "
+                        "peak 0 B -> 0 B")
+    assert lines[1] == "  note: different graphs (g0 and g1): values are matched by node name only"
+    # primals_1, primals_2 and relu are kept in both: matched by name, not listed
+    assert diff_rows(text) == {
+        "dropout": ("recompute", "-"),
+        "dropout.rng_state": ("keep", "-"),
+        "gelu": ("-", "recompute"),
+        "primals_3": ("keep", "-"),
+        "t": ("recompute", "-"),
+    }
+    assert "(same decisions)" not in text
+    # the same graph under another name is still said to be another graph, even with the same decisions
+    renamed = dataclasses.replace(plans["6MiB"], graph="g2")
+    assert plans["6MiB"].diff(renamed).splitlines()[1:] == [
+        "  note: different graphs (g0 and g2): values are matched by node name only", "  (same decisions)"]
+
+
 # -- printing --------------------------------------------------------------------------------------
 
 def table_sections(text: str) -> dict[str, list[str]]:
