@@ -169,9 +169,14 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
 
 
 def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner) -> str:
+    """The Dynamo graph, its inputs, our code and options, and the Inductor settings that change the
+    joint graph we plan. Why the settings: Inductor's own caches key on its config, so a compile under
+    ``fallback_random=True`` hits the artifact made under True, but without them here it replayed the
+    plan last stored for False (Inductor's RNG prims recomputed, where the compiled graph kept
+    eager's dropout)."""
     meta = [(tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
             for t in example_inputs]
-    blob = gm.code + repr(meta) + partitioner.uuid()
+    blob = gm.code + repr(meta) + partitioner.uuid() + f"replay_random={partitioner.replay_random()}"
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -17,7 +17,7 @@ from recompile_opt.cli import build_parser, main, parse_budget_arg
 from recompile_opt.plan import Plan
 from recompile_opt.planner import budget_split
 
-from helpers import tiny_mlp
+from helpers import tiny_gpt, tiny_mlp
 from test_graph_breaks import TwoHalves, _inputs
 
 
@@ -85,6 +85,33 @@ def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path
     (other,) = compile_and_run({"memory_budget": 1.0})
     assert not any("plan cache" in n for n in other.notes)
     assert other.saved_bytes > cold.saved_bytes
+
+
+@pytest.mark.slow
+def test_a_cache_hit_replays_the_plan_of_its_own_fallback_random_setting(tmp_path, monkeypatch):
+    """Inductor's caches key on ``fallback_random``; the plan cache must too. Compiled under True, then
+    False, then True again (an Inductor cache hit), the plan replayed keeps eager's dropout as the
+    compiled graph does; it was the plan stored under False, with Inductor's RNG prims recomputed."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, inputs = tiny_gpt(dropout=0.1)
+
+    def compile_and_run(fallback_random):
+        torch._dynamo.reset()
+        recompile_opt.reset_plans()
+        with torch._inductor.config.patch(fallback_random=fallback_random):
+            torch.compile(model, backend="recompile_opt", options={"policy": "megatron-selective"})(
+                *inputs).backward()
+        (plan,) = recompile_opt.last_plans()
+        return plan
+
+    def replayed(plan):  # Inductor's RNG prims recomputed (under True, eager's masks are kept instead)
+        return [e.op for e in plan.recomputed if e.op == "prims.inductor_random"]
+
+    assert not replayed(compile_and_run(True))
+    assert replayed(compile_and_run(False))
+    hit = compile_and_run(True)
+    assert any("plan cache" in n for n in hit.notes), "expected an Inductor cache hit"
+    assert not replayed(hit), hit.notes
 
 
 # -- every subcommand and flag ---------------------------------------------------------------------
