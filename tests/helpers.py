@@ -7,6 +7,7 @@ import copy
 import torch
 
 import recompile_opt
+from recompile_opt.costs.measure import saved_report
 from recompile_opt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, example_batch
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -35,9 +36,13 @@ def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
-                       rtol=1e-5, atol=1e-6):
+                       rtol=1e-5, atol=1e-6, saved: list | None = None):
     """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
-    copy) and on the compiled model with identical seeds; assert every step's gradients match."""
+    copy) and on the compiled model with identical seeds; assert every step's gradients match.
+
+    ``saved``: a list that gets, for every step after the first (the model is compiled by then), the
+    :class:`~recompile_opt.costs.measure.SavedReport` of the compiled model's forward: the bytes it
+    really kept for backward, its parameters excluded (as a plan's ``saved_bytes`` charges them 0)."""
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     ref_fn = ref if reference_options is None else torch.compile(
         ref, backend="recompile_opt", options=reference_options)
@@ -47,7 +52,12 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
         for fn, opt in zip((ref_fn, ours_fn), opts):
             opt.zero_grad(set_to_none=True)
             torch.manual_seed(100 + step)
-            fn(*inputs).backward()
+            if fn is ours_fn and saved is not None and step > 0:
+                report, loss = saved_report(lambda: fn(*inputs), exclude=[ours])
+                saved.append(report)
+                loss.backward()
+            else:
+                fn(*inputs).backward()
         for (name, pa), pb in zip(ref.named_parameters(), ours.parameters()):
             torch.testing.assert_close(pb.grad, pa.grad, rtol=rtol, atol=atol,
                                        msg=lambda m: f"step {step}, {name}: {m}")
