@@ -7,6 +7,7 @@ import copy
 import torch
 
 import recompile_opt
+from recompile_opt.costs.measure import peak_memory, saved_report
 from recompile_opt.models import GPT, MLP, GPTConfig, Llama, LlamaConfig, example_batch
 
 TINY_GPT = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
@@ -35,11 +36,15 @@ def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
-                       rtol=1e-5, atol=1e-6, measure_peak=False):
+                       rtol=1e-5, atol=1e-6, saved: list | None = None, measure_peak=False):
     """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
     copy) and on the compiled model with identical seeds; assert every step's gradients match.
     Returns the last plan; with ``measure_peak``, also the measured peak of one more compiled step
-    (entered with gradients None, as every predicted peak assumes)."""
+    (entered with gradients None, as every predicted peak assumes).
+
+    ``saved``: a list that gets, for every step after the first (the model is compiled by then), the
+    :class:`~recompile_opt.costs.measure.SavedReport` of the compiled model's forward: the bytes it
+    really kept for backward, its parameters excluded (as a plan's ``saved_bytes`` charges them 0)."""
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     ref_fn = ref if reference_options is None else torch.compile(
         ref, backend="recompile_opt", options=reference_options)
@@ -49,7 +54,12 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
         for fn, opt in zip((ref_fn, ours_fn), opts):
             opt.zero_grad(set_to_none=True)
             torch.manual_seed(100 + step)
-            fn(*inputs).backward()
+            if fn is ours_fn and saved is not None and step > 0:
+                report, loss = saved_report(lambda: fn(*inputs), exclude=[ours])
+                saved.append(report)
+                loss.backward()
+            else:
+                fn(*inputs).backward()
         for (name, pa), pb in zip(ref.named_parameters(), ours.parameters()):
             torch.testing.assert_close(pb.grad, pa.grad, rtol=rtol, atol=atol,
                                        msg=lambda m: f"step {step}, {name}: {m}")
@@ -59,7 +69,6 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
     assert plans, "no plan recorded: the model was not compiled by recompile_opt"
     if not measure_peak:
         return plans[-1]
-    from recompile_opt.costs.measure import peak_memory
     ours.zero_grad(set_to_none=True)
     return plans[-1], peak_memory(lambda: ours_fn(*inputs).backward())
 

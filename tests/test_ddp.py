@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import recompile_opt
+from recompile_opt.costs.measure import saved_report
 from recompile_opt.models import GPT, GPTConfig, example_batch
 
 WORLD = 2
@@ -72,15 +73,20 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
         else:  # DDP over a compiled module
             step_fn = DDP(torch.compile(model, backend="recompile_opt", options=options))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        grads = []
-        for _ in range(STEPS):
+        grads, saved = [], []
+        for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
-            step_fn(idx, tgt).backward()
+            if step == 0:  # compiles
+                step_fn(idx, tgt).backward()
+            else:  # the bytes every graph of the step really keeps for backward, parameters excluded
+                report, loss = saved_report(lambda: step_fn(idx, tgt), exclude=[model])
+                saved.append(report.total_bytes)
+                loss.backward()
             _progress(out, rank, f"step {len(grads)} done")
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
         plans = recompile_opt.last_plans()
-        torch.save({"grads": grads, "n_plans": len(plans),
+        torch.save({"grads": grads, "n_plans": len(plans), "saved": saved,
                     "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans]},
                    os.path.join(out, f"rank{rank}.pt"))
         _progress(out, rank, "gradients saved")
@@ -156,6 +162,20 @@ def test_ddp_gradients_equal_single_process(case, tmp_path):
     wrap, options, optimize_ddp = CASES[case]
     options = {**options, "compiler": "eager"}
     _run_ranks(_worker, (wrap, options, optimize_ddp, str(tmp_path)), str(tmp_path))
+    _check_ranks(tmp_path, options, optimize_ddp)
+
+
+@pytest.mark.slow
+def test_ddp_with_a_budget_through_inductor(tmp_path):
+    """compile(DDP(model)) through Inductor's code, each of DDPOptimizer's graphs planned at half its own
+    range: every rank's gradients equal one process's, and the bytes the compiled graphs really keep
+    for backward stay within their plans and so within the budgets."""
+    options = {"memory_budget": 0.5}
+    _run_ranks(_worker, ("compile(ddp)", options, True, str(tmp_path)), str(tmp_path))
+    _check_ranks(tmp_path, options, True)
+
+
+def _check_ranks(tmp_path, options: dict, optimize_ddp: bool) -> None:
     ref = _reference_grads()
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for rank, res in enumerate(results):
@@ -165,6 +185,9 @@ def test_ddp_gradients_equal_single_process(case, tmp_path):
                                            msg=lambda m: f"rank {rank}, step {step}, {name}: {m}")
         if options.get("memory_budget") is not None:
             assert all(saved <= budget for saved, budget, _ in res["plans"]), res["plans"]
+            # one step's report spans every graph: a storage two graphs keep counts once
+            kept, budgets = (sum(p[i] for p in res["plans"]) for i in (0, 1))
+            assert all(measured <= kept <= budgets for measured in res["saved"]), (res["saved"], res["plans"])
     n_plans = [r["n_plans"] for r in results]
     assert n_plans[0] == n_plans[1], n_plans
     # DDPOptimizer makes one graph per bucket, each compiled once (no recompiles over the steps);

@@ -10,6 +10,8 @@ import recompile_opt
 from recompile_opt.planner import budget_split
 from recompile_opt.planner.search import InfeasibleBudget
 
+from helpers import train_side_by_side
+
 
 class TwoHalves(torch.nn.Module):
     """Two MLP halves with a graph break between them; the second half is twice as wide."""
@@ -77,6 +79,27 @@ def test_a_byte_budget_holds_for_the_whole_model_and_compile_uses_the_split():
     assert len(compiled_plans) == 2
     assert sum(p.saved_bytes for p in compiled_plans) <= budget
     assert sorted(p.saved_names() for p in compiled_plans) == sorted(p.saved_names() for p in planned)
+
+
+@pytest.mark.slow
+def test_a_split_byte_budget_holds_on_the_measured_step_through_inductor():
+    """The whole-model byte budget through Inductor's code: recompile_opt.plan splits it (capturing the
+    graphs Inductor will see), the compiled model uses the shares, gradients equal eager's over SGD
+    steps, and the bytes both graphs really keep for backward add up to at most the budget."""
+    model, inputs = TwoHalves(), _inputs()
+    budget = sum(p.saved_bytes for p in recompile_opt.plan(model, inputs)) // 2
+    recompile_opt.plan(model, inputs, memory_budget=budget)  # learns the graphs, registers the split
+    recompile_opt.reset_plans()
+    reports = []
+    train_side_by_side(model, inputs, options={"memory_budget": budget}, steps=3, saved=reports)
+    plans = recompile_opt.last_plans()
+    assert len(plans) == 2, [p.graph for p in plans]
+    for report in reports:  # one report spans both graphs' forwards (a storage both keep counts once)
+        assert report.total_bytes <= budget, report.summary()
+        assert report.total_bytes <= sum(p.saved_bytes for p in plans), report.summary()
+    assert sum(p.saved_bytes for p in plans) <= budget
+    assert all(any("split over the model's graphs" in n for n in p.notes) for p in plans), \
+        "a graph compiled by Inductor did not find its share of the budget"
 
 
 def test_an_unmeetable_whole_model_budget_warns_or_raises_with_strict():

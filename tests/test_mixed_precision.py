@@ -80,14 +80,29 @@ def test_autocast_bf16_gradients_and_real_sizes(budget):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [0.5, 0.0])
+@pytest.mark.parametrize("budget", [0.5, 0.0, "48KiB"])
 def test_autocast_bf16_through_inductor(budget):
     """Through Inductor's code generation (the bf16 tolerance leaves room for kernels that round
-    differently). A recomputed fp32 residual add of a bf16 projection failed this at 0.5 (wte.weight
-    off by 2.2e-3 against 2e-3 allowed: Inductor rounds the projection differently in the forward than
-    the kept copy the recompute reads): such upcasts are kept (passes/joint_graph.py,
-    _upcasts_low_precision)."""
-    _train_autocast_side_by_side({"memory_budget": budget}, **BF16_TOL)
+    differently), at fractions and at a byte budget (below save-all's 144 KiB): gradients close to
+    eager autocast's, and the bytes the compiled step really keeps for backward, bf16 at 2 bytes an
+    element, are the plan's and within the budget.
+
+    A recomputed fp32 residual add of a bf16 projection failed this at 0.5 (wte.weight off by 2.2e-3
+    against 2e-3 allowed: Inductor rounds the projection differently in the forward than the kept copy
+    the recompute reads): such upcasts are kept (passes/joint_graph.py, _upcasts_low_precision)."""
+    model, compiled, inputs = _train_autocast_side_by_side({"memory_budget": budget}, **BF16_TOL)
     plan = recompile_opt.last_plans()[-1]
     assert any(e.dtype == "bfloat16" and e.bytes > 0 for e in plan.saved), str(plan)
-    assert plan.saved_bytes <= plan.budget_bytes
+    assert plan.saved_bytes <= plan.budget_bytes < plan.baseline_bytes
+    # what Inductor's compiled step really keeps: the plan's bytes, bf16 at 2 bytes an element
+    with SavedTensorsMeter(exclude=storage_ptrs(model)) as meter:
+        with _autocast():
+            loss = compiled(*inputs)
+    loss.backward()
+    assert len(recompile_opt.last_plans()) == 1, "the measured step recompiled"
+    report = meter.report()
+    assert report.total_bytes <= plan.budget_bytes, report.summary(40)
+    assert report.total_bytes == pytest.approx(plan.saved_bytes, rel=0.02), report.summary(40)
+    measured_bf16 = sum(b for _, dt, b in report.breakdown if dt == torch.bfloat16)
+    planned_bf16 = sum(e.bytes for e in plan.saved if e.dtype == "bfloat16")
+    assert measured_bf16 == pytest.approx(planned_bf16, rel=0.02), report.summary(40)

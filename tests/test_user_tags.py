@@ -85,3 +85,26 @@ def test_tagged_model_gradients_equal_eager(budget):
     model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
                        torch.ops.aten.relu.default: CheckpointPolicy.PREFER_RECOMPUTE})
     train_side_by_side(model, x, options={"memory_budget": budget, "compiler": "eager"})
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, 0.0], ids=str)
+def test_must_tags_hold_through_inductor(budget):
+    """The tags through Inductor's code. Each binds at one of the budgets: with none the planner alone
+    keeps sin's output for the second matmul's backward (MUST_RECOMPUTE makes it recompute sin, and
+    relu under it), at 0.0 it recomputes the first matmul too (MUST_SAVE keeps it). Gradients equal
+    eager's, and what the compiled step really saves is what the plan keeps."""
+    model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
+                       torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+                       torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE})
+    reports = []
+    plan = train_side_by_side(model, x, options={"memory_budget": budget}, steps=3, saved=reports)
+    recomputed = {e.op: e.reason for e in plan.recomputed}
+    kept = {e.op: e.reason for e in plan.saved}
+    assert {"relu", "sin"} <= recomputed.keys() and not {"relu", "sin"} & kept.keys(), plan
+    assert "addmm" in kept and "addmm" not in recomputed, plan
+    assert recomputed["relu"] == recomputed["sin"] == kept["addmm"] == "user", plan
+    for report in reports:
+        assert report.total_bytes == pytest.approx(plan.saved_bytes, rel=0.02), report.summary()
