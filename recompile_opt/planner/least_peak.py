@@ -405,8 +405,10 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
                        "no kept-byte level fits; the least-recompute plan of the least-peak search that "
                        "does ({})")
     least = min(tried + found, key=check.peak, default=None)
-    msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} cannot be met; the least "
-           f"{check.what} peak found is {fmt_bytes(check.peak(least)) if least else 'none'}")
+    if least is not None:  # the figure the warning gives is the walked one where it can be
+        least = check.walked_again(least)
+    msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} cannot be met; the least peak found is "
+           + (f"{fmt_bytes(check.peak(least))} ({check.source(least)})" if least else "none"))
     if options.strict:
         raise InfeasibleBudget(msg + " (strict=True)")
     warnings.warn(msg + "; using that plan")
@@ -445,6 +447,17 @@ class _PeakCheck:
         simulated one."""
         walked = self._known(_as_compiled(self.problem, c))
         return c.peak if walked is None else walked
+
+    def walked_again(self, c: Candidate) -> Candidate:
+        """``c`` walked (beyond ``PEAK_WALKS``: one more lowering), its peak the walked one if known."""
+        sets = _as_compiled(self.problem, c)
+        if self.walk is not None and self._known(sets) is None and sets not in self.walked:
+            self.walked[sets] = self.walk(*sets)
+        return c._replace(peak=self.peak(c))
+
+    def source(self, c: Candidate) -> str:
+        """Where :meth:`peak` has this plan's peak from."""
+        return "simulated" if self._known(_as_compiled(self.problem, c)) is None else "walked in Inductor's code"
 
     def first_fitting(self, candidates: list[Candidate], limit: int) -> Candidate | None:
         """The least-recompute candidate whose walk (where one is made) fits ``limit`` less the margin,
