@@ -9,7 +9,7 @@ all of this before compiling a single kernel: its Python wrapper allocates every
 plan's forward and backward through Inductor's own passes (:func:`_torch_internals.inductor_wrapper_code`,
 no C++ is built) and walk the two wrappers' ``call`` functions in order, counting live bytes per
 storage. On the 16 stored plans of ``bench/measured_peaks.json`` (GPT and Llama, every budget and
-policy) this gives the measured peak to within 0.4% (14 of them to the byte; what is left is SDPA's
+policy) this gives the measured peak to within 0.4% (14 of them within 4 bytes; what is left is SDPA's
 own scratch). It costs about a second and a half per graph on this machine, so the planner asks it only
 about the few candidates that decide the least-peak plan (``planner._verified``).
 

@@ -422,7 +422,7 @@ class _PeakCheck:
     (``simulate.exact``), else by the simulated peak.
 
     The walk gives the measured peak of the 16 stored plans within 0.4% (``bench/peak_accuracy.py
-    --check bench/measured_peaks.json --exact``), 14 to the byte; what it misses is scratch allocated
+    --check bench/measured_peaks.json --exact``), 14 within 4 bytes; what it misses is scratch allocated
     inside extern kernels (SDPA's, under the walked peak by up to 0.4% on the Llama; a convolution's
     workspace). So a graph with such kernels must fit ``SCRATCH_MARGIN`` under the limit. Walks cost a
     lowering each (~1.5 s per graph here): at most ``PEAK_WALKS`` per graph, cheapest plan first, none
