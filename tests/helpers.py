@@ -37,7 +37,26 @@ def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
                        rtol=1e-5, atol=1e-6):
     """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
-    copy) and on the compiled model with identical seeds; assert every step's gradients match."""
+    copy) and on the compiled model with identical seeds; assert every step's gradients match. The
+    last plan recorded."""
+    return _train(model, inputs, options, reference_options, steps, rtol, atol)[0]
+
+
+def train_and_measure_saved(model, inputs, *, options=None, steps=3, rtol=1e-5, atol=1e-6):
+    """:func:`train_side_by_side`, then one more forward of the compiled copy under autograd's
+    saved-tensor hooks: ``(plan, bytes it hands the backward)``, parameters and their views excluded
+    (the plan lists them free). The figure is autograd's, not the planner's, so a check of a plan's
+    kept bytes against it does not take the planner's word. (Measured after training: hooks active
+    while AOTAutograd traces may be inlined into the graph.)"""
+    from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
+
+    plan, ours, ours_fn = _train(model, inputs, options, None, steps, rtol, atol)
+    with SavedTensorsMeter(exclude=storage_ptrs(ours)) as meter:
+        ours_fn(*inputs)
+    return plan, meter.total_bytes
+
+
+def _train(model, inputs, options, reference_options, steps, rtol, atol):
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     ref_fn = ref if reference_options is None else torch.compile(
         ref, backend="recompile_opt", options=reference_options)
@@ -55,7 +74,7 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
             opt.step()
     plans = recompile_opt.last_plans()
     assert plans, "no plan recorded: the model was not compiled by recompile_opt"
-    return plans[-1]
+    return plans[-1], ours, ours_fn
 
 
 def partitioned(model, inputs, options: dict):
