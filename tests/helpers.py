@@ -80,6 +80,11 @@ def _train(model, inputs, options, reference_options, steps, rtol, atol):
 def partitioned(model, inputs, options: dict):
     """Run one forward and backward through our partitioner with the eager compiler; its
     ``RecompilePartitioner`` (``plans``, ``last_forward``, ``last_backward``) for the last graph."""
+    return partitioned_and_compiled(model, inputs, options)[0]
+
+
+def partitioned_and_compiled(model, inputs, options: dict):
+    """:func:`partitioned`, and the compiled model it ran (to run or measure more steps of)."""
     from recompile_opt.backend import RecompilePartitioner, compile_eager
     from recompile_opt.options import parse_options
 
@@ -90,8 +95,9 @@ def partitioned(model, inputs, options: dict):
         return compile_eager(gm, example_inputs, parts[-1])
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend)(*inputs).backward()
-    return parts[-1]
+    compiled = torch.compile(model, backend=backend)
+    compiled(*inputs).backward()
+    return parts[-1], compiled
 
 
 def forget_searches(monkeypatch) -> None:
