@@ -19,7 +19,7 @@ def tiny_gpt(dropout: float = 0.0):
 
 
 def tiny_llama(dropout: float = 0.0):
-    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout)
     torch.manual_seed(0)
     return Llama(cfg), example_batch(cfg, 2)
 

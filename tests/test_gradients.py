@@ -60,6 +60,18 @@ def test_dropout_replays_the_same_mask(setting):
         assert any(e.reason == "rng" for e in plan.recomputed), "expected a replayed random op"
 
 
+@pytest.mark.parametrize("setting", [0.0, "full"], ids=str)
+def test_llama_dropout_replays_the_same_mask(setting):
+    """The Llama's dropout, SDPA's own ``dropout_p`` among it (the math kernel's dropout of the
+    attention probabilities): the replayed masks are this step's."""
+    module, inputs = tiny_llama(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4,
+                                  atol=1e-5)
+    sdpa = [e for e in plan.recomputed if e.reason == "rng" and e.module.endswith(".attention")]
+    assert sdpa, f"expected SDPA's dropout replayed\n{plan}"
+
+
 def test_least_peak_plan_replays_a_dropout_whose_mask_outweighs_its_rng_state():
     # at s=64 an attention dropout's bool mask (16 KiB) outweighs the 5 KiB CPU RNG state a replay
     # keeps, so the 0.0 plan replays it (at s=16 its 1 KiB mask is kept instead); same masks as eager
