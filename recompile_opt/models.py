@@ -119,6 +119,9 @@ class LlamaConfig:
     ffn_hidden: int = 0  # 0: the Llama rule, 2/3 of 4h rounded up to a multiple of 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # as GPT's: embeddings, attention probabilities (SDPA's dropout_p), residuals; at 0.0 the traced
+    # graph is the one without dropout modules (Dynamo drops a p=0 dropout), so stored plans still hold
+    dropout: float = 0.0
 
     @property
     def hidden(self) -> int:
@@ -158,6 +161,8 @@ class LlamaAttention(nn.Module):
         self.wk = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.wv = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.wo = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.attn_dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -165,8 +170,9 @@ class LlamaAttention(nn.Module):
         q = apply_rotary(self.wq(x).view(shape), cos, sin).transpose(1, 2)
         k = apply_rotary(self.wk(x).view(shape), cos, sin).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+        p = self.attn_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(b, s, h)))
 
 
 class SwiGLU(nn.Module):
@@ -175,9 +181,10 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(config.n_embd, config.hidden, bias=False)
         self.w3 = nn.Linear(config.n_embd, config.hidden, bias=False)
         self.w2 = nn.Linear(config.hidden, config.n_embd, bias=False)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class LlamaBlock(nn.Module):
@@ -200,6 +207,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -210,7 +218,7 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
         cos, sin = self.rope_cos[:s].view(1, s, 1, -1), self.rope_sin[:s].view(1, s, 1, -1)
-        x = self.tok_embeddings(idx)
+        x = self.drop(self.tok_embeddings(idx))
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.output(self.norm(x))

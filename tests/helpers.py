@@ -20,7 +20,7 @@ def tiny_gpt(dropout: float = 0.0):
 
 
 def tiny_llama(dropout: float = 0.0):
-    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    cfg = LlamaConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout)
     torch.manual_seed(0)
     return Llama(cfg), example_batch(cfg, 2)
 
@@ -45,6 +45,28 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
     ``saved``: a list that gets, for every step after the first (the model is compiled by then), the
     :class:`~recompile_opt.costs.measure.SavedReport` of the compiled model's forward: the bytes it
     really kept for backward, its parameters excluded (as a plan's ``saved_bytes`` charges them 0)."""
+    plan, ours, ours_fn = _train(model, inputs, options, reference_options, steps, rtol, atol, saved)
+    if not measure_peak:
+        return plan
+    ours.zero_grad(set_to_none=True)
+    return plan, peak_memory(lambda: ours_fn(*inputs).backward())
+
+
+def train_and_measure_saved(model, inputs, *, options=None, steps=3, rtol=1e-5, atol=1e-6):
+    """:func:`train_side_by_side`, then one more forward of the compiled copy under autograd's
+    saved-tensor hooks: ``(plan, bytes it hands the backward)``, parameters and their views excluded
+    (the plan lists them free). The figure is autograd's, not the planner's, so a check of a plan's
+    kept bytes against it does not take the planner's word. (Measured after training: hooks active
+    while AOTAutograd traces may be inlined into the graph.)"""
+    from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
+
+    plan, ours, ours_fn = _train(model, inputs, options, None, steps, rtol, atol)
+    with SavedTensorsMeter(exclude=storage_ptrs(ours)) as meter:
+        ours_fn(*inputs)
+    return plan, meter.total_bytes
+
+
+def _train(model, inputs, options, reference_options, steps, rtol, atol, saved=None):
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
     ref_fn = ref if reference_options is None else torch.compile(
         ref, backend="recompile_opt", options=reference_options)
@@ -67,15 +89,17 @@ def train_side_by_side(model, inputs, *, options=None, reference_options=None, s
             opt.step()
     plans = recompile_opt.last_plans()
     assert plans, "no plan recorded: the model was not compiled by recompile_opt"
-    if not measure_peak:
-        return plans[-1]
-    ours.zero_grad(set_to_none=True)
-    return plans[-1], peak_memory(lambda: ours_fn(*inputs).backward())
+    return plans[-1], ours, ours_fn
 
 
 def partitioned(model, inputs, options: dict):
     """Run one forward and backward through our partitioner with the eager compiler; its
     ``RecompilePartitioner`` (``plans``, ``last_forward``, ``last_backward``) for the last graph."""
+    return partitioned_and_compiled(model, inputs, options)[0]
+
+
+def partitioned_and_compiled(model, inputs, options: dict):
+    """:func:`partitioned`, and the compiled model it ran (to run or measure more steps of)."""
     from recompile_opt.backend import RecompilePartitioner, compile_eager
     from recompile_opt.options import parse_options
 
@@ -86,8 +110,9 @@ def partitioned(model, inputs, options: dict):
         return compile_eager(gm, example_inputs, parts[-1])
 
     torch._dynamo.reset()
-    torch.compile(model, backend=backend)(*inputs).backward()
-    return parts[-1]
+    compiled = torch.compile(model, backend=backend)
+    compiled(*inputs).backward()
+    return parts[-1], compiled
 
 
 def forget_searches(monkeypatch) -> None:

@@ -2,12 +2,14 @@
 and off. Runs through the same joint passes and partitioner as Inductor, with the eager code path
 (``compiler="eager"``); tests/test_inductor.py runs a subset through Inductor's code generation."""
 
+import functools
+
 import pytest
 import torch
 
 from recompile_opt.models import GPT, GPTConfig, example_batch
 
-from helpers import TINY_GPT, tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
+from helpers import TINY_GPT, tiny_gpt, tiny_llama, tiny_mlp, train_and_measure_saved, train_side_by_side
 
 BUDGETS = [None, 0.5, 0.1, 0.0]
 POLICIES = ["save-all", "full", "megatron-selective"]
@@ -20,14 +22,30 @@ def _options(setting):
     return {"memory_budget": setting, "compiler": "eager"}
 
 
+@functools.cache
+def _kept_measured(model: str, setting) -> int:
+    """What a compile with ``setting`` hands the backward, by autograd's saved-tensor hooks."""
+    module, inputs = MODELS[model]()
+    return train_and_measure_saved(module, inputs, options=_options(setting), steps=1)[1]
+
+
 @pytest.mark.parametrize("setting", BUDGETS + POLICIES, ids=str)
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_gradients_equal_eager(model, setting):
+    """...and the plan's kept bytes are what autograd holds for the backward, and a fraction F keeps
+    at most its budget as README defines it, F of the way from the 0.0 plan to save-all, both ends
+    measured by the hooks in compiles of their own (the plan's own ``budget_bytes`` is no check: at
+    0.0 it is the plan's kept bytes by definition)."""
     module, inputs = MODELS[model]()
-    plan = train_side_by_side(module, inputs, options=_options(setting))
-    if setting == 0.0:  # the least-peak plan: it keeps at least the least possible
-        assert plan.min_bytes <= plan.saved_bytes <= plan.budget_bytes
+    plan, kept = train_and_measure_saved(module, inputs, options=_options(setting))
+    assert kept == plan.saved_bytes, plan.summary()
+    if setting == 0.0:  # the least-peak plan: at least the least possible, less than save-all
+        assert plan.min_bytes <= kept < _kept_measured(model, "save-all"), plan.summary()
         assert any("least-peak plan" in n for n in plan.notes)
+    elif isinstance(setting, float):
+        least, save_all = _kept_measured(model, 0.0), _kept_measured(model, "save-all")
+        budget = least + setting * (save_all - least)
+        assert kept <= budget, f"kept {kept} B, budget {budget:.0f} B ({least}..{save_all})\n{plan.summary()}"
 
 
 @pytest.mark.parametrize("setting", BUDGETS + POLICIES, ids=str)
@@ -40,6 +58,18 @@ def test_dropout_replays_the_same_mask(setting):
                                   atol=1e-5)
     if setting == "full":
         assert any(e.reason == "rng" for e in plan.recomputed), "expected a replayed random op"
+
+
+@pytest.mark.parametrize("setting", [0.0, "full"], ids=str)
+def test_llama_dropout_replays_the_same_mask(setting):
+    """The Llama's dropout, SDPA's own ``dropout_p`` among it (the math kernel's dropout of the
+    attention probabilities): the replayed masks are this step's."""
+    module, inputs = tiny_llama(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4,
+                                  atol=1e-5)
+    sdpa = [e for e in plan.recomputed if e.reason == "rng" and e.module.endswith(".attention")]
+    assert sdpa, f"expected SDPA's dropout replayed\n{plan}"
 
 
 def test_least_peak_plan_replays_a_dropout_whose_mask_outweighs_its_rng_state():

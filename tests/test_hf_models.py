@@ -25,7 +25,7 @@ import torch
 
 import recompile_opt
 
-from helpers import train_side_by_side
+from helpers import train_and_measure_saved
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,11 +103,16 @@ def build(name, **kw):
     return WithLoss(model), (ids, labels)
 
 
-def _check_plans(name, budget):
+def _check_plans(name, budget, kept):
+    """One plan per Dynamo graph; together they account for exactly the ``kept`` bytes autograd's
+    saved-tensor hooks saw the compiled forward hand the backward; each keeps some activation (not
+    only parameters and inputs, which every plan lists); a budget holds."""
     plans = recompile_opt.last_plans()
     assert len(plans) == GRAPHS.get(name, 1), [p.graph for p in plans]
+    planned = sum(p.saved_bytes for p in plans)
+    assert planned == kept, f"plans keep {planned} B, the hooks saw {kept} B\n" + "\n".join(map(str, plans))
     for plan in plans:
-        assert plan.saved, plan
+        assert any(e.reason not in ("param", "input") and e.bytes > 0 for e in plan.saved), plan
         if budget is not None:
             assert plan.saved_bytes <= plan.budget_bytes, plan.summary()
     return plans
@@ -123,8 +128,9 @@ def _matrix():
 @pytest.mark.parametrize("name,budget", list(_matrix()))
 def test_gradients_equal_eager(name, budget):
     model, inputs = build(name)
-    train_side_by_side(model, inputs, options={"memory_budget": budget, "compiler": "eager"}, steps=2)
-    plans = _check_plans(name, budget)
+    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": budget, "compiler": "eager"},
+                                      steps=2)
+    plans = _check_plans(name, budget, kept)
     if budget == 0.1:
         assert any(p.recomputed for p in plans), "a 0.1 budget should recompute something"
 
@@ -136,17 +142,17 @@ def test_dropout_on_gradients_equal_eager(name):
     the masks are eager's, and a recomputed one is replayed from its saved RNG state."""
     model, inputs = build(name, dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        train_side_by_side(model, inputs, options={"memory_budget": 0.1, "compiler": "eager"}, steps=2,
-                           rtol=1e-4, atol=1e-5)
-    _check_plans(name, 0.1)
+        _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.1, "compiler": "eager"},
+                                          steps=2, rtol=1e-4, atol=1e-5)
+    _check_plans(name, 0.1, kept)
 
 
 @pytest.mark.slow
 def test_sdpa_attention():
     """``attn_implementation="sdpa"``: attention is one SDPA call (CPU flash attention), no s x s tensor."""
     model, inputs = build("llama", attn="sdpa")
-    train_side_by_side(model, inputs, options={"memory_budget": 0.5, "compiler": "eager"}, steps=2)
-    (plan,) = _check_plans("llama", 0.5)
+    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.5, "compiler": "eager"}, steps=2)
+    (plan,) = _check_plans("llama", 0.5, kept)
     # SDPA's outputs are getitems of its tuple; flash attention's logsumexp [b, heads, s] is among them
     sdpa = [e for e in plan.saved + plan.recomputed if e.source.startswith("sdpa_attention.py")
             and e.op == "getitem"]
@@ -178,8 +184,9 @@ def test_gpt2_two_graphs_share_one_byte_budget():
     assert len(planned) == 2 and sum(p.saved_bytes for p in planned) <= budget
     torch._dynamo.reset()
     recompile_opt.reset_plans()
-    train_side_by_side(model, inputs, options={"memory_budget": budget, "compiler": "eager"}, steps=2)
-    compiled = _check_plans("gpt2", budget)
+    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": budget, "compiler": "eager"},
+                                      steps=2)
+    compiled = _check_plans("gpt2", budget, kept)
     assert sum(p.saved_bytes for p in compiled) <= budget
     assert [p.saved_bytes for p in compiled] == [p.saved_bytes for p in planned]
 
@@ -187,5 +194,6 @@ def test_gpt2_two_graphs_share_one_byte_budget():
 @pytest.mark.slow
 def test_llama_through_inductor():
     model, inputs = build("llama")
-    train_side_by_side(model, inputs, options={"memory_budget": 0.5}, steps=2, rtol=1e-4, atol=1e-5)
-    _check_plans("llama", 0.5)
+    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.5}, steps=2, rtol=1e-4,
+                                      atol=1e-5)
+    _check_plans("llama", 0.5, kept)

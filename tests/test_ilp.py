@@ -509,12 +509,20 @@ def _check_monotone(p, data, measure):
     b1 = data.draw(st.integers(0, baseline), label="b1")
     b2 = data.draw(st.integers(b1 + 1, baseline + 1), label="b2")
     s1, s2 = solve_exact(p, budget=b1), solve_exact(p, budget=b2)
-    if s1.status != "optimal":
+    if s1.status != "optimal":  # only where brute force finds no plan within b1
+        _check_infeasible(p, s1, b1)
         return
-    assert s2.status == "optimal"
+    assert s2.status == "optimal", (b2, s2)
     saved1, rec1, _ = derived(p, s1)
     saved2, rec2, _ = derived(p, s2)
     assert measure(saved2, rec2) <= measure(saved1, rec1) + EPS, (b1, b2, rec1, rec2)
+
+
+def _check_infeasible(p: Problem, sol: ilp.Solution, budget: int | None) -> None:
+    """A solve that is not optimal must be a proof that no valid plan fits: brute force agrees."""
+    assert sol.status == "infeasible", (budget, sol)
+    fits = [k for _, _, k, _ in all_plans(p) if budget is None or k <= budget]
+    assert not fits, f"infeasible at budget {budget}, yet brute force keeps {min(fits)} B"
 
 
 @PROPERTY
@@ -559,8 +567,11 @@ def test_no_budget_recomputes_only_when_cheaper_than_saving(p):
     """(d) with no budget, the plan's time never exceeds save-all's (when save-all is a valid plan)."""
     sol = solve_exact(p, budget=None)
     base_saved, base_rec = p.needed_closure(set())
-    if sol.status != "optimal" or not valid(p, base_saved, base_rec):
+    if not valid(p, base_saved, base_rec):  # nothing to compare with; the answer still has to be right
+        if sol.status != "optimal":
+            _check_infeasible(p, sol, None)
         return
+    assert sol.status == "optimal", sol  # save-all is a valid plan: one exists
     saved, recomputed, _ = derived(p, sol)
     assert cost(p, saved, recomputed) <= cost(p, base_saved, base_rec) + EPS
 

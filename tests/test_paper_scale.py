@@ -35,7 +35,8 @@ def _keeps_s_squared(plan) -> list[str]:
 def test_policies_match_the_papers_table(layer, policy, formula):
     model, x = layer
     plan = recompile_opt.plan(model, (x,), policy=policy)
-    assert plan.saved_bytes == pytest.approx(formula * SBH, rel=0.03), plan.summary()
+    # README and docs/paper.md: within 0.25% (here 0.15% at most: the kept causal mask, the norms' statistics)
+    assert plan.saved_bytes == pytest.approx(formula * SBH, rel=0.0025), plan.summary()
 
 
 def test_selective_recomputes_only_the_qk_matmul_of_the_core(selective):

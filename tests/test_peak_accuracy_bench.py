@@ -1,7 +1,8 @@
 """bench/peak_accuracy.py: the settings' options, and a real measure-then-check round trip on the
 benchmark GPT with the eager compiler (same plans, no code generation; < 60 s): a stored plan
 predicted again by an unchanged simulator gives the plan's own prediction, and a changed simulator
-shows in the ``now`` column."""
+shows in the ``now`` column. And (slow) the claim made of ``bench/measured_peaks.json``: walked in
+Inductor's code, its 16 stored plans give their measured peaks."""
 
 import importlib.util
 import json
@@ -54,3 +55,21 @@ def test_the_exact_column_walks_inductors_code_for_each_stored_plan(stored):
     # save-all-but-cheap: the forward's last kept buffers and the first gradients, the same in both
     assert 0.8 < rows[0]["exact"] / rows[0]["now"] < 1.2
     assert "exact: mean |error|" in accuracy.report(rows)
+
+
+@pytest.mark.slow
+def test_the_stored_plans_walked_give_their_measured_peaks():
+    """docs/design.md and recompile_opt/costs/inductor_peak.py: the 16 stored plans' peaks walked in
+    Inductor's generated code are their measured peaks within 0.4%, 14 of them to the byte -- on
+    torch 2.13 to 4 bytes (one fp32 scalar the walk leaves out; every one of the 14 is 4 bytes low);
+    the other two are the Llama's, where SDPA's own scratch is missed (-0.34%, -0.36%). ~30 s."""
+    rows = json.loads((_PATH.parent / "measured_peaks.json").read_text())
+    assert len(rows) == 16
+    off = {}  # walked - measured, bytes
+    for stored, row in zip(rows, accuracy.check(rows, exact=True)):
+        off[stored["model"], stored["setting"]] = round(row["exact"] * 2**20) - stored["measured_bytes"]
+    table = "\n".join(f"{m:6s} {s:20s} {d:+9d} B" for (m, s), d in off.items())
+    for stored in rows:
+        d = off[stored["model"], stored["setting"]]
+        assert abs(d) <= 0.004 * stored["measured_bytes"], f"{stored['model']} {stored['setting']}:\n{table}"
+    assert sum(abs(d) <= 4 for d in off.values()) >= 14, table
