@@ -31,10 +31,11 @@ def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) 
     model with the same budget afterwards uses it."""
     module = getattr(model, "_orig_mod", model)
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    raw = {**options, "memory_budget": memory_budget}
-    aten_random = raw.get("compiler") == "eager"  # capture the graphs that compilation will see
-    raw.setdefault("compiler", "eager")
-    opts = parse_options(raw)
+    # The options are the ones compilation would get (compiler too): capture runs no code generation
+    # whatever the compiler, but whether random ops are replayed or kept depends on it (and on
+    # Inductor's fallback_random), and the plan must be the one compilation makes.
+    opts = parse_options({**options, "memory_budget": memory_budget})
+    aten_random = opts.compiler == "eager"  # capture the graphs that compilation will see
     if isinstance(opts.memory_budget, int) and opts.policy == "auto":
         learned = _capture(module, inputs, dataclasses.replace(opts, memory_budget=1.0), aten_random)
         if len(learned) > 1:
