@@ -5,8 +5,9 @@ from :meth:`Problem.needed_closure`. They find their structure from the graph, n
 
 * ``save-all``: recompute nothing (what eager PyTorch keeps).
 * ``full``: keep only what crosses a transformer block boundary, recompute the rest of each block
-  (``torch.utils.checkpoint`` around every block). Blocks are module paths up to their first index,
-  e.g. ``blocks.3``, or ``3`` in a top-level ``nn.Sequential``.
+  (``torch.utils.checkpoint`` around every block). Blocks are a module's children that repeat in the
+  graph (:mod:`recompile_opt.planner.structure`: ``blocks.3``, ``encoder_layer_3``, an
+  ``nn.ModuleDict``'s entries), else module paths up to their first index.
 * ``megatron-selective``: recompute exactly the attention core (Korthikanti et al. 2022, §4.2): every
   value from the QK^T matmul to the input of the @V matmul (scale, mask, softmax, dropout), plus the
   values that only feed it. With SDPA the core is the SDPA call itself and no s x s tensor exists.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import re
 
 from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.structure import structural_blocks
 
 _BLOCK = re.compile(r"^((?:.*?\.)??\d+)(?:\.|$)")  # "blocks.3.attn" -> "blocks.3"; "0.mlp.2" -> "0"
 _MATMULS = ("bmm", "matmul", "baddbmm")
@@ -32,8 +34,12 @@ def block_of(module: str) -> str | None:
 
 
 def find_blocks(problem: Problem) -> dict[str, str | None]:
-    """Block of each value: the repeated ``<path>.<index>`` module prefix; in a model without such
-    (a single layer), the top-level module that holds an attention core."""
+    """Block of each value: the children of a module that repeat in the graph's structure
+    (:mod:`recompile_opt.planner.structure`); else the ``<path>.<index>`` module prefix; in a model
+    with neither (a single layer), the top-level module that holds an attention core."""
+    blocks = structural_blocks(problem)
+    if any(blocks.values()):
+        return blocks
     blocks = {n: block_of(v.info.get("module", "")) for n, v in problem.values.items()}
     if any(blocks.values()):
         return blocks

@@ -15,7 +15,8 @@ from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.planner import ilp
 from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
-from recompile_opt.planner.policies import POLICIES, attention_cores
+from recompile_opt.planner.policies import POLICIES, attention_cores, find_blocks
+from recompile_opt.planner.structure import structural_blocks
 from recompile_opt.planner.problem import Problem
 from recompile_opt.planner.solving import (InfeasibleBudget, Simulate, below_least, least_bytes,
                                            one_tensor_per_storage, solve_reduced, solver_info, greedy_recompute)
@@ -113,6 +114,8 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
 
 
 def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
+    if policy == "full":
+        _note_blocks(problem, notes)
     if policy != "megatron-selective":
         return
     cores = attention_cores(problem)
@@ -121,6 +124,23 @@ def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
     elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
         notes.append("megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
                      "the SDPA call itself is recomputed")
+
+
+def _note_blocks(problem: Problem, notes: list[str]) -> None:
+    """Warn where ``full`` has no blocks to checkpoint, or only blocks named by module indices whose
+    subgraphs are not copies of one another (a split that may not be the model's layers)."""
+    found = {b for b in find_blocks(problem).values() if b}
+    msg = None
+    if not found:
+        msg = ("policy='full': no repeated blocks found (by the graph's structure or by indexed module "
+               "names); nothing is recomputed")
+    elif not any(structural_blocks(problem).values()):
+        msg = (f"policy='full': {len(found)} blocks taken from indexed module names ({', '.join(sorted(found)[:3])}"
+               f"{', ...' if len(found) > 3 else ''}), but no module's children repeat in the graph: check "
+               "that these are the model's layers")
+    if msg:
+        warnings.warn("recompile_opt: " + msg)
+        notes.append(msg)
 
 
 def _note_prefer_tags(problem: Problem, saved: set[str], recomputed: set[str], notes: list[str]) -> None:

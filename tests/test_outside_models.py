@@ -1,0 +1,199 @@
+"""Models written outside this project: torch's own ``nn.TransformerEncoder`` and
+``nn.TransformerDecoder``, and a ViT with torchvision's module names (``encoder.layers.encoder_layer_0``,
+its MLP an ``nn.Sequential`` whose first index is inside each layer: torchvision's own wheel does not
+load beside a CPU build of torch here). Every policy and budgets 0.0 / 0.5 give eager's gradients, and
+``full`` checkpoints the layers, whatever they are called."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recompile_opt
+
+from helpers import train_side_by_side
+
+D, HEADS, FF, SEQ, BATCH, CLASSES = 32, 2, 64, 16, 2, 10
+
+
+class EncoderClassifier(nn.Module):
+    """``nn.TransformerEncoder`` (2 layers) over embedded tokens, mean-pooled, cross-entropy."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, D)
+        layer = nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, idx, target):
+        return F.cross_entropy(self.head(self.encoder(self.embed(idx)).mean(1)), target)
+
+
+class DecoderLM(nn.Module):
+    """``nn.TransformerDecoder`` (2 layers, causal) attending to a memory, a next-token loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, D)
+        layer = nn.TransformerDecoderLayer(D, HEADS, FF, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoder(layer, num_layers=2)
+        self.head = nn.Linear(D, 64)
+
+    def forward(self, idx, memory, target):
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1])
+        out = self.decoder(self.embed(idx), memory, tgt_mask=mask, tgt_is_causal=True)
+        return F.cross_entropy(self.head(out).flatten(0, 1), target.flatten())
+
+
+class MLPBlock(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Linear(D, FF), nn.GELU(), nn.Dropout(0.0), nn.Linear(FF, D), nn.Dropout(0.0))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(D)
+        self.self_attention = nn.MultiheadAttention(D, HEADS, batch_first=True)
+        self.dropout = nn.Dropout(0.0)
+        self.ln_2 = nn.LayerNorm(D)
+        self.mlp = MLPBlock()
+
+    def forward(self, x):
+        y = self.ln_1(x)
+        y, _ = self.self_attention(y, y, y, need_weights=False)
+        x = x + self.dropout(y)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.randn(1, SEQ + 1, D) * 0.02)
+        self.dropout = nn.Dropout(0.0)
+        self.layers = nn.Sequential()
+        for i in range(layers):
+            self.layers.add_module(f"encoder_layer_{i}", EncoderBlock())
+        self.ln = nn.LayerNorm(D)
+
+    def forward(self, x):
+        return self.ln(self.layers(self.dropout(x + self.pos_embedding)))
+
+
+class ViT(nn.Module):
+    """torchvision.models.vision_transformer.VisionTransformer's structure and module names, small:
+    32x32 images in 8x8 patches (16 tokens and a class token)."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.conv_proj = nn.Conv2d(3, D, kernel_size=8, stride=8)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.encoder = Encoder(layers)
+        self.heads = nn.Sequential()
+        self.heads.add_module("head", nn.Linear(D, CLASSES))
+
+    def forward(self, images, target):
+        x = self.conv_proj(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return F.cross_entropy(self.heads(self.encoder(x)[:, 0]), target)
+
+
+def _encoder():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return EncoderClassifier(), (torch.randint(0, 64, (BATCH, SEQ), generator=g),
+                                 torch.randint(0, CLASSES, (BATCH,), generator=g))
+
+
+def _decoder():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return DecoderLM(), (torch.randint(0, 64, (BATCH, SEQ), generator=g), torch.randn(BATCH, SEQ, D, generator=g),
+                         torch.randint(0, 64, (BATCH, SEQ), generator=g))
+
+
+def _vit():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return ViT(), (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+
+
+MODELS = {"encoder": _encoder, "decoder": _decoder, "vit": _vit}
+# each model's layers, as module paths (what `full` must checkpoint)
+LAYERS = {"encoder": ("encoder.layers.0", "encoder.layers.1"),
+          "decoder": ("decoder.layers.0", "decoder.layers.1"),
+          "vit": ("encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1")}
+
+
+@pytest.mark.parametrize("setting", [{"memory_budget": 0.0}, {"memory_budget": 0.5}, {"policy": "full"},
+                                     {"policy": "megatron-selective"}, {"policy": "save-all"}], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_gradients_equal_eager(name, setting):
+    model, inputs = MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "no blocks found" or infeasible-budget warning
+        train_side_by_side(model, inputs, options={**setting, "compiler": "eager"}, steps=2)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_checkpoints_each_layer_and_keeps_only_what_crosses_them(name):
+    """Inside every layer something is recomputed, and nothing inside a layer is kept but what leaves
+    it; torchvision's naming used to make each MLP linear a "block", so nothing was recomputed."""
+    model, inputs = MODELS[name]()
+    plan = recompile_opt.plan(model, inputs, policy="full")
+    inside = [e for e in plan.recomputed if e.module.startswith(LAYERS[name])]
+    for layer in LAYERS[name]:
+        assert any(e.module.startswith(layer + ".") for e in inside), (layer, plan)
+    save_all = recompile_opt.plan(model, inputs, policy="save-all")
+    assert plan.saved_bytes < 0.6 * save_all.saved_bytes, (plan.summary(), save_all.summary())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_megatron_selective_recomputes_the_attention_call_and_nothing_outside_attention(name):
+    model, inputs = MODELS[name]()
+    plan = recompile_opt.plan(model, inputs, policy="megatron-selective")
+    flops = [e for e in plan.recomputed if e.flops]
+    assert flops and all("attention" in e.op or "attn" in e.module for e in flops), plan
+
+
+class DictStack(nn.Module):
+    """Layers in an ``nn.ModuleDict`` under names with no index at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"first": EncoderBlock(), "second": EncoderBlock()})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return x.square().mean()
+
+
+class Bare(nn.Module):
+    """No submodules: nothing to call a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x):
+        return (x @ self.w).tanh().square().mean()
+
+
+def test_full_finds_layers_named_without_an_index():
+    torch.manual_seed(0)
+    plan = recompile_opt.plan(DictStack(), (torch.randn(BATCH, SEQ, D),), policy="full")
+    for layer in ("layers.first.", "layers.second."):
+        assert any(e.module.startswith(layer) for e in plan.recomputed), (layer, plan)
+
+
+def test_full_says_when_it_finds_no_blocks():
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="policy='full': no repeated blocks found"):
+        plan = recompile_opt.plan(Bare(), (torch.randn(BATCH, D),), policy="full")
+    assert any("no repeated blocks found" in n for n in plan.notes) and not plan.recompute_flops
