@@ -14,6 +14,7 @@ from fractions import Fraction
 
 POLICIES = ("auto", "save-all", "full", "megatron-selective")
 SOLVERS = ("cbc", "highs")
+TARGET_DEVICES = ("cuda", "cpu")
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -44,6 +45,8 @@ class Options:
     plan_dir: str | None = None
     roofline: dict = field(default_factory=dict)  # {"flops_per_s": ..., "bytes_per_s": ...}
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
+    # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
+    target_device: str = "cuda"
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -106,7 +109,8 @@ def parse_options(raw: dict | Options | None) -> Options:
     out = {"memory_budget": parse_budget(raw.get("memory_budget"))}
     if raw.get("peak_memory") is not None:
         out["peak_memory"] = parse_bytes("peak_memory", raw["peak_memory"])
-    for name, allowed in (("policy", POLICIES), ("solver", SOLVERS), ("compiler", ("inductor", "eager"))):
+    for name, allowed in (("policy", POLICIES), ("solver", SOLVERS), ("compiler", ("inductor", "eager")),
+                          ("target_device", TARGET_DEVICES)):
         if name in raw and raw[name] not in allowed:
             raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: {list(allowed)}")
         if name in raw:
