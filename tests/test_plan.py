@@ -386,6 +386,50 @@ def test_a_real_plans_repr_and_table():
     torch._dynamo.reset()
 
 
+class _Encoder:  # built lazily (torch.nn): a torch-library model, nothing of its own but the call
+    @staticmethod
+    def build():
+        import torch
+
+        class Encoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+
+            def forward(self, x): return self.layer(x).sum()  # noqa: E704 (the one line every op has)
+
+        return Encoder(), Encoder.forward.__code__.co_firstlineno
+
+
+def test_a_torch_library_models_sources_tell_its_ops_apart():
+    """Issue 26: every op of nn.TransformerEncoderLayer had the user's one forward line as its source
+    (Dynamo drops torch.nn.modules frames). After that line comes the torch function each op came from;
+    a user module's own lines stay as they are."""
+    import torch
+
+    import recompile_opt
+    from recompile_opt.models import demo_gpt
+
+    torch.manual_seed(0)
+    model, line = _Encoder.build()
+    plan = recompile_opt.plan(model, (torch.randn(2, 8, 32),))
+    at = f"test_plan.py:{line}"
+    expected = {"layer.self_attn": f"{at} (multi_head_attention_forward)", "layer.norm1": f"{at} (layer_norm)",
+                "layer.norm2": f"{at} (layer_norm)", "layer.linear1": f"{at} (linear)",
+                "layer.dropout1": f"{at} (dropout)", "layer.dropout": f"{at} (dropout)"}
+    entries = [e for e in plan.saved + plan.recomputed if e.reason not in ("param", "input")]
+    seen = {e.module: e.source for e in entries if e.module in expected}
+    assert seen == {m: expected[m] for m in seen} and len(seen) >= 5, str(plan)
+    assert {e.source for e in entries if e.op == "le" and e.module == "layer"} == {f"{at} (relu)"}, str(plan)
+    assert len({e.source for e in entries}) >= 5
+
+    gpt, inputs = demo_gpt(n_layer=1, n_embd=64, seq=32, batch=2)
+    gpt_plan = recompile_opt.plan(gpt, inputs)
+    attn = [e for e in gpt_plan.saved + gpt_plan.recomputed if e.module == "blocks.0.attn"]  # ours, not torch's
+    assert attn and all(re.fullmatch(r"models\.py:\d+", e.source) for e in attn), attn
+    torch._dynamo.reset()
+
+
 # -- tags, notes and limits through the pipeline ---------------------------------------------------
 
 def test_prefer_save_overridden_is_noted():
