@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import re
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -55,12 +56,53 @@ def _is_value(node: fx.Node) -> bool:
 
 
 
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
 def _source(node: fx.Node) -> str:
+    """``file:line`` of the innermost frame of the node's stack trace, and, where that line only called
+    a torch library module, the torch function the op came from: ``model.py:7 (layer_norm)``.
+
+    Why the function: Dynamo leaves the frames of ``torch/nn/modules`` out of stack traces and puts
+    functions such as ``F.dropout`` or ``F.multi_head_attention_forward`` into its graph whole, so every
+    op of ``nn.TransformerEncoderLayer`` had the user's one line. The function is the finest place the
+    graph still records (the Dynamo node each op was traced from)."""
     frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
     if not frames:
         return ""
     path, line = frames[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
+    where = f"{path.rsplit('/', 1)[-1]}:{line}"
+    if str(Path(path).resolve()).startswith(_TORCH_DIR) or not _in_torch_module(node):
+        return where  # a user module's own line, or already a line of torch's code
+    function = _traced_from(node)
+    return f"{where} ({function})" if function else where
+
+
+def _in_torch_module(node: fx.Node) -> bool:
+    """The innermost module of the node is one of torch's (``nn.Linear``, ``nn.MultiheadAttention``)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return False
+    cls = list(stack.values())[-1][1]
+    name = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else str(cls)
+    return re.match(r"(<class ')?torch\.", name) is not None
+
+
+def _traced_from(node: fx.Node) -> str:
+    """The name of the function or method behind the Dynamo graph node ``node`` was traced from:
+    ``from_node``'s root target (``<function dropout at 0x..>``, ``<built-in function linear>``,
+    ``transpose``), else the name ``source_fn_stack`` records (``dropout_1`` -> ``dropout``)."""
+    sources = node.meta.get("from_node") or []
+    while sources and getattr(sources[0], "from_node", None):
+        sources = sources[0].from_node
+    target = str(getattr(sources[0], "target", "")) if sources else ""
+    m = re.fullmatch(r"<(?:function|built-in function|built-in method|method) '?([\w.]+)'?.*>", target, re.S)
+    if m:
+        return m.group(1)
+    if re.fullmatch(r"[A-Za-z_]\w*", target):
+        return target
+    fn_stack = node.meta.get("source_fn_stack") or node.meta.get("fwd_source_fn_stack") or []
+    return re.sub(r"_\d+$", "", str(fn_stack[-1][0])) if fn_stack else ""
 
 
 def module_path(node: fx.Node) -> str:

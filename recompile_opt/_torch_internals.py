@@ -45,6 +45,7 @@ TORCH_VERSION = check_torch_version()
 
 from torch._dynamo import config as dynamo_config  # noqa: E402 (after the version check)
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
@@ -83,7 +84,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
-    "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
+    "BackendCompilerFailed", "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
     "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state",
     "_is_bwd_seed_offset", "_is_fwd_seed_offset", "_must_be_in_backward", "_must_be_in_forward",

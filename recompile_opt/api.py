@@ -67,7 +67,7 @@ def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Pl
     try:
         with torch.enable_grad(), ti.dynamo_config.patch(limits):
             torch.compile(module, backend=capture, dynamic=False)(*inputs)
-    except torch._dynamo.exc.BackendCompilerFailed as e:  # show our own error, not Dynamo's wrapper
+    except ti.BackendCompilerFailed as e:  # show our own error, not Dynamo's wrapper
         if isinstance(e.inner_exception, OptionError):
             raise e.inner_exception from None
         raise

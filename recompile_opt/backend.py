@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -27,11 +28,11 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split
-from recompile_opt.options import Options, parse_options
+from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.peak import peak_breakdown
 from recompile_opt.plan import Plan
 from recompile_opt.planner.least_peak import range_walked
-from recompile_opt.planner.search import make_plan
+from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.partition import partition
@@ -128,8 +129,44 @@ def graph_id(gm: fx.GraphModule) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:12]
 
 
+class OptionErrorInCompile(OptionError, ti.BackendCompilerFailed):
+    """An :class:`OptionError` raised inside ``torch.compile``, that is also Dynamo's own
+    ``BackendCompilerFailed``: Dynamo wraps any other exception of a backend in a new
+    ``BackendCompilerFailed`` (``except OptionError`` then missed it; the error was only its
+    ``inner_exception``), but re-raises its own as they are. So ``except recompile_opt.OptionError``
+    catches it, and so does code that catches Dynamo's wrapper; ``str()`` opens with our message."""
+
+    def __init__(self, error: OptionError, frame=None):
+        # frame: where Dynamo starts the traceback it shows (ours, not its own internals)
+        ti.BackendCompilerFailed.__init__(self, recompile_opt_backend, error, frame)
+        self.args = (str(error),)  # Dynamo appends its hints after this first line
+
+
+class InfeasibleBudgetInCompile(InfeasibleBudget, OptionErrorInCompile):
+    """:class:`InfeasibleBudget` (``strict=True``) raised inside ``torch.compile``; see
+    :class:`OptionErrorInCompile`."""
+
+
+def _in_compile(error: OptionError, frame) -> OptionErrorInCompile:
+    cls = InfeasibleBudgetInCompile if isinstance(error, InfeasibleBudget) else OptionErrorInCompile
+    return cls(error, frame).with_traceback(error.__traceback__)
+
+
 def recompile_opt_backend(gm: fx.GraphModule, example_inputs, options=None, **kwargs):
-    """The entry point torch.compile calls: ``torch.compile(m, backend="recompile_opt", options={...})``."""
+    """The entry point torch.compile calls: ``torch.compile(m, backend="recompile_opt", options={...})``.
+
+    Options are read here, at the first call (``torch.compile`` is lazy); a bad one, or an unmeetable
+    limit under ``strict=True``, raises an error that ``except recompile_opt.OptionError`` (or
+    ``InfeasibleBudget``) catches through Dynamo (:class:`OptionErrorInCompile`)."""
+    try:
+        return _compile(gm, example_inputs, options)
+    except OptionErrorInCompile:
+        raise
+    except OptionError as e:
+        raise _in_compile(e, inspect.currentframe()) from None
+
+
+def _compile(gm: fx.GraphModule, example_inputs, options):
     opts = parse_options(options)
     partitioner = RecompilePartitioner(opts)
     key = _plan_key(gm, example_inputs, partitioner)

@@ -16,7 +16,12 @@ import json
 import sys
 from pathlib import Path
 
-from recompile_opt.options import POLICIES, SOLVERS
+from recompile_opt.options import POLICIES, SOLVERS, OptionError, parse_options
+
+
+class UsageError(Exception):
+    """Bad input on the command line (a file, a factory, a value): :func:`main` prints it as one line,
+    ``recompile-opt COMMAND: error: ...``, and exits with status 2, as argparse does for a bad flag."""
 
 
 def parse_budget_arg(text: str | None):
@@ -33,22 +38,54 @@ def parse_budget_arg(text: str | None):
 
 def load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(f"recompile-opt: expected MODULE:FACTORY, got {spec!r}")
+    if not module_name or not attr:
+        raise UsageError(f"expected MODULE:FACTORY, got {spec!r} (a function returning (model, example_inputs), "
+                         "e.g. recompile_opt.models:demo_gpt)")
     sys.path.insert(0, str(Path.cwd()))
-    factory = getattr(importlib.import_module(module_name), attr)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:  # the module named, or a package above it; not one it imports
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise
+        raise UsageError(f"cannot import {module_name!r} (in {spec!r}): no module named {e.name!r}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        found = _factories(module)
+        raise UsageError(f"module {module_name!r} has no factory {attr!r}"
+                         + (f"; its functions without required arguments: {', '.join(found)}" if found else ""))
     model, inputs = factory()
     return model, inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _factories(module) -> list[str]:
+    """The public functions of ``module`` that can be called without arguments (factory candidates)."""
+    import inspect
+
+    names = []
+    for name, fn in vars(module).items():
+        if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+            continue
+        params = inspect.signature(fn).parameters.values()
+        if all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            names.append(name)
+    return names[:12]
+
+
+def _check(options: dict) -> None:
+    """Read the options before building the model, so a bad --budget or --peak fails at once."""
+    parse_options({k: v for k, v in options.items() if v is not None})
 
 
 def cmd_plan(args) -> None:
     import recompile_opt
 
-    model, inputs = load_factory(args.factory)
     options = {"policy": args.policy, "solver": args.solver}
     if args.peak:
         options["peak_memory"] = parse_budget_arg(args.peak)
-    plans = recompile_opt.plan(model, inputs, memory_budget=parse_budget_arg(args.budget), **options)
+    budget = parse_budget_arg(args.budget)
+    _check({**options, "memory_budget": budget})
+    model, inputs = load_factory(args.factory)
+    plans = recompile_opt.plan(model, inputs, memory_budget=budget, **options)
     plans = plans if isinstance(plans, list) else [plans]
     for i, plan in enumerate(plans):
         if len(plans) > 1:
@@ -56,7 +93,10 @@ def cmd_plan(args) -> None:
         print(plan)
     if args.json:  # one plan: a plan object; several graphs: a list of them
         data = [p.to_dict() for p in plans]
-        Path(args.json).write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+        try:
+            Path(args.json).write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+        except OSError as e:
+            raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
         print(f"wrote {args.json}")
 
 
@@ -64,8 +104,17 @@ def _read_plans(path: str) -> list:
     """The plans of a JSON file: one plan, or a list of them (a model of several graphs)."""
     from recompile_opt.plan import Plan
 
-    data = json.loads(Path(path).read_text())
-    return [Plan.from_json(json.dumps(d)) for d in (data if isinstance(data, list) else [data])]
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not JSON ({e})") from None
+    try:
+        return [Plan.from_json(json.dumps(d)) for d in (data if isinstance(data, list) else [data])]
+    except (KeyError, TypeError) as e:
+        raise UsageError(f"{path} holds no plan written by 'recompile-opt plan --json' "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def cmd_show(args) -> None:
@@ -76,7 +125,7 @@ def cmd_show(args) -> None:
 def cmd_diff(args) -> None:
     a, b = _read_plans(args.a), _read_plans(args.b)
     if len(a) != len(b):
-        raise SystemExit(f"recompile-opt diff: {args.a} holds {len(a)} plan(s), {args.b} {len(b)}; "
+        raise UsageError(f"{args.a} holds {len(a)} plan(s), {args.b} {len(b)}; "
                          "diff compares files of the same model, graph by graph")
     print("\n\n".join(pa.diff(pb) for pa, pb in zip(a, b)))
 
@@ -84,7 +133,9 @@ def cmd_diff(args) -> None:
 def cmd_demo(args) -> None:
     from recompile_opt.demo import run_demo
 
-    run_demo(budget=parse_budget_arg(args.budget), steps=args.steps, compiler=args.compiler)
+    budget = parse_budget_arg(args.budget)
+    _check({"memory_budget": budget})
+    run_demo(budget=budget, steps=args.steps, compiler=args.compiler)
 
 
 def cmd_frontier(args) -> None:
@@ -92,8 +143,8 @@ def cmd_frontier(args) -> None:
 
     from recompile_opt import frontier
 
+    budgets = frontier.BUDGETS if args.budgets is None else [_fraction(b) for b in args.budgets.split(",")]
     model, inputs = load_factory(args.factory)
-    budgets = frontier.BUDGETS if args.budgets is None else [float(b) for b in args.budgets.split(",")]
     t0 = time.perf_counter()
     points = frontier.sweep(model, inputs, budgets, measure=args.measure, steps=args.steps,
                             pytorch_budgets=() if args.no_pytorch else frontier.PYTORCH_BUDGETS,
@@ -105,6 +156,16 @@ def cmd_frontier(args) -> None:
     if args.md:
         Path(args.md).write_text(frontier.markdown(points, title=args.factory))
         print(f"wrote {args.md}")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 <= value <= 1.0:
+        raise UsageError(f"--budgets: {text.strip()!r} is not a fraction in [0, 1]")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (UsageError, OptionError) as e:  # bad input: one line and status 2, as argparse's own errors
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        print(f"recompile-opt {args.command}: error: {lines[0]}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """User options: parsed once, validated with messages that name the option and what it accepts.
 
-``torch.compile`` is lazy, so a bad option surfaces at the first call wrapped in Dynamo's
-``BackendCompilerFailed``; :class:`OptionError` keeps the first line of that message readable.
+``torch.compile`` is lazy, so a bad option surfaces at the first call. The backend raises it as an
+:class:`OptionError` that is also Dynamo's ``BackendCompilerFailed`` (``backend.OptionErrorInCompile``),
+which Dynamo lets through unwrapped: ``except recompile_opt.OptionError`` catches it, and its message
+opens with ours.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def parse_budget(value) -> int | float | None:
     """``memory_budget``: int bytes, unit string, or a float fraction in [0, 1]; None = no limit."""
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        got = f"a bool ({value})" if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
+        raise OptionError(f"option 'memory_budget': got {got}; expected a float fraction in [0, 1] "
+                          "(0.0 the least-memory plan, 1.0 save-all), an int of bytes, or a string with "
+                          "units such as '512MiB' or '2GB'")
     if isinstance(value, float):
         if not 0.0 <= value <= 1.0:
             raise OptionError(f"option 'memory_budget': the fraction {value} is outside [0, 1]; use a "

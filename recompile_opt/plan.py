@@ -28,7 +28,7 @@ class PlanEntry:
     source: str = ""
 
 
-@dataclass
+@dataclass(repr=False)  # the dataclass repr printed every entry: ~15 KB for a 2-layer GPT
 class Plan:
     graph: str  # the compiled graph's id (hash of its joint graph)
     policy: str
@@ -133,22 +133,40 @@ class Plan:
         return [f"  at the peak       : {where}: {kinds}"]
 
     def table(self) -> str:
-        out = []
+        """One line per kept or recomputed value (parameters counted, not listed): dtype[shape], bytes
+        kept or FLOPs recomputed, op, node name, reason, module path, source line; columns aligned
+        across both sections."""
+        sections = []
         for title, entries, show in (("kept", self.saved, "bytes"), ("recomputed", self.recomputed, "flops")):
             params = [e for e in entries if e.reason == "param"]
-            out.append(f"{title} ({len(entries)}" + (f", of which {len(params)} parameters and their views, "
-                                                     "free and not listed" if params else "") + "):")
-            for e in entries:
-                if e.reason == "param":
-                    continue
-                size = fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops)
-                shape = "x".join(str(s) for s in e.shape) or "-"
-                out.append(f"  {e.dtype or '-':>8}[{shape}]  {size:>10}  {e.op:<22} {e.name:<24} "
-                           f"{e.reason:<10} {e.module:<28} {e.source}")
+            header = f"{title} ({len(entries)}" + (f", of which {len(params)} parameters and their views, "
+                                                   "free and not listed" if params else "") + "):"
+            rows = [(fmt_type(e.dtype, e.shape), fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops),
+                     e.op, e.name, e.reason, e.module, e.source) for e in entries if e.reason != "param"]
+            sections.append((header, rows))
+        rows = [row for _, section in sections for row in section]
+        widths = [max([len(row[i]) for row in rows], default=0) for i in range(6)]
+        out = []
+        for header, section in sections:
+            out.append(header)
+            for row in section:
+                cells = [row[0].rjust(widths[0]), row[1].rjust(widths[1])]
+                cells += [cell.ljust(w) for cell, w in zip(row[2:6], widths[2:])] + [row[6]]
+                out.append(("  " + "  ".join(cells)).rstrip())
         return "\n".join(out)
 
     def __str__(self) -> str:
         return self.summary() + "\n" + self.table()
+
+    def __repr__(self) -> str:
+        """One line: ``print(recompile_opt.last_plans())`` lists the plans, ``print(plan)`` shows one."""
+        limits = "".join(f"{name}={fmt_bytes(n)}, " for name, n in (("budget", self.budget_bytes),
+                                                                     ("peak_memory", self.peak_limit_bytes))
+                         if n is not None)
+        peak = fmt_bytes(self.predicted_peak_bytes) if self.predicted_peak_bytes else "not simulated"
+        return (f"Plan(graph={self.graph}, policy={self.policy}, {limits}kept {fmt_bytes(self.saved_bytes)} "
+                f"of {fmt_bytes(self.baseline_bytes)}, recomputes {len(self.recomputed)} values "
+                f"({fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms), peak {peak})")
 
     def diff(self, other: "Plan") -> str:
         """What changes from this plan to ``other``: values that move between kept and recomputed."""
@@ -181,6 +199,13 @@ def _node_order(name: str):
 
 def _pct(a: int, b: int) -> str:
     return f"{100 * a / b:.1f}%" if b else "-"
+
+
+def fmt_type(dtype: str, shape: list) -> str:
+    """``float32[4x256x64]``; a 0-d tensor (a seed, a scalar) is ``int64[]``; no dtype (not a tensor): ``-``."""
+    if not dtype:
+        return "-"
+    return f"{dtype}[{'x'.join(str(s) for s in shape)}]"
 
 
 def fmt_bytes(n: int | None) -> str:

@@ -44,8 +44,9 @@ def test_diff_of_files_holding_several_graphs_plans(tmp_path, capsys):
     one.write_text(plans[1].to_json())
     main(["diff", str(a), str(b)])
     assert capsys.readouterr().out.count("plan diff: kept") == 2
-    with pytest.raises(SystemExit, match="2 plan.*1"):
+    with pytest.raises(SystemExit) as info:
         main(["diff", str(a), str(one)])
+    assert info.value.code == 2 and re.search(r"a\.json holds 2 plan.*one\.json 1", capsys.readouterr().err)
 
 
 def test_entry_point_backend_works_without_import():
@@ -180,9 +181,51 @@ def test_plan_solver_flag(tmp_path, capsys):
     assert highs.solver["name"] == "highs" and highs.saved_names() == cbc.saved_names()
 
 
-def test_a_factory_must_be_named_module_colon_function():
-    with pytest.raises(SystemExit, match=r"expected MODULE:FACTORY, got 'helpers.tiny_mlp'"):
-        main(["plan", "helpers.tiny_mlp"])
+# -- bad input: one line on stderr, status 2, no traceback -------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["show", "nonexist.json"],
+     "recompile-opt show: error: cannot read nonexist.json: No such file or directory"),
+    (["plan", "recompile_opt.models:nope"],
+     "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions without "
+     "required arguments: demo_gpt, demo_llama, gpt3_175b_layer"),
+    (["plan", "recompile_opt.models:demo_gpt", "--budget", "2 gigs"],
+     "recompile-opt plan: error: option 'memory_budget': unknown unit 'gigs' in '2 gigs'; accepted units: "
+     "['b', 'gb', 'gib', 'kb', 'kib', 'mb', 'mib', 'tb', 'tib']"),
+], ids=["missing-file", "missing-factory", "bad-unit"])
+def test_bad_input_from_the_shell_is_one_line_and_status_2(tmp_path, args, message):
+    """Issue 26: each printed a raw traceback. The installed ``recompile-opt`` command, as a user runs it."""
+    exe = Path(sys.executable).with_name("recompile-opt")
+    run = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert (run.returncode, run.stderr, run.stdout) == (2, message + "\n", "")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "helpers.tiny_mlp"], "expected MODULE:FACTORY, got 'helpers.tiny_mlp'"),
+    (["plan", "no_such_module:f"], "cannot import 'no_such_module' (in 'no_such_module:f'): no module named "
+                                   "'no_such_module'"),
+    (["plan", "recompile_opt.nope:f"], "cannot import 'recompile_opt.nope' (in 'recompile_opt.nope:f'): no "
+                                       "module named 'recompile_opt.nope'"),
+    (["plan", "helpers:tiny_mlp", "--peak", "lots"], "option 'peak_memory': cannot read 'lots'"),
+    (["plan", "helpers:tiny_mlp", "--budget", "1.5"], "option 'memory_budget': the fraction 1.5 is outside [0, 1]"),
+    (["demo", "--budget", "2 gigs"], "option 'memory_budget': unknown unit 'gigs'"),
+    (["frontier", "helpers:tiny_mlp", "--budgets", "0,x"], "--budgets: 'x' is not a fraction in [0, 1]"),
+    (["show", "{tmp}"], "cannot read {tmp}: Is a directory"),
+    (["show", "{tmp}/text.json"], "{tmp}/text.json is not JSON (Expecting value: line 1 column 1 (char 0))"),
+    (["show", "{tmp}/other.json"], "{tmp}/other.json holds no plan written by 'recompile-opt plan --json' "
+                                   "(KeyError: 'saved')"),
+    (["plan", "helpers:tiny_mlp", "--json", "{tmp}/no/such/dir/p.json"], "cannot write {tmp}/no/such/dir/p.json: "
+                                                                         "No such file or directory"),
+])
+def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, message):
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"recompile-opt {args[0]}: error: {message.format(tmp=tmp_path)}"), err
 
 
 @pytest.fixture

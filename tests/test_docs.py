@@ -55,6 +55,51 @@ def test_readme_names_no_commit():
     assert not found, f"README.md names commits: {found}"
 
 
+def _quickstart() -> str:
+    """README's Quickstart python block."""
+    m = re.search(r"^## Quickstart\n\n```python\n(.*?)^```", README.read_text(), re.S | re.M)
+    assert m, "README.md has no python block under '## Quickstart'"
+    return m.group(1)
+
+
+def _check_quickstart_output(out: str) -> None:
+    summary, plan = out.split("recompile_opt plan  graph=")[1:3]  # the compile's summary, then the plan
+    assert "budget=" in summary and "kept (" not in summary
+    assert "budget=20.00 MiB" in plan and "kept (" in plan and "recomputed (" in plan
+
+
+def test_readme_quickstart_runs(capsys):
+    """The Quickstart as a new user pastes it, with the eager compiler in its options (the same plan
+    and partition, no C++ build: ~20 s instead of minutes); the slow test below runs it untouched."""
+    import torch
+
+    from recompile_opt.plan import Plan
+
+    code = _quickstart()
+    eager = code.replace('options={"memory_budget": 0.5}', 'options={"memory_budget": 0.5, "compiler": "eager"}')
+    assert eager != code, "the Quickstart's torch.compile options changed: update this test"
+    torch._dynamo.reset()
+    scope: dict = {}
+    exec(compile(eager, "README.md (Quickstart)", "exec"), scope)
+    _check_quickstart_output(capsys.readouterr().out)
+    assert Plan.from_json(scope["data"]).saved_names() == scope["plan"].saved_names()
+    assert all(p.grad is not None for p in scope["model"].parameters())  # loss.backward() ran
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs_as_written(tmp_path):
+    """Untouched, through Inductor, in a fresh process (a minute or two on 2 cores, as README says)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", _quickstart()], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _check_quickstart_output(run.stdout)
+
+
 def test_commit_pattern():
     assert COMMIT.search("measured at f9cf73c") and COMMIT.search("see `3151726a`")
     assert not COMMIT.search("at 1000000 bytes") and not COMMIT.search("graph=24046289b9ad")

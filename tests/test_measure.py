@@ -5,6 +5,7 @@ expected values read as small integers of MiB.
 """
 
 import gc
+import os
 import resource
 import sys
 
@@ -125,6 +126,34 @@ def test_peak_memory_known_pattern():
     report = memory_profile(step)
     assert report.peak_bytes == pytest.approx(3.5 * MiB, abs=4096)
     assert report.end_bytes == 0
+
+
+def test_memory_profile_prints_no_usdt_lines(capfd):
+    """Kineto writes 'USDT: ... profiler_start' / 'profiler_stop' to fd 2 at each profiler start and
+    stop; the demo printed them into its table. memory_profile's output holds none of them; a bare
+    profiler in the same process still writes them (so this test sees what it claims to remove)."""
+    from torch.profiler import profile
+
+    with profile(profile_memory=True):
+        torch.ones(N).sum()
+    bare = capfd.readouterr().err
+    if "USDT:" not in bare:
+        pytest.skip(f"this Kineto writes no USDT lines (KINETO_LOG_LEVEL={os.environ.get('KINETO_LOG_LEVEL')})")
+    assert "profiler_start" in bare
+    assert memory_profile(lambda: torch.ones(N, N).sum()).peak_bytes == pytest.approx(MiB, abs=4096)
+    out, err = capfd.readouterr()
+    assert "USDT" not in err and "profiler_" not in err and "USDT" not in out, err
+
+
+def test_usdt_filter_writes_back_every_other_line(capfd):
+    """What fd 2 receives around the profiler's start and stop, other than Kineto's USDT lines (an
+    error, say), still reaches fd 2."""
+    from recompile_opt.costs.measure import _without_usdt_lines
+
+    with _without_usdt_lines():
+        os.write(2, b"USDT:2026-11-25 11049:11049 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR: something Kineto says\n")
+    assert capfd.readouterr().err == "ERROR: something Kineto says\n"
 
 
 def test_allocation_timeline_lists_the_counted_events_in_order():

@@ -20,7 +20,8 @@ from helpers import tiny_gpt, tiny_mlp, train_side_by_side
     ({"memory_budget": "512"}, r"'memory_budget'.*'512' has no units"),
     ({"memory_budget": "5 parsecs"}, r"unknown unit 'parsecs'.*accepted units"),
     ({"memory_budget": 1.5}, r"'memory_budget'.*outside \[0, 1\]"),
-    ({"memory_budget": True}, r"'memory_budget'.*bool"),
+    ({"memory_budget": True}, r"'memory_budget'.*bool.*float fraction in \[0, 1\].*int of bytes.*'512MiB'"),
+    ({"memory_budget": [1]}, r"'memory_budget'.*list \[1\].*float fraction in \[0, 1\].*int of bytes"),
     ({"peak_memory": "lots"}, r"'peak_memory'.*cannot read 'lots'"),
     ({"policy": "magic"}, r"'policy'.*'magic'.*\['auto', 'save-all', 'full', 'megatron-selective'\]"),
     ({"solver": "gurobi"}, r"'solver'.*\['cbc', 'highs'\]"),
@@ -97,25 +98,39 @@ def test_decimal_sizes_are_read_exactly():
     assert parse_bytes("x", "0.3GiB") == int(0.3 * 2**30)  # a fraction of a byte is dropped
 
 
-def test_bad_option_surfaces_readably_through_torch_compile():
+def test_bad_option_through_torch_compile_is_caught_as_option_error():
+    """README's way: ``except recompile_opt.OptionError`` around the first call catches a bad option
+    (Dynamo wrapped it in a BackendCompilerFailed, which that missed), and the message's first line is
+    ours. Code that catches Dynamo's wrapper still catches it, and finds our error as inner_exception."""
     model, inputs = tiny_mlp()
-    compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": "512"})
-    with pytest.raises(Exception, match=r"option 'memory_budget': '512' has no units"):
+    compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": True})
+    try:
         compiled(*inputs)
+    except recompile_opt.OptionError as e:
+        error = e
+    else:
+        pytest.fail("a bad option compiled")
+    assert str(error).splitlines()[0] == (
+        "option 'memory_budget': got a bool (True); expected a float fraction in [0, 1] (0.0 the "
+        "least-memory plan, 1.0 save-all), an int of bytes, or a string with units such as '512MiB' or '2GB'")
+    assert isinstance(error, torch._dynamo.exc.BackendCompilerFailed)
+    assert type(error.inner_exception) is OptionError
+    assert str(error.inner_exception) == str(error).splitlines()[0]
 
 
 @pytest.mark.parametrize("raw,match", [
+    ({"memory_budget": "512"}, r"option 'memory_budget': '512' has no units"),
     ({"compiler": "aot_eager"}, r"option 'compiler': got 'aot_eager'; accepted values: \['inductor', 'eager'\]"),
     ({"mip_gap": 1}, r"option 'mip_gap': got 1; expected a relative gap in \[0, 1\)"),
 ])
-def test_bad_compiler_and_mip_gap_through_torch_compile_and_plan(raw, match):
-    """torch.compile is lazy: the error comes at the first call, Dynamo's wrapper around our OptionError;
-    recompile_opt.plan raises the OptionError itself."""
+def test_bad_option_through_torch_compile_and_plan(raw, match):
+    """torch.compile is lazy: the error comes at the first call, an OptionError whose message opens with
+    ours; recompile_opt.plan raises the OptionError at once."""
     model, inputs = tiny_mlp()
     compiled = torch.compile(model, backend="recompile_opt", options=raw)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=match) as info:
+    with pytest.raises(OptionError, match="^" + match) as info:
         compiled(*inputs)
-    assert isinstance(info.value.inner_exception, OptionError)
+    assert isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed)
     torch._dynamo.reset()
     with pytest.raises(OptionError, match=match):
         recompile_opt.plan(model, inputs, **raw)
@@ -152,14 +167,16 @@ def test_feasible_budget_does_not_warn():
 ], ids=["memory_budget", "peak_memory"])
 def test_strict_raises_through_torch_compile(compiler, limit, match):
     """An unmeetable limit with strict=True fails the first call (the plan is made before any code is
-    generated, so through Inductor too): Dynamo's BackendCompilerFailed, holding our InfeasibleBudget."""
+    generated, so through Inductor too): ``except recompile_opt.InfeasibleBudget`` catches it through
+    Dynamo, and it is Dynamo's BackendCompilerFailed too, holding our InfeasibleBudget."""
     model, inputs = tiny_mlp()
     options = {**limit, "strict": True, "compiler": compiler}
     compiled = torch.compile(model, backend="recompile_opt", options=options)
-    match = r"InfeasibleBudget: recompile_opt: " + match + r" \(strict=True\)"
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=match) as info:
+    match = r"^recompile_opt: " + match + r" \(strict=True\)"
+    with pytest.raises(recompile_opt.InfeasibleBudget, match=match) as info:
         compiled(*inputs)
-    assert isinstance(info.value.inner_exception, recompile_opt.InfeasibleBudget)
+    assert isinstance(info.value, torch._dynamo.exc.BackendCompilerFailed)
+    assert type(info.value.inner_exception) is recompile_opt.InfeasibleBudget
     assert not recompile_opt.last_plans()
 
 

@@ -30,7 +30,7 @@ import warnings
 import pytest
 
 from recompile_opt.options import parse_options
-from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
+from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes, fmt_type
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.planner.problem import Problem, Value
 
@@ -332,6 +332,102 @@ def test_str_line_columns(plans):
     drop = next(line for line in sections["recomputed"] if "native_dropout" in line)
     assert re.match(r"^\s+float32\[512x2048\]\s+1\.05 MFLOP\s+native_dropout\s+dropout\s+rng\s+"
                     r"blocks\.0\.mlp\s+model\.py:12$", drop)
+
+
+def test_table_columns_align_across_both_sections(plans):
+    """dtype[shape] and the size end, op, name and reason start, at the same place on every line, kept
+    and recomputed alike (a long shape or op used to push the rest of its line right)."""
+    sections = table_sections(str(plans["6MiB"]))
+    lines = sections["kept"] + sections["recomputed"]
+    # cells are two or more spaces apart; a cell holds at most single spaces ("1.00 MiB")
+    cells = [[m.span() for m in re.finditer(r"\S+(?: \S+)*", line)] for line in lines]
+    assert len({c[0][1] for c in cells}) == len({c[1][1] for c in cells}) == 1, lines
+    assert all(len({c[i][0] for c in cells}) == 1 for i in (2, 3, 4)), lines
+
+
+def test_fmt_type_of_a_scalar_and_of_a_non_tensor():
+    assert fmt_type("int64", []) == "int64[]"  # a seed: was int64[-]
+    assert fmt_type("float32", [4, 256, 64]) == "float32[4x256x64]"
+    assert fmt_type("", []) == "-"
+
+
+def test_repr_is_one_short_line(plans):
+    p = plans["6MiB"]
+    assert repr(p) == ("Plan(graph=g0, policy=auto, budget=6.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
+                       "(1.05 MFLOP, est. 0.001 ms), peak not simulated)")
+    assert str(p) == p.summary() + "\n" + p.table()  # print(plan) is still the whole table
+    limited = dataclasses.replace(p, predicted_peak_bytes=10 * MiB, peak_limit_bytes=12 * MiB)
+    assert repr(limited).endswith("peak_memory=12.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
+                                  "(1.05 MFLOP, est. 0.001 ms), peak 10.00 MiB)")
+
+
+def test_a_real_plans_repr_and_table():
+    """Issue 26: ``print(recompile_opt.last_plans())`` printed ~15 KB of dataclass repr for the 2-layer
+    demo GPT. Each plan is one line of at most 300 characters now; its table prints a 0-d value (a
+    seed, a scalar) as ``dtype[]``, not ``dtype[-]``."""
+    import torch
+
+    import recompile_opt
+    from recompile_opt.models import demo_gpt
+
+    model, inputs = demo_gpt(n_layer=2, n_embd=64, seq=32, batch=2)
+    plan = recompile_opt.plan(model, inputs, memory_budget="256KiB")
+    text = repr(plan)
+    assert "\n" not in text and len(text) <= 300, text
+    assert text.startswith(f"Plan(graph={plan.graph}, policy=auto, budget=256.00 KiB, kept ")
+    assert f"recomputes {len(plan.recomputed)} values" in text and "peak " in text
+    assert len(repr([plan, plan])) <= 2 * 300 + 4
+    scalars = [e for e in plan.saved + plan.recomputed if e.dtype and not e.shape and e.reason != "param"]
+    assert scalars, "the demo GPT's plan has no 0-d value to print"
+    table = plan.table()
+    for e in scalars:
+        assert re.search(rf"\s{e.dtype}\[\]\s.*\s{re.escape(e.name)}\s", table), e.name
+    assert "[-]" not in table
+    torch._dynamo.reset()
+
+
+class _Encoder:  # built lazily (torch.nn): a torch-library model, nothing of its own but the call
+    @staticmethod
+    def build():
+        import torch
+
+        class Encoder(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+
+            def forward(self, x): return self.layer(x).sum()  # noqa: E704 (the one line every op has)
+
+        return Encoder(), Encoder.forward.__code__.co_firstlineno
+
+
+def test_a_torch_library_models_sources_tell_its_ops_apart():
+    """Issue 26: every op of nn.TransformerEncoderLayer had the user's one forward line as its source
+    (Dynamo drops torch.nn.modules frames). After that line comes the torch function each op came from;
+    a user module's own lines stay as they are."""
+    import torch
+
+    import recompile_opt
+    from recompile_opt.models import demo_gpt
+
+    torch.manual_seed(0)
+    model, line = _Encoder.build()
+    plan = recompile_opt.plan(model, (torch.randn(2, 8, 32),))
+    at = f"test_plan.py:{line}"
+    expected = {"layer.self_attn": f"{at} (multi_head_attention_forward)", "layer.norm1": f"{at} (layer_norm)",
+                "layer.norm2": f"{at} (layer_norm)", "layer.linear1": f"{at} (linear)",
+                "layer.dropout1": f"{at} (dropout)", "layer.dropout": f"{at} (dropout)"}
+    entries = [e for e in plan.saved + plan.recomputed if e.reason not in ("param", "input")]
+    seen = {e.module: e.source for e in entries if e.module in expected}
+    assert seen == {m: expected[m] for m in seen} and len(seen) >= 5, str(plan)
+    assert {e.source for e in entries if e.op == "le" and e.module == "layer"} == {f"{at} (relu)"}, str(plan)
+    assert len({e.source for e in entries}) >= 5
+
+    gpt, inputs = demo_gpt(n_layer=1, n_embd=64, seq=32, batch=2)
+    gpt_plan = recompile_opt.plan(gpt, inputs)
+    attn = [e for e in gpt_plan.saved + gpt_plan.recomputed if e.module == "blocks.0.attn"]  # ours, not torch's
+    assert attn and all(re.fullmatch(r"models\.py:\d+", e.source) for e in attn), attn
+    torch._dynamo.reset()
 
 
 # -- tags, notes and limits through the pipeline ---------------------------------------------------

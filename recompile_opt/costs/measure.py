@@ -32,8 +32,11 @@ of the whole process, monotone, includes allocator caching and the Python heap).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -284,8 +287,14 @@ def allocation_timeline(step_fn: Callable[[], Any], device: str | torch.device =
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities, profile_memory=True) as prof:
+    prof = profile(activities=activities, profile_memory=True)
+    with _without_usdt_lines():
+        prof.start()
+    try:
         step_fn()
+    finally:
+        with _without_usdt_lines():
+            prof.stop()
     events: list[int] = []
     allocated_here: dict[int, int] = {}  # address -> bytes, for blocks allocated inside the call
     for _, address, nbytes, where in allocator_records(prof):
@@ -298,6 +307,27 @@ def allocation_timeline(step_fn: Callable[[], Any], device: str | torch.device =
         if nbytes:
             events.append(nbytes)
     return events
+
+
+@contextlib.contextmanager
+def _without_usdt_lines():
+    """Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` to fd 2 at every profiler start
+    and stop, into the middle of the demo's table. ``KINETO_LOG_LEVEL=6`` would hide them, but also
+    Kineto's errors, and it is read once per process, at the first profile. So fd 2 is caught around
+    the start and the stop only (not around the profiled call) and every other line is written back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def peak_memory(step_fn: Callable[[], Any], device: str | torch.device = "cpu") -> int:
