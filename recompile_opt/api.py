@@ -16,7 +16,6 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split
-from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.plan import Plan, fmt_bytes
@@ -51,14 +50,7 @@ def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Pl
     partitioner = RecompilePartitioner(opts)
 
     def capture(gm: fx.GraphModule, graph_inputs):
-        fused = 0
-        if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in graph_inputs):
-            fused = fuse_attention_for(gm, opts.target_device)  # meta has no SDPA kernel of its own
         compile_eager(gm, graph_inputs, partitioner, aten_random=aten_random)
-        if fused:
-            partitioner.plans[-1].notes.append(
-                f"meta device: {fused} attention call(s) planned as the fused kernel "
-                f"target_device={opts.target_device!r} runs (its output and logsumexp, no s x s tensor)")
         return _empty_outputs(gm)
 
     # every capture is a new backend for the same code: lift Dynamo's recompile limit (8), or the

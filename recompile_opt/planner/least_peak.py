@@ -431,8 +431,8 @@ class _PeakCheck:
     "36MiB" the four cheapest walked 0.3 to 5 MiB over, using up the walks).
     Where the walk cannot tell (symbolic shapes, the meta device) or is not asked (``walk=False``: deep
     stacks solved as block groups, whose lowering takes ~1.5 s per 2 blocks) the simulated peak
-    decides, and the plan's note says so. Like every predicted peak, it is the peak of the code Inductor generates
-    (``compiler="eager"`` runs the same graphs unfused)."""
+    decides, and the plan's note says so. Like every predicted peak, it is the peak of the code
+    Inductor generates (``compiler="eager"`` runs the same graphs unfused)."""
 
     def __init__(self, problem: Problem, simulate: Simulate, walk: bool = True):
         self.problem, self.simulate = problem, simulate
@@ -441,7 +441,6 @@ class _PeakCheck:
         self.margin = SCRATCH_MARGIN if scratch else 0.0
         self.walked: dict[tuple, int | None] = {}
         self.failed_at = float("inf")  # the least simulated peak of a plan that walked over the limit
-        self.what = "simulated"
 
     def peak(self, c: Candidate) -> int:
         """The walked peak where this plan was walked (here or by the least-peak search), else the
@@ -462,8 +461,8 @@ class _PeakCheck:
 
     def first_fitting(self, candidates: list[Candidate], limit: int) -> Candidate | None:
         """The least-recompute candidate whose walk (where one is made) fits ``limit`` less the margin,
-        among those that may fit (:meth:`may_fit`); its peak the walked one. None if none of those tried does
-        (past ``PEAK_WALKS`` walks, only plans already walked are tried)."""
+        among those that may fit (:meth:`may_fit`); its peak the walked one. None if none of those tried
+        does (past ``PEAK_WALKS`` walks, only plans already walked are tried)."""
         for c in sorted((c for c in candidates if self.may_fit(c, limit)), key=lambda c: (c.recompute_s, c.peak)):
             if self.walk is None:
                 return c
@@ -477,7 +476,6 @@ class _PeakCheck:
                 if c.peak <= limit:
                     return c
                 continue
-            self.what = "walked"
             if walked <= limit * (1 - self.margin):
                 return c._replace(peak=walked)
             self.failed_at = min(self.failed_at, c.peak)
@@ -489,11 +487,14 @@ class _PeakCheck:
         return c.peak <= limit * (SIM_SLACK if self.walk is not None else 1.0)
 
     def _known(self, sets: tuple) -> int | None:
+        if sets in self.walked:
+            return self.walked[sets]
         known = getattr(self.simulate, "known_exact", None)
-        return self.walked.get(sets) or (known(*sets) if known is not None and self.walk is not None else None)
+        return known(*sets) if known is not None and self.walk is not None else None
 
-    def how(self) -> str:
-        if self.what != "walked":
+    def how(self, c: Candidate) -> str:
+        """How the chosen plan's peak was judged, for its note."""
+        if self.source(c) == "simulated":
             return "simulated peak (not checked in Inductor's code: not walked for this graph)"
         return "peak walked in Inductor's code" + (f", {self.margin:.0%} under the limit for the scratch of "
                                                    "extern kernels" if self.margin else "")
@@ -503,5 +504,5 @@ def _fitted(options: Options, budget, min_bytes, notes: list[str], chosen: Candi
             why: str):
     """The chosen candidate as the search's answer, with a note saying how its peak was judged."""
     notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: " + why.format(
-        f"{check.how()} {fmt_bytes(chosen.peak)}"))
+        f"{check.how(chosen)} {fmt_bytes(chosen.peak)}"))
     return chosen.sol, solver_info(options, chosen.sol), budget, min_bytes

@@ -34,18 +34,24 @@ def block_of(module: str) -> str | None:
 
 
 def find_blocks(problem: Problem) -> dict[str, str | None]:
-    """Block of each value: the children of a module that repeat in the graph's structure
-    (:mod:`recompile_opt.planner.structure`); else the ``<path>.<index>`` module prefix; in a model
-    with neither (a single layer), the top-level module that holds an attention core."""
+    """Block of each value (see :func:`blocks_and_origin`)."""
+    return blocks_and_origin(problem)[0]
+
+
+def blocks_and_origin(problem: Problem) -> tuple[dict[str, str | None], str]:
+    """Block of each value, and how the blocks were found: ``"structure"``, the children of a module
+    that repeat in the graph (:mod:`recompile_opt.planner.structure`); else ``"names"``, the
+    ``<path>.<index>`` module prefix; else ``"attention"``, in a single layer the top-level module that
+    holds an attention core (every value None if none does)."""
     blocks = structural_blocks(problem)
     if any(blocks.values()):
-        return blocks
+        return blocks, "structure"
     blocks = {n: block_of(v.info.get("module", "")) for n, v in problem.values.items()}
     if any(blocks.values()):
-        return blocks
+        return blocks, "names"
     top = {n: (v.info.get("module") or "").split(".")[0] or None for n, v in problem.values.items()}
     with_attention = {top[n] for core in attention_cores(problem) for n in core}
-    return {n: t if t in with_attention else None for n, t in top.items()}
+    return {n: t if t in with_attention else None for n, t in top.items()}, "attention"
 
 
 def consumers(problem: Problem) -> dict[str, list[str]]:

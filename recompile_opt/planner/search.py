@@ -15,8 +15,7 @@ from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.planner import ilp
 from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
-from recompile_opt.planner.policies import POLICIES, attention_cores, find_blocks
-from recompile_opt.planner.structure import structural_blocks
+from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
 from recompile_opt.planner.problem import Problem
 from recompile_opt.planner.solving import (InfeasibleBudget, Simulate, below_least, least_bytes,
                                            one_tensor_per_storage, solve_reduced, solver_info, greedy_recompute)
@@ -129,12 +128,13 @@ def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
 def _note_blocks(problem: Problem, notes: list[str]) -> None:
     """Warn where ``full`` has no blocks to checkpoint, or only blocks named by module indices whose
     subgraphs are not copies of one another (a split that may not be the model's layers)."""
-    found = {b for b in find_blocks(problem).values() if b}
+    blocks, origin = blocks_and_origin(problem)
+    found = {b for b in blocks.values() if b}
     msg = None
     if not found:
         msg = ("policy='full': no repeated blocks found (by the graph's structure or by indexed module "
                "names); nothing is recomputed")
-    elif not any(structural_blocks(problem).values()):
+    elif origin == "names":
         msg = (f"policy='full': {len(found)} blocks taken from indexed module names ({', '.join(sorted(found)[:3])}"
                f"{', ...' if len(found) > 3 else ''}), but no module's children repeat in the graph: check "
                "that these are the model's layers")
