@@ -66,7 +66,7 @@ PEAK_SEARCH_PROBE = 0.025
 PEAK_WALKS = 6
 # Ops that allocate scratch inside the kernel, which a walk of Inductor's wrapper cannot see, and the
 # share of the limit kept free for it (the walk missed 0.4% on the Llama's SDPA, _PeakCheck). Not
-# enough for a convolution's: a tiny ViT (tests/test_outside_models.py) measured 37% above its walk.
+# enough for a convolution's workspace (README, Known limits).
 SCRATCH_OPS = ("scaled_dot_product", "convolution")
 SCRATCH_MARGIN = 0.01
 # Plans simulated up to this factor over a peak_memory limit are walked too: the simulator is off by
