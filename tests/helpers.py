@@ -58,12 +58,9 @@ def train_and_measure_saved(model, inputs, *, options=None, steps=3, rtol=1e-5, 
     (the plan lists them free). The figure is autograd's, not the planner's, so a check of a plan's
     kept bytes against it does not take the planner's word. (Measured after training: hooks active
     while AOTAutograd traces may be inlined into the graph.)"""
-    from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
-
     plan, ours, ours_fn = _train(model, inputs, options, None, steps, rtol, atol)
-    with SavedTensorsMeter(exclude=storage_ptrs(ours)) as meter:
-        ours_fn(*inputs)
-    return plan, meter.total_bytes
+    report, _ = saved_report(lambda: ours_fn(*inputs), exclude=[ours])
+    return plan, report.total_bytes
 
 
 def _train(model, inputs, options, reference_options, steps, rtol, atol, saved=None):
