@@ -11,6 +11,7 @@ import contextlib
 import re
 import threading
 import time
+from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -70,6 +71,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 from torch._inductor import ir as inductor_ir
 from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
+from torch._inductor.compile_fx import fake_tensor_prop as inductor_fake_tensor_prop
+from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
 from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
@@ -78,7 +81,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
@@ -95,7 +98,8 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings",
+    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode",
+    "layout_optimized",
 ]
 
 
@@ -160,6 +164,14 @@ def no_graph_codegen():
         yield
     finally:
         torch.fx.GraphModule.recompile = saved
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """Real tensors made and ops run inside, even within a compile's fake mode (the planner measures a
+    kernel's scratch while Inductor traces with fake tensors)."""
+    with unset_fake_temporarily():
+        yield
 
 
 def concrete_size(x) -> int:
@@ -239,18 +251,34 @@ def rng_state_bytes(device: torch.device) -> int:
     return int(torch.get_rng_state().numel())
 
 
-def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: list[int] | None = None
-                          ) -> tuple[str, dict[str, int], dict[str, list[str]]]:
+class WrapperCode(NamedTuple):
+    """What :func:`inductor_wrapper_code` reads off Inductor's lowering of one graph."""
+    code: str  # the Python wrapper's source
+    sizes: dict[str, int]  # buffer -> bytes
+    multi: dict[str, list[str]]  # a multi-output call -> its output buffers, in order
+    # an extern kernel's buffer -> (the FX nodes it runs, the (size, stride) of its tensor inputs as
+    # Inductor lays them out: channels-last where it chose so)
+    externs: dict[str, tuple[list, list | None]]
+    output_strides: list[tuple | None]  # each graph output's strides (None: not a tensor)
+
+
+def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: list[int] | None = None,
+                          input_strides: dict[str, tuple] | None = None) -> WrapperCode:
     """The Python wrapper Inductor generates for ``gm`` (a partitioned forward or backward whose nodes
-    carry fake ``val``s), without compiling any kernel: its source, each buffer's bytes, and each
-    multi-output call's output buffers in order.
+    carry fake ``val``s), without compiling any kernel, and what it says about buffers (:class:`WrapperCode`).
 
     The steps are ``fx_codegen_and_compile``'s up to code generation: Inductor's post-grad passes, then
     lowering, scheduling (fusion) and code generation (kernels as source, buffer reuse planned). ``gm``
     is changed by the post-grad passes. ``donated``: the backward's inputs AOTAutograd donates (saved
-    activations nothing else holds; :func:`bw_donated_inputs`), which Inductor may write over."""
+    activations nothing else holds; :func:`bw_donated_inputs`), which Inductor may write over.
+    ``input_strides``: placeholder name -> the strides its tensor really has (AOTAutograd restrides the
+    backward's saved inputs to the forward's output strides where Inductor chose another layout,
+    ``graph_compile``'s "saved activations can have different stride")."""
     example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = detect_fake_mode(example)
+    if input_strides:
+        example = [v.as_strided(v.shape, input_strides[n.name]) if n.name in input_strides else v
+                   for n, v in zip(gm.graph.find_nodes(op="placeholder"), example)]
     # outside the caller's tracing context: lowering may record into it (output strides) for the
     # graph the caller is compiling
     # a user's custom post-grad passes are the real compile's: run on candidate graphs they would count
@@ -258,6 +286,10 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     no_custom = {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None}
     with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom), \
             _scalar_cpp_kernels():
+        if input_strides:  # as fx_codegen_and_compile does: the graph's values re-derived from its inputs
+            view_to_reshape(gm)
+            with torch.no_grad():
+                inductor_fake_tensor_prop(gm, example)
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
                               is_inference=False, is_backward=backward)
@@ -266,15 +298,53 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
         with V.set_graph_handler(graph):
             graph.run(*example)
             code = graph.codegen()[0].value
-            sizes, outputs = {}, {}
+            sizes, outputs, externs = {}, {}, {}
             for name, buf in graph.name_to_buffer.items():
+                if isinstance(buf, inductor_ir.ExternKernel) and not isinstance(buf, inductor_ir.MultiOutput):
+                    externs[name] = (list(buf.origins), _input_layouts(buf, graph))
                 layout = getattr(buf, "layout", None)
                 if layout is None or isinstance(layout, (inductor_ir.MultiOutputLayout, inductor_ir.NoneLayout)):
                     continue
                 sizes[name] = int(graph.sizevars.optimization_hint(layout.storage_size())) * layout.dtype.itemsize
                 if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
                     outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
-    return code, sizes, outputs
+            strides = [_output_stride(graph, out) for out in graph.graph_outputs]
+    return WrapperCode(code, sizes, outputs, externs, strides)
+
+
+def _output_stride(graph, out) -> tuple | None:
+    try:
+        return _hinted(graph, out.get_stride())
+    except (AttributeError, NotImplementedError):  # None, a constant
+        return None
+
+
+def _hinted(graph, dims) -> tuple | None:
+    try:
+        return tuple(int(graph.sizevars.optimization_hint(d)) for d in dims)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def _input_layouts(buf, graph) -> list[tuple[tuple, tuple]] | None:
+    """(size, stride) of an extern kernel's tensor inputs, in order; None where one is symbolic."""
+    out = []
+    for inp in buf.inputs:
+        try:
+            size, stride = _hinted(graph, inp.get_size()), _hinted(graph, inp.get_stride())
+        except (AttributeError, NotImplementedError):
+            return None
+        if size is None or stride is None:
+            return None
+        out.append((size, stride))
+    return out
+
+
+def layout_optimized(gm: torch.fx.GraphModule) -> bool:
+    """Whether Inductor lays this graph's convolutions out channels-last (``decide_layout_opt``: always
+    on CPU with MKL-DNN). Why it matters: it copies a convolution's input and weight into that layout
+    and the forward then keeps the copies for the backward, bytes the graph itself does not show."""
+    return GraphLowering.decide_layout_opt(gm, is_inference=False)
 
 
 @contextlib.contextmanager

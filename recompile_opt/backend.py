@@ -98,9 +98,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
         exact = simulate.known_exact(saved, plan.recomputed_names())
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
-        if exact is None and fraction and options.peak_memory is None and range_walked(problem, options):
+        searched = fraction and options.peak_memory is None and range_walked(problem, options)
+        if exact is None and (searched or ti.layout_optimized(fw)):
             # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
-            # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps)
+            # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
+            # and where Inductor copies convolutions' inputs channels-last, which only its code shows
             exact = simulate.exact(saved, plan.recomputed_names())
         plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"

@@ -60,6 +60,13 @@ def test_an_input_not_named_is_the_baseline():
     assert peak == 5 * MiB  # buf0, then the three outputs; buf7 after the unpacked one went: 1 + 2 + 2
 
 
+def test_an_extern_kernels_scratch_counts_while_it_runs():
+    # the SDPA backward (buf2) allocates 3 MiB of workspace above its outputs: 2 MiB live before it
+    # (b, buf1), its 3 outputs and 3 of scratch: 8 at its busiest; nothing of it stays (the 6 MiB after)
+    assert walk(scratch={"buf2": 3 * MiB}) == 8 * MiB
+    assert walk(scratch={"buf2": MiB // 2}) == 6 * MiB  # under the later peak: no change
+
+
 # -- the planner's check --------------------------------------------------------------------------
 
 def chain():

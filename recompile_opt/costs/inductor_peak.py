@@ -9,8 +9,9 @@ all of this before compiling a single kernel: its Python wrapper allocates every
 plan's forward and backward through Inductor's own passes (:func:`_torch_internals.inductor_wrapper_code`,
 no C++ is built) and walk the two wrappers' ``call`` functions in order, counting live bytes per
 storage. On the 16 stored plans of ``bench/measured_peaks.json`` (GPT and Llama, every budget and
-policy) this gives the measured peak to within 0.4% (14 of them within 4 bytes; what is left is SDPA's
-own scratch). It costs about a second and a half per graph on this machine, so the planner asks it only
+policy) this gives the measured peak to within 0.4% (14 of them within 4 bytes). What the wrapper does
+not show is added: an extern kernel's workspace while it runs (:mod:`recompile_opt.costs.scratch`), and
+the channels-last copies Inductor makes of convolutions' inputs (:func:`exact_peak`). It costs about a second and a half per graph on this machine, so the planner asks it only
 about the few candidates that decide the least-peak plan (``planner._verified``).
 
 The step as the walk sees it: the forward starts with its inputs (parameters, data: the baseline, not
@@ -31,6 +32,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.kernels import nbytes
 from recompile_opt.costs.peak import forward_state
+from recompile_opt.costs.scratch import has_scratch, scratch_bytes
 
 _ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
 _ALIASES = {"reinterpret_tensor", "as_strided"}
@@ -44,34 +46,71 @@ def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) 
 
     Why the forward is simulated: lowering it too costs 45% more time, and a plan that recomputes has
     its peak in the backward. Where the simulated forward peaks above the walked backward, the forward's
-    code is walked as well (the Llama's save-all-but-norms plan: simulated 43.05 MiB, measured 41.55)."""
-    fw_peak, fw_end, kept, owner = forward_state(fw)
+    code is walked as well (the Llama's save-all-but-norms plan: simulated 43.05 MiB, measured 41.55).
+    Where Inductor lays convolutions out channels-last (:func:`_torch_internals.layout_optimized`), the
+    forward keeps copies the graph does not show (a ViT's images and patch weights, twice 24 KiB of a
+    204 KiB peak): its code is walked first, and the backward starts from what it returns."""
+    strides = None  # the saved tensors' strides where Inductor's forward chose them
+    if ti.layout_optimized(fw):
+        fw_peak, fw_end, kept, owner, strides = _walked_forward(fw)
+    else:
+        fw_peak, fw_end, kept, owner = forward_state(fw)
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
-    code, sizes, multi = ti.inductor_wrapper_code(bw, backward=True, donated=donated)
+    code, sizes, multi, externs, _ = ti.inductor_wrapper_code(bw, backward=True, donated=donated,
+                                                              input_strides=strides)
     tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    bw_peak = walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi,
+    bw_peak = walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi, scratch=_scratch(externs),
                    other=fw_end - sum(kept.values()) + tangents)  # the loss, the tangent
-    if fw_peak <= bw_peak:
-        return bw_peak
+    if fw_peak <= bw_peak or strides is not None:
+        return max(fw_peak, bw_peak)
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
-    fw_code, fw_sizes, fw_multi = ti.inductor_wrapper_code(fw, backward=False)
-    return max(walk(fw_code, sizes=fw_sizes, multi=fw_multi), bw_peak)
+    return max(_walked_forward(fw)[0], bw_peak)
+
+
+def _walked_forward(fw: fx.GraphModule):
+    """:func:`recompile_opt.costs.peak.forward_state` read off the forward's code: its peak, the live
+    bytes at its end, the bytes of each storage it returns, each output name's storage; and each
+    output name's strides (the backward receives them so)."""
+    code, sizes, multi, externs, out_strides = ti.inductor_wrapper_code(fw, backward=False)
+    live = _Storages()
+    returned = _run(_call(code), live, {}, sizes, multi, _scratch(externs))
+    outputs = next(iter(reversed(fw.graph.nodes))).args[0]
+    kept, owner, strides = {}, {}, {}
+    for node, name, stride in zip(outputs, returned, out_strides):
+        if not isinstance(node, fx.Node):
+            continue
+        if stride is not None:
+            strides[node.name] = stride
+        sid = live.names.get(name) if name else None
+        if sid is not None:
+            kept[f"s{sid}"], owner[node.name] = live.size[sid], f"s{sid}"
+    return live.peak, live.live, kept, owner, strides
+
+
+def _scratch(externs: dict[str, tuple[list[fx.Node], list | None]]) -> dict[str, int]:
+    """Extern kernel buffer -> the workspace its kernel allocates (:mod:`recompile_opt.costs.scratch`), at
+    the layouts Inductor gives its inputs."""
+    found = {name: max((scratch_bytes(n, layouts) for n in nodes if has_scratch(n)), default=0)
+             for name, (nodes, layouts) in externs.items()}
+    return {name: n for name, n in found.items() if n}
 
 
 def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict[str, int] | None = None,
-         sizes: dict[str, int], multi: dict[str, list[str]] | None = None, other: int = 0) -> int:
+         sizes: dict[str, int], multi: dict[str, list[str]] | None = None, scratch: dict[str, int] | None = None,
+         other: int = 0) -> int:
     """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
     -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
     from the start until their last name is dropped (an input not named: the baseline's; a storage no
     input of ``call`` holds is freed at the start); ``sizes``:
     bytes of buffers allocated by a kernel rather than ``empty_strided``; ``multi``: a multi-output
-    call's output buffers; ``other``: bytes alive throughout."""
+    call's output buffers; ``scratch``: an extern kernel's workspace, alive while it runs, above
+    its outputs; ``other``: bytes alive throughout."""
     call, inputs = _call(code), inputs or {}
     live = _Storages()
     storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
     live.live += other
     _run(call, live, {name: storage[key] for name, key in inputs.items() if key in storage}, sizes, multi or {},
-         release=["#" + key for key in storage])
+         scratch or {}, release=["#" + key for key in storage])
     return live.peak
 
 
@@ -173,9 +212,10 @@ def _arg_names(call: ast.FunctionDef) -> list[str]:
 
 
 def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: dict[str, int],
-         multi: dict[str, list[str]], release: list[str] = ()) -> None:
+         multi: dict[str, list[str]], scratch: dict[str, int], release: list[str] = ()) -> list[str | None]:
     """Walk ``call``'s statements up to its ``return``; ``inputs``: input name -> its storage;
-    ``release``: names that held the inputs until ``call`` took them."""
+    ``release``: names that held the inputs until ``call`` took them. Returns the buffer each returned
+    value refers to (None for one that is not a buffer)."""
     for name in _arg_names(call):
         if name in inputs:
             live.names[name] = inputs[name]
@@ -185,11 +225,14 @@ def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: 
     live.peak = live.live
     for stmt in call.body:
         if isinstance(stmt, ast.Return):
-            return
-        _step(stmt, live, sizes, multi)
+            values = stmt.value.elts if isinstance(stmt.value, (ast.Tuple, ast.List)) else [stmt.value]
+            return [_root(v) for v in values]
+        _step(stmt, live, sizes, multi, scratch)
+    return []
 
 
-def _step(stmt: ast.stmt, live: _Storages, sizes: dict[str, int], multi: dict[str, list[str]]) -> None:
+def _step(stmt: ast.stmt, live: _Storages, sizes: dict[str, int], multi: dict[str, list[str]],
+          scratch: dict[str, int]) -> None:
     if isinstance(stmt, ast.Delete):
         for target in stmt.targets:
             if isinstance(target, ast.Name):
@@ -208,9 +251,10 @@ def _step(stmt: ast.stmt, live: _Storages, sizes: dict[str, int], multi: dict[st
                 live.hold(name, [(out, sizes.get(out, 0)) for out in multi[name]])
             else:
                 live.new(name, sizes.get(name, 0))
+            live.peak = max(live.peak, live.live + scratch.get(name, 0))  # its workspace, while it runs
     elif isinstance(stmt, (ast.If, ast.With)):
         for inner in stmt.body:
-            _step(inner, live, sizes, multi)
+            _step(inner, live, sizes, multi, scratch)
 
 
 def _root(expr: ast.expr) -> str | None:

@@ -309,12 +309,19 @@ def allocation_timeline(step_fn: Callable[[], Any], device: str | torch.device =
     return events
 
 
+_KINETO_THREAD_LINE = b"External init callback must run in same thread as registerClient"
+
+
 @contextlib.contextmanager
 def _without_usdt_lines():
     """Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` to fd 2 at every profiler start
     and stop, into the middle of the demo's table. ``KINETO_LOG_LEVEL=6`` would hide them, but also
     Kineto's errors, and it is read once per process, at the first profile. So fd 2 is caught around
-    the start and the stop only (not around the profiled call) and every other line is written back."""
+    the start and the stop only (not around the profiled call) and every other line is written back.
+    Also dropped: the "External init callback must run in same thread as registerClient" line Kineto
+    writes when a process's first profile starts on a thread other than the one that loaded it (the
+    planner measures kernels' scratch on its own thread, :mod:`recompile_opt.costs.scratch`); the CPU
+    allocator's records, all we read, are PyTorch's own and come through regardless."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
@@ -325,7 +332,8 @@ def _without_usdt_lines():
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            kept = [line for line in caught.read().splitlines(keepends=True)
+                    if not line.startswith(b"USDT:") and _KINETO_THREAD_LINE not in line]
             if kept:
                 os.write(2, b"".join(kept))
 

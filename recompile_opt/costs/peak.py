@@ -26,6 +26,9 @@ import torch.fx as fx
 
 from recompile_opt.costs.cost_model import base_of
 from recompile_opt.costs.kernels import Kernel, is_extern, nbytes, schedule
+from recompile_opt.costs.scratch import has_scratch, scratch_bytes
+
+SCRATCH = " (workspace)"  # the name of a kernel's workspace among the buffers alive at the peak
 
 
 @dataclass
@@ -54,7 +57,7 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset()) -> dict:
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
-    the plan recomputes), ``temporaries`` (the backward's other buffers; in the forward, everything
+    the plan recomputes), ``scratch`` (an extern kernel's own workspace), ``temporaries`` (the backward's other buffers; in the forward, everything
     not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it
     tells a user what a lower budget can still remove (kept, recomputed) and what it cannot
     (gradients, the backward's own working set), i.e. the floor of the peak."""
@@ -87,6 +90,8 @@ def peak_and_recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomput
 
 
 def _kind(buf, phase: str, outs: set, recomputed: set[str]) -> str:
+    if isinstance(buf, str) and buf.endswith(SCRATCH):
+        return "scratch"
     if isinstance(buf, str) or (phase == "forward" and buf in outs):
         return "kept"
     if buf.op == "placeholder":
@@ -192,13 +197,15 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
         if trace is not None:
             _log(trace, i, [(n, size.get(n, 0)) for n in made], live)
         live += sum(size.get(n, 0) for n in made)
+        scratch = _scratch(k)  # the kernel's own workspace, while it runs
         if alive is not None:
             alive.update((n, size.get(n, 0)) for n in made)
             alive.update((n, alive.pop(taken[n], 0)) for n in k.outputs if n in taken)
-            if live > peak:
-                trace.at, trace.kernel, trace.alive = i, k, dict(alive)
+            if live + scratch > peak:
+                trace.at, trace.kernel = i, k
+                trace.alive = {**alive, **({f"{k.nodes[0].name}{SCRATCH}": scratch} if scratch else {})}
                 trace.dead = {b for b in alive if b not in made and b not in keep and last.get(b, i) < i}
-        peak = max(peak, live)
+        peak = max(peak, live + scratch)
         if trace is not None:
             _log(trace, i, [(b, -size.get(b, 0)) for b in free_after.get(i, ())], live)
         live -= sum(size.get(b, 0) for b in free_after.get(i, ()))
@@ -206,6 +213,10 @@ def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[f
             for b in free_after.get(i, ()):
                 alive.pop(b, None)
     return live, peak
+
+
+def _scratch(k: Kernel) -> int:
+    return sum(scratch_bytes(n) for n in k.nodes if has_scratch(n)) if k.extern else 0
 
 
 def _log(trace: PeakTrace, kernel: int, changes: list, live: int) -> None:

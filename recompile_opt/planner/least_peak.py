@@ -64,9 +64,10 @@ PEAK_SEARCH_PROBE = 0.025
 # first): the least-recompute plan that fits by simulation fails the walk when the simulator under-
 # estimates it, and the next one by recompute usually fits.
 PEAK_WALKS = 6
-# Ops that allocate scratch inside the kernel, which a walk of Inductor's wrapper cannot see, and the
-# share of the limit kept free for it (the walk missed 0.4% on the Llama's SDPA, _PeakCheck). Not
-# enough for a convolution's workspace (README, Known limits).
+# Ops that allocate scratch inside the kernel, and the share of the limit kept free on their graphs: the
+# walk counts their workspace as measured once per layout (costs/scratch.py; the stored plans measured
+# at most 4 bytes above their walks and up to 0.4% below), and the margin is insurance for what such
+# a measurement alone may miss (a workspace that depends on the allocator's state or the data).
 SCRATCH_OPS = ("scaled_dot_product", "convolution")
 SCRATCH_MARGIN = 0.01
 # Plans simulated up to this factor over a peak_memory limit are walked too: the simulator is off by
@@ -423,9 +424,9 @@ class _PeakCheck:
     (``simulate.exact``), else by the simulated peak.
 
     The walk gives the measured peak of the 16 stored plans within 0.4% (``bench/peak_accuracy.py
-    --check bench/measured_peaks.json --exact``), 14 within 4 bytes; what it misses is scratch allocated
-    inside extern kernels (SDPA's, under the walked peak by up to 0.4% on the Llama; a convolution's
-    workspace). So a graph with such kernels must fit ``SCRATCH_MARGIN`` under the limit. Walks cost a
+    --check bench/measured_peaks.json --exact``), 14 within 4 bytes, extern kernels' workspace measured
+    (:mod:`recompile_opt.costs.scratch`). A graph with such kernels must fit ``SCRATCH_MARGIN`` under the
+    limit (insurance: ``SCRATCH_OPS``). Walks cost a
     lowering each (~1.5 s per graph here): at most ``PEAK_WALKS`` per graph, cheapest plan first, none
     of a plan simulated at or above one that walked over the limit (on the benchmark's Llama at
     "36MiB" the four cheapest walked 0.3 to 5 MiB over, using up the walks).
