@@ -108,6 +108,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
         # the whole of our share of a compile (cost model, search, partition), for users and the bench
         plan.solver["plan_s"] = round(time.perf_counter() - start, 3)
+        simulate.store()
         simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
         plan.solver.update(simulations=simulations, simulate_s=round(simulate_s, 3),
                            exact_peaks=exact_peaks, exact_s=round(exact_s, 3))

@@ -287,6 +287,30 @@ def demo_llama(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int =
     return Llama(cfg), example_batch(cfg, batch)
 
 
+class TorchEncoderLM(nn.Module):
+    """torch's own ``nn.TransformerEncoder`` between an embedding and a language-model head: a model
+    written outside this project (its layers' names, its fused attention), for the planning-time bench."""
+
+    def __init__(self, n_layer: int = 2, d_model: int = 64, heads: int = 4, vocab: int = 512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=n_layer, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.encoder(self.embed(idx)))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def demo_encoder(n_layer: int = 2, d_model: int = 64, seq: int = 256, batch: int = 4):
+    """A 2-layer ``nn.TransformerEncoder`` LM (d_model 64, s=256, b=4, fp32, CPU)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return TorchEncoderLM(n_layer, d_model), (torch.randint(0, 512, (batch, seq), generator=g),
+                                              torch.randint(0, 512, (batch, seq), generator=g))
+
+
 def gpt3_175b_layer():
     """One GPT-3 175B layer (h=12288, 96 heads, s=2048, b=1, bf16) on the meta device."""
     model, x = paper_layer(12288, 96)

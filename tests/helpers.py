@@ -122,3 +122,4 @@ def forget_searches(monkeypatch) -> None:
 
     monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
     monkeypatch.setattr(simulator, "_FOUND", OrderedDict())
+    monkeypatch.setattr(simulator, "_load", lambda key: None)  # nor what an earlier test left on disk

@@ -316,3 +316,31 @@ def test_frontier_measure(tmp_path, capsys):
     for row in rows:
         assert row[col["meas. saved MiB"]] == row[col["kept MiB"]], row
         assert float(row[col["meas. peak MiB"]]) > 0 and float(row[col["meas. step ms"]]) > 0, row
+
+
+def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeypatch, tmp_path):
+    """The least-peak search's simulations and walks are kept on disk by graph: a later process
+    planning the same graph at another budget simulates nothing again, and plans what it would have."""
+    from collections import OrderedDict
+
+    from recompile_opt.costs import simulator
+    from recompile_opt.planner import least_peak
+
+    def new_process():  # what a process keeps in memory, forgotten
+        monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
+        monkeypatch.setattr(simulator, "_FOUND", OrderedDict())
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    new_process()
+    model, inputs = tiny_gpt()
+    first = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert first.solver["simulations"] > 0 and list((tmp_path / "recompile_opt_peaks").glob("*.json"))
+    new_process()
+    second = recompile_opt.plan(model, inputs, memory_budget=0.5)
+    assert second.solver["simulations"] == 0, second.solver
+    new_process()
+    monkeypatch.setattr(simulator, "_load", lambda key: None)
+    unaided = recompile_opt.plan(model, inputs, memory_budget=0.5)
+    assert unaided.solver["simulations"] > 0
+    assert (second.saved_names(), second.recomputed_names()) == (unaided.saved_names(), unaided.recomputed_names())
+    assert second.predicted_peak_bytes == unaided.predicted_peak_bytes

@@ -8,10 +8,14 @@ simulated once, however often the searches meet it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -39,17 +43,50 @@ def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_i
     walk reads: the graph's code, its inputs' shapes, strides and dtypes, the forward's outputs, and
     Inductor's and AOTAutograd's settings. Only the figures are shared, not the earlier graph: its
     fake tensors belong to another compile's fake mode, and lowering them inside this one fails
-    ("Mixing fake modes"). Graphs with symbolic shapes share nothing."""
+    ("Mixing fake modes"). Graphs with symbolic shapes share nothing.
+
+    The figures are kept on disk too (:func:`_disk_path`, beside Inductor's caches), so a new process
+    planning the same graph (a restart, another budget, the next run of a script) finds the peaks
+    the last one simulated and walked: the least-peak search then costs its ILP solves alone.
+    :meth:`PeakSimulator.store` writes them after a plan is made."""
     simulate = PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs,
                              static_lifetime_input_indices=static_lifetime_input_indices, info=info)
     key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
     if key is not None:
-        simulate.results, simulate.exact_results = _FOUND.pop(key, None) or (simulate.results,
-                                                                                simulate.exact_results)
+        found = _FOUND.pop(key, None) or _load(key)
+        if found is not None:
+            simulate.results, simulate.exact_results = found
+        simulate.disk_key, simulate.stored = key, len(simulate.results) + len(simulate.exact_results)
         _FOUND[key] = simulate.results, simulate.exact_results  # the most recently used last
         while len(_FOUND) > GRAPHS_KEPT:
             _FOUND.popitem(last=False)
     return simulate
+
+
+def _disk_path(key: str) -> Path:
+    """Where a graph's figures are kept: under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``),
+    by the graph's key and a hash of the code that computes them (this package's cost and pass
+    modules: a changed simulator or walk finds none of the old figures)."""
+    return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{_code_hash()}.json"
+
+
+@functools.cache
+def _code_hash() -> str:
+    from recompile_opt import passes
+
+    here = Path(__file__).parent
+    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py")])
+    return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:12]
+
+
+def _load(key: str) -> tuple[dict, dict] | None:
+    try:
+        data = json.loads(_disk_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    results = {(frozenset(saved), frozenset(rec)): (peak, names) for saved, rec, peak, names in data["simulated"]}
+    exact = {(frozenset(saved), frozenset(rec)): peak for saved, rec, peak in data["walked"]}
+    return results, exact
 
 
 def _graph_key(gm: fx.GraphModule, num_fwd_outputs: int, static) -> str | None:
@@ -124,6 +161,24 @@ class PeakSimulator:
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
+
+    def store(self) -> None:
+        """Keep the figures found so far on disk (:func:`simulator_for`), where any are new."""
+        key = getattr(self, "disk_key", None)
+        if key is None or len(self.results) + len(self.exact_results) == self.stored:
+            return
+        data = {"simulated": [[sorted(saved), sorted(rec), peak, names]
+                              for (saved, rec), (peak, names) in self.results.items()],
+                "walked": [[sorted(saved), sorted(rec), peak] for (saved, rec), peak in self.exact_results.items()]}
+        path = _disk_path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, path)  # whole or not at all, for a process reading it meanwhile
+            self.stored = len(self.results) + len(self.exact_results)
+        except OSError as e:
+            log.debug("recompile_opt: could not store peaks %s: %s", path, e)
 
     def usage(self) -> tuple[int, float, int, float]:
         """Plans simulated and walked so far, and the seconds each took (the figures a plan reports)."""
