@@ -131,6 +131,9 @@ def main(argv=None) -> None:
                 r = rows[-1]
                 print(f"round {round_ + 1}: {m:8s} {s:6s} compile {r['compile_s']:6.1f} s, planning "
                       f"{r['plan_s']:5.2f} s, C++ builds {r['cpp_s']:5.1f} s", file=sys.stderr, flush=True)
+    from recompile_opt.provenance import header_line
+
+    print(header_line() + "\n")
     print(f"`python bench/planning_time.py --models {args.models} --repeats {args.repeats}` "
           f"(medians of {args.repeats} fresh processes, cold caches; 'x plain': over plain torch.compile's "
           "cold compile)\n")
