@@ -10,29 +10,22 @@ graph's range). That happens both for ``torch.compile(DDP(model))`` and for ``DD
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import sys
-import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import recompile_opt
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.models import GPT, GPTConfig, example_batch
 
+from multiprocess import init_gloo, leave, progress, run_ranks
+
 WORLD = 2
 STEPS = 3
 ROWS = 2  # per rank
 N_BUCKETS = 2  # 1.6 MiB of parameters: DDP's first 1 MiB bucket and the rest
-# a stalled rank fails the test instead of hanging it: gloo's own default is 30 min per collective, and
-# mp.spawn's join has no deadline (a rank compiles for up to 80 s here, so both are generous)
-COLLECTIVE_TIMEOUT = timedelta(seconds=300)
-JOIN_DEADLINE_S = 480
 
 
 # wide enough (1.6 MiB of parameters) to fill more than DDP's first 1 MiB bucket, so that Dynamo's
@@ -50,21 +43,10 @@ def _batch():
     return example_batch(CONFIG, WORLD * ROWS)
 
 
-def _progress(out: str, rank: int, step: str) -> None:
-    """A line in the rank's progress file: a rank killed at the deadline is reported with its last one."""
-    with open(os.path.join(out, f"rank{rank}.progress"), "a") as f:
-        f.write(f"{time.strftime('%H:%M:%S')} {step}\n")
-
-
 def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
-    # a rank still running near the deadline prints every thread's stack (in the test's captured stderr)
-    faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
     torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
-    # rendezvous through a file of the test's own, not a TCP port another test could take meanwhile
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
-                            world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
-    _progress(out, rank, "process group up")
+    init_gloo(rank, WORLD, out)
     try:
         model = _model()
         idx, tgt = (t[rank * ROWS:(rank + 1) * ROWS] for t in _batch())
@@ -82,46 +64,18 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
                 report, loss = saved_report(lambda: step_fn(idx, tgt), exclude=[model])
                 saved.append(report.total_bytes)
                 loss.backward()
-            _progress(out, rank, f"step {len(grads)} done")
+            progress(out, rank, f"step {len(grads)} done")
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
         plans = recompile_opt.last_plans()
         torch.save({"grads": grads, "n_plans": len(plans), "saved": saved,
                     "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans]},
                    os.path.join(out, f"rank{rank}.pt"))
-        _progress(out, rank, "gradients saved")
-    finally:
+        progress(out, rank, "gradients saved")
+    except BaseException:
         dist.destroy_process_group()
-        _progress(out, rank, "process group destroyed")
-    # Leave at once, skipping the interpreter's teardown: in CI (torch 2.13, 2 cores under load) both ranks
-    # of the optimize_ddp-off case hung for 7 minutes after this point, the main thread inside the
-    # destructors run as this frame's locals (DDP's reducer, the compiled module) went away. The results
-    # are on disk by now; an exception above still propagates to mp.spawn as before.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _run_ranks(fn, args, out: str):
-    """``mp.spawn`` with a deadline: a rank that raises fails the test (its traceback in the error), and
-    ranks still running after ``JOIN_DEADLINE_S`` are killed and fail it too, with each rank's last
-    progress line (their stacks, dumped 30 s before, are in the captured stderr)."""
-    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOIN_DEADLINE_S
-    while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed; last progress: "
-                        + "; ".join(f"rank {r}: {_last_progress(out, r)}" for r in range(WORLD)))
-
-
-def _last_progress(out: str, rank: int) -> str:
-    try:
-        with open(os.path.join(out, f"rank{rank}.progress")) as f:
-            return f.read().splitlines()[-1]
-    except (OSError, IndexError):
-        return "none (before the process group was up)"
+        raise
+    leave(out, rank)  # at once: the optimize_ddp-off case hung in DDP's destructors at teardown in CI
 
 
 def DDP(module):
@@ -161,7 +115,7 @@ SLOW = {"compile(ddp)-budget0.5", "ddp(compile)", "ddp(compile)-optimize_ddp-off
 def test_ddp_gradients_equal_single_process(case, tmp_path):
     wrap, options, optimize_ddp = CASES[case]
     options = {**options, "compiler": "eager"}
-    _run_ranks(_worker, (wrap, options, optimize_ddp, str(tmp_path)), str(tmp_path))
+    run_ranks(_worker, (wrap, options, optimize_ddp, str(tmp_path)), str(tmp_path), WORLD)
     _check_ranks(tmp_path, options, optimize_ddp)
 
 
@@ -171,7 +125,7 @@ def test_ddp_with_a_budget_through_inductor(tmp_path):
     range: every rank's gradients equal one process's, and the bytes the compiled graphs really keep
     for backward stay within their plans and so within the budgets."""
     options = {"memory_budget": 0.5}
-    _run_ranks(_worker, ("compile(ddp)", options, True, str(tmp_path)), str(tmp_path))
+    run_ranks(_worker, ("compile(ddp)", options, True, str(tmp_path)), str(tmp_path), WORLD)
     _check_ranks(tmp_path, options, True)
 
 

@@ -1,0 +1,104 @@
+"""Megatron's tensor- and sequence-parallel transitions as differentiable functions over torch's
+functional collectives, so they trace into the joint graph as ``_c10d_functional`` ops the planner
+can see, cost and (for an all-gather) recompute.
+
+Why functions of our own: the transitions are conjugate pairs, and torch registers only some of them.
+An all-gather's registered backward is a reduce-scatter and a reduce-scatter's is an all-gather
+(``all_gather_single_autograd``, ``reduce_scatter_single_autograd``): those are used as they are.
+An all-reduce's registered backward is another all-reduce, not Megatron's identity, so tensor
+parallelism without sequence parallelism needs its own pair (``f``: identity forward, all-reduce
+backward; ``g``: all-reduce forward, identity backward); ``f`` is also what makes the gradient of a
+replicated parameter used on a sequence shard (a norm weight) the sum over the ranks.
+
+Every function takes the process group (or its name, or a 1-D ``DeviceMesh``) and works on the
+sequence dimension ``dim`` of a ``[b, s, h]`` activation (Megatron's layout is ``[s, b, h]``; dim 1 costs
+a copy in the gather's ``cat`` where b > 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's ``f``: ``x`` as it is, its gradient summed over the group."""
+    return _CopyToGroup.apply(x, _name(group))
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Megatron's ``g``: the partial sums of a row-parallel layer added up on every rank; the gradient
+    passes through as it is."""
+    return _ReduceFromGroup.apply(x, _name(group))
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Every rank's sequence shard, concatenated along ``dim`` (before a column-parallel layer); the
+    gradient is reduce-scattered back to the shards."""
+    return funcol.all_gather_single_autograd(x.contiguous(), dim, _name(group))
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """The partial sums of a row-parallel layer added up and this rank's sequence shard kept (after a
+    row-parallel layer); the gradient is all-gathered."""
+    return funcol.reduce_scatter_single_autograd(x.contiguous(), "sum", dim, _name(group))
+
+
+def split_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """This rank's shard of a replicated ``x`` along ``dim``, as a tensor of its own (a view would keep
+    the whole input alive for as long as the shard is kept); the gradient is all-gathered."""
+    pg = _group(group)
+    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if x.shape[dim] % size:
+        raise ValueError(f"recompile_opt.parallel: dimension {dim} of size {x.shape[dim]} does not split "
+                         f"over {size} ranks")
+    return _SplitToShard.apply(x, pg.group_name, dim, size, rank)
+
+
+def _name(group) -> str:
+    """The group's registered name, which the functional collectives and the traced graph carry."""
+    return group if isinstance(group, str) else _group(group).group_name
+
+
+def _group(group) -> dist.ProcessGroup:
+    if isinstance(group, torch.distributed.device_mesh.DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"recompile_opt.parallel: a 1-D device mesh is needed, got {group.ndim}-D")
+        return group.get_group()
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        ctx.name = name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.name), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return funcol.all_reduce(x.contiguous(), "sum", name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name, dim, size, rank):
+        ctx.name, ctx.dim = name, dim
+        step = x.shape[dim] // size
+        return x.narrow(dim, rank * step, step).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_gather_single(grad.contiguous(), ctx.dim, ctx.name), None, None, None, None

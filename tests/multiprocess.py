@@ -1,0 +1,66 @@
+"""Tests over several processes on gloo (loopback only) that fail instead of hanging: a rank that raises
+fails the test with its traceback, ranks still running at the deadline are killed and reported with
+their last progress line, and each rank dumps its stacks 30 s before the deadline."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# gloo's own default is 30 min per collective, and mp.spawn's join has no deadline (a rank compiles for
+# up to 80 s here, so both are generous)
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+JOIN_DEADLINE_S = 480
+
+
+def progress(out: str, rank: int, step: str) -> None:
+    """A line in the rank's progress file: a rank killed at the deadline is reported with its last one."""
+    with open(os.path.join(out, f"rank{rank}.progress"), "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {step}\n")
+
+
+def init_gloo(rank: int, world: int, out: str) -> None:
+    """The rank's process group, met through a file of the test's own (not a TCP port another test could
+    take meanwhile); its stacks dumped near the deadline."""
+    faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    progress(out, rank, "process group up")
+
+
+def leave(out: str, rank: int) -> None:
+    """Destroy the group and exit at once, skipping the interpreter's teardown: in CI (torch 2.13, 2 cores
+    under load) both ranks of a DDP test hung for 7 minutes in destructors after this point. The
+    results are on disk by now; an exception before this still propagates to mp.spawn."""
+    dist.destroy_process_group()
+    progress(out, rank, "process group destroyed")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(fn, args, out: str, world: int) -> None:
+    """``mp.spawn`` of ``fn(rank, *args)`` on ``world`` processes with a deadline (module docstring)."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_DEADLINE_S
+    while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed; last progress: "
+                        + "; ".join(f"rank {r}: {_last_progress(out, r)}" for r in range(world)))
+
+
+def _last_progress(out: str, rank: int) -> str:
+    try:
+        with open(os.path.join(out, f"rank{rank}.progress")) as f:
+            return f.read().splitlines()[-1]
+    except (OSError, IndexError):
+        return "none (before the process group was up)"
