@@ -1,2 +1,5 @@
-"""Tensor and sequence parallelism (issue 22, in progress): the collectives' autograd rules so far
-(:mod:`recompile_opt.parallel.collectives`). The plan for the rest is in docs/parallel-design.md."""
+"""Tensor and sequence parallelism (issue 22, in progress; the plan: docs/parallel-design.md). Built so
+far: the transitions' autograd rules (:mod:`recompile_opt.parallel.collectives`) and the layout found
+from the graph (:func:`recompile_opt.parallel.layout.find_layout`: which linears are column- and
+row-parallel, which modules run on sequence shards, and why). Not yet: applying it (DTensor
+parameters, the per-rank graph), and the planner's view of the collectives."""

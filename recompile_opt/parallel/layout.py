@@ -1,0 +1,399 @@
+"""Megatron's tensor-parallel layout found from the graph (issue 22, step 3 of docs/parallel-design.md):
+which linear layers are column-parallel, which row-parallel, which modules run on sequence shards,
+and why; a pair it cannot shard stays replicated, with a warning naming the module and the reason.
+
+Why from the graph and not from module types or names: what makes two linears a Megatron pair is
+the dataflow between them. The first's output features may be split over the ranks only if every op
+up to the second keeps each rank's features apart: elementwise ops, views that split the features
+into whole heads (``view(b, s, n_head, h // n_head)``, even with the head count hard-coded), the
+attention core over heads, a fused ``[q | k | v]`` output split into equal pieces (then each rank
+needs its slice of each piece: a strided shard). The second must contract over exactly those
+features, leaving partial sums that one all-reduce (or reduce-scatter) adds up. So the model is
+captured once (``torch.export``, meta tensors are fine) and each value's feature sharding is
+propagated through the ATen graph.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# ops that act on each element (or broadcast), so a sharded operand stays sharded the same way
+_ELEMENTWISE = {
+    "add", "sub", "mul", "div", "neg", "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "sqrt", "rsqrt",
+    "dropout", "native_dropout", "where", "masked_fill", "scalar_tensor", "clone", "contiguous", "_to_copy", "to",
+    "type_as", "alias", "detach", "lift_fresh_copy", "logical_not", "bitwise_not", "erf", "mish", "gelu_",
+}
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
+_LINEAR = {"linear"}
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
+
+
+@dataclass
+class ModuleLayout:
+    """One module's place in the layout."""
+    module: str
+    style: str  # column, row, sequence, vocab, replicated
+    placement: str  # of its weight: Shard(0), _StridedShard(0, 3), Shard(1), Replicate
+    why: str
+
+
+@dataclass
+class Layout:
+    """The layout of a model over ``tp`` ranks: module -> style, the pairs it could not shard."""
+    tp: int
+    sequence_parallel: bool
+    modules: list[ModuleLayout] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def style_of(self, module: str) -> str:
+        return next((m.style for m in self.modules if m.module == module), "replicated")
+
+    def __str__(self) -> str:
+        width = max((len(m.module) for m in self.modules), default=6)
+        lines = [f"tensor parallel over {self.tp} ranks" + (", sequence parallel" if self.sequence_parallel else ""),
+                 f"  {'module':{width}s}  {'style':10s}  {'weight':20s}  why"]
+        lines += [f"  {m.module:{width}s}  {m.style:10s}  {m.placement:20s}  {m.why}" for m in self.modules]
+        return "\n".join(lines + [f"  warning: {w}" for w in self.warnings])
+
+
+@dataclass(frozen=True)
+class _Sharded:
+    """A value whose dimension ``dim`` is split over the ranks; ``group``: the column-parallel linears
+    it came from (one pair: they share their row-parallel partner)."""
+    dim: int
+    group: int
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """Partial sums of a row-parallel linear: one all-reduce (or reduce-scatter) makes them whole."""
+    group: int
+
+
+@dataclass(frozen=True)
+class _Replicated:
+    """A replicated value that a pair kept replicated computes: the linear it reaches is that pair's
+    partner, kept replicated too."""
+    group: int
+
+
+class _Failed(Exception):
+    def __init__(self, group: int, why: str):
+        super().__init__(why)
+        self.group, self.why = group, why
+
+
+def find_layout(model: torch.nn.Module, example_inputs: tuple, tp: int, *, sequence_parallel: bool = True
+                ) -> Layout:
+    """The Megatron layout of ``model`` over ``tp`` ranks, found in its exported graph (meta inputs are
+    fine: nothing runs). Pairs it cannot shard stay replicated, each with a warning."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"recompile_opt.parallel: tp must be a positive int, got {tp!r}")
+    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    params = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
+              if spec.kind.name == "PARAMETER"}
+    return _Finder(program.graph_module.graph, params, tp).layout(sequence_parallel)
+
+
+class _Finder:
+    """Propagates feature sharding through the graph. Where a pair cannot be sharded, its linears are
+    marked replicated (with the reason) and the propagation runs again."""
+
+    def __init__(self, graph: fx.Graph, params: dict[str, str], tp: int):
+        self.graph, self.params, self.tp = graph, params, tp
+        self.linears = [n for n in graph.nodes if _op(n) in _LINEAR and _param(n, 1, params)]
+        self.index = {n: i for i, n in enumerate(self.linears)}
+        self.excluded: dict[int, str] = {}  # a column linear's index -> why its pair stays replicated
+
+    def layout(self, sequence_parallel: bool) -> Layout:
+        for _ in range(len(self.linears) + 1):
+            try:
+                roles, strided, partners = self._propagate()
+                break
+            except _Failed as failed:
+                for i in self._members(failed.group):
+                    self.excluded.setdefault(i, failed.why)
+        else:  # every round excluded a pair and none came clean: nothing is sharded
+            self.excluded = {i: self.excluded.get(i, "no consistent layout found") for i in range(len(self.linears))}
+            roles, strided, partners = self._propagate()
+        out = Layout(self.tp, sequence_parallel)
+        closed = {g for g, role in roles.values() if role == "row"}
+        for node in self.linears:
+            name = self._name(node)
+            i = self.index[node]
+            if i in self.excluded or i in partners:
+                why = self.excluded.get(i) or self.excluded.get(partners.get(i), "")
+                out.modules.append(ModuleLayout(name, "replicated", "Replicate", why))
+                if i in self.excluded:
+                    out.warnings.append(f"{name}: kept replicated: {why}")
+                continue
+            group, role = roles.get(node, (None, None))
+            if role == "column" and group not in closed:
+                out.modules.append(ModuleLayout(name, "replicated", "Replicate", "no row-parallel partner"))
+                out.warnings.append(f"{name}: its output features reach no row-parallel linear; kept replicated")
+            elif role == "column":
+                k = strided.get(node, 1)
+                out.modules.append(ModuleLayout(
+                    name, "column", f"_StridedShard(0, {k})" if k > 1 else "Shard(0)",
+                    f"fused output split into {k} pieces, each sharded by heads" if k > 1 else "output features sharded"))
+            elif role == "row":
+                out.modules.append(ModuleLayout(name, "row", "Shard(1)", "contracts the sharded features; partial "
+                                                "sums " + ("reduce-scattered" if sequence_parallel else "all-reduced")))
+        out.modules += self._others(sequence_parallel)
+        for w in out.warnings:
+            warnings.warn("recompile_opt.parallel: " + w, stacklevel=3)
+        return out
+
+    def _name(self, linear: fx.Node) -> str:
+        return _module(self.params[linear.args[1].name])
+
+    def _members(self, group: int) -> list[int]:
+        root = self._find(group)
+        return [i for i in range(len(self.linears)) if self._find(i) == root]
+
+    # -- propagation ---------------------------------------------------------------------------
+
+    def _propagate(self):
+        self.parent = list(range(len(self.linears)))
+        state: dict[fx.Node, object] = {}
+        roles: dict[fx.Node, tuple[int, str]] = {}
+        strided: dict[fx.Node, int] = {}
+        source: dict[fx.Node, fx.Node] = {}  # a value still laid out as a column linear's output
+        partners: dict[int, int] = {}  # a linear that a replicated pair reaches -> that pair
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node in self.index:
+                self._linear(node, state, roles, source, partners)
+                continue
+            ins = [a for a in node.all_input_nodes if isinstance(state.get(a), (_Sharded, _Partial))]
+            if ins:
+                state[node] = self._rule(node, _op(node), ins, state, strided, source)
+            else:
+                kept = [state[a] for a in node.all_input_nodes if isinstance(state.get(a), _Replicated)]
+                if kept:
+                    state[node] = kept[0]
+        roles = {n: (self._find(g), role) for n, (g, role) in roles.items()}
+        return roles, strided, partners
+
+    def _linear(self, node, state, roles, source, partners):
+        i, x = self.index[node], state.get(node.args[0])
+        if isinstance(x, _Replicated):  # the partner of a pair kept replicated
+            partners[i] = x.group
+            return
+        if i in self.excluded:
+            if isinstance(x, (_Sharded, _Partial)):
+                raise _Failed(x.group, f"{self._name(node)} is kept replicated but reads a sharded value")
+            state[node] = _Replicated(i)
+            return
+        if x is None:  # a replicated input: column-parallel
+            state[node] = _Sharded(_ndim(node) - 1, i)
+            roles[node], source[node] = (i, "column"), node
+            self._check_divisible(node, _ndim(node) - 1, 1, i)
+        elif isinstance(x, _Sharded) and x.dim == _ndim(node.args[0]) - 1:  # row-parallel
+            self._union(x.group, i)
+            roles[node], state[node] = (i, "row"), _Partial(self._find(i))
+        else:
+            raise _Failed(x.group, f"{self._name(node)} reads a value not sharded on its features")
+
+    def _rule(self, node, op, ins, state, strided, source):
+        first = state[ins[0]]
+        for other in ins[1:]:  # values of several pairs meet: one group
+            self._union(first.group, state[other].group)
+        group = self._find(first.group)
+        if isinstance(first, _Partial):
+            if op in ("dropout", "native_dropout") or (op is None and node.args[1] == 0):
+                return _Partial(group)  # a mask is linear: applied to each rank's partial sum
+            if op == "add":
+                return None  # the reduction point (Megatron's g): whole sums, replicated
+            raise _Failed(group, f"partial sums reach {op} before they are added up")
+        dim = first.dim
+        if any(isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins):
+            raise _Failed(group, f"{op} combines values sharded on different dimensions")
+        if op is None:  # getitem of a multi-output op: its first output
+            return _Sharded(dim, group) if node.args[1] == 0 else None
+        if op in _ELEMENTWISE:
+            return _Sharded(_out_dim(node, ins[0], dim), group)
+        if op in _VIEWS:
+            new = _view_dim(_shape(ins[0]), _shape(node), dim, self.tp)
+            if new is None:
+                raise _Failed(group, f"{op} {list(_shape(ins[0]))} -> {list(_shape(node))} splits the sharded "
+                              f"dimension into parts not divisible by {self.tp}")
+            if ins[0] in source:
+                source[node] = source[ins[0]]
+            return _Sharded(new, group)
+        if op == "transpose":
+            a, b = (d % _ndim(node) for d in node.args[1:3])
+            return _Sharded(b if dim == a else a if dim == b else dim, group)
+        if op == "permute":
+            return _Sharded([d % _ndim(node) for d in node.args[1]].index(dim), group)
+        if op in ("split", "split_with_sizes", "chunk"):
+            return self._split(node, op, ins[0], dim, group, strided, source)
+        if op in ("matmul", "bmm"):
+            if dim >= _ndim(node) - 2:
+                raise _Failed(group, f"{op} contracts or spans the sharded dimension")
+            return _Sharded(dim, group)
+        if op in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+            if node.args[1] % _ndim(node) == dim:
+                raise _Failed(group, f"{op} over the sharded dimension")
+            return _Sharded(dim, group)
+        if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"):
+            if dim != 1:
+                raise _Failed(group, f"{op} with its inputs sharded on dimension {dim}, not the heads")
+            return _Sharded(1, group)
+        if op == "stack":
+            along = _dim_arg(node, op) % _ndim(node)
+            return _Sharded(dim + (1 if along <= dim else 0), group)
+        if op in ("slice", "narrow", "select", "cat"):
+            if _dim_arg(node, op) % max(_ndim(ins[0]), 1) == dim:
+                raise _Failed(group, f"{op} along the sharded dimension")
+            return _Sharded(dim - (1 if op == "select" and node.args[1] % _ndim(ins[0]) < dim else 0), group)
+        if op == "expand":
+            return _Sharded(_out_dim(node, ins[0], dim), group)
+        if op == "unsqueeze":
+            return _Sharded(dim + (1 if node.args[1] % _ndim(node) <= dim else 0), group)
+        raise _Failed(group, f"{op} is not known to keep each rank's features apart")
+
+    def _split(self, node, op, x, dim, group, strided, source):
+        along = (node.args[2] if len(node.args) > 2 else 0) % _ndim(x)
+        if along != dim:
+            return _Sharded(dim, group)
+        pieces = len(node.meta["val"])
+        sizes = {tuple(v.shape) for v in node.meta["val"]}
+        column = source.get(x)
+        if column is None or len(sizes) != 1 or strided.get(column, 1) not in (1, pieces):
+            raise _Failed(group, f"{op} along the sharded dimension into unequal pieces, or not of a linear's output")
+        strided[column] = pieces
+        self._check_divisible(node.args[0], dim, pieces, group)
+        return _Sharded(dim, group)
+
+    def _check_divisible(self, node, dim, pieces, group):
+        size = _shape(node)[dim] // pieces
+        if size % self.tp:
+            raise _Failed(group, f"{size} features are not divisible by {self.tp} ranks")
+
+    # groups: a union-find over the column linears' indices
+    def _find(self, i):
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def _union(self, a, b):
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    # -- the modules between the pairs ------------------------------------------------------------
+
+    def _others(self, sequence_parallel: bool) -> list[ModuleLayout]:
+        """The embeddings (vocabulary-parallel where their indices are the model's token inputs) and the
+        norms (on sequence shards under SP; a norm is a module whose ops reduce over the features)."""
+        out, seen = [], set()
+        for node in self.graph.nodes:
+            op = _op(node)
+            if op == "embedding" and _param(node, 0, self.params):
+                name = _module(self.params[node.args[0].name])
+                rows = _shape(node.args[0])[0]
+                if not _from_input(node.args[1]):
+                    out.append(ModuleLayout(name, "replicated", "Replicate", "indexed by positions, not tokens"))
+                elif rows % self.tp == 0:
+                    out.append(ModuleLayout(name, "vocab", "Shard(0)", "rows split; partial sums added up"))
+                else:
+                    out.append(ModuleLayout(name, "replicated", "Replicate", f"{rows} rows not divisible"))
+            elif sequence_parallel and _is_norm(node):
+                path = _stack_path(node)
+                if path and path not in seen:
+                    seen.add(path)
+                    out.append(ModuleLayout(path, "sequence", "Replicate", "runs on this rank's sequence shard"))
+        return out
+
+
+def _is_norm(node: fx.Node) -> bool:
+    """A norm's op: layer/RMS norm, or a mean over the last dimension (a hand-written RMSNorm)."""
+    op = _op(node)
+    if op in _NORMS:
+        return True
+    return op == "mean" and len(node.args) > 1 and list(node.args[1]) in ([-1], [_ndim(node.args[0]) - 1])
+
+
+def _from_input(node: fx.Node) -> bool:
+    """Whether ``node`` is a user input (through views): token ids, not positions made in the graph."""
+    while node.op == "call_function" and _op(node) in _VIEWS | {"slice", "_to_copy", "clone"}:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _op(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return None
+    packet = getattr(node.target, "_overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
+
+
+def _param(node: fx.Node, i: int, params: dict) -> bool:
+    return len(node.args) > i and isinstance(node.args[i], fx.Node) and node.args[i].name in params
+
+
+def _module(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else fqn
+
+
+def _stack_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""
+
+
+def _shape(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _ndim(node: fx.Node) -> int:
+    return len(_shape(node))
+
+
+def _out_dim(node: fx.Node, x: fx.Node, dim: int) -> int:
+    """The sharded dimension of a broadcasting op's output (right-aligned)."""
+    return dim + _ndim(node) - _ndim(x)
+
+
+def _dim_arg(node: fx.Node, op: str) -> int:
+    if op in ("cat", "stack"):
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return node.args[1] if len(node.args) > 1 else 0
+
+
+def _view_dim(src: tuple, dst: tuple, dim: int, tp: int) -> int | None:
+    """Where the sharded dimension ``dim`` of ``src`` lands in ``dst``: the outermost of the dims it is
+    split into (whole heads), or the dim it is merged into as the outermost part; None if the split
+    leaves a part not divisible by ``tp``."""
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        a, b, gi, gj = src[i], dst[j], [i], [j]
+        while a != b:
+            if a < b:
+                i += 1
+                a *= src[i]
+                gi.append(i)
+            else:
+                j += 1
+                b *= dst[j]
+                gj.append(j)
+        if dim in gi:
+            if gi[0] != dim:  # the sharded dim is an inner part of a merge: ranks' pieces interleave
+                return None
+            outer = next((d for d in gj if dst[d] != 1), gj[0])  # the heads, where features split into them
+            return outer if dst[outer] % tp == 0 else None
+        i, j = i + 1, j + 1
+    return None

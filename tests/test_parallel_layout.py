@@ -1,0 +1,105 @@
+"""The tensor-parallel layout found from the graph (recompile_opt.parallel.layout, issue 22 step 3): which
+linears are column- and row-parallel, the fused QKV's strided shard, the norms on sequence shards, and
+the pairs left replicated with a warning that names them. Captured on the meta device: nothing runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recompile_opt import models
+from recompile_opt.parallel.layout import find_layout
+
+SEQ = 32
+
+
+def _tokens():
+    return torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+
+
+def _gpt(n_head=4, n_embd=64):
+    cfg = models.GPTConfig(n_layer=2, n_head=n_head, n_embd=n_embd, block_size=SEQ, vocab_size=128)
+    return models.GPT(cfg).to("meta")
+
+
+def _llama():
+    cfg = models.LlamaConfig(n_layer=2, n_head=4, n_embd=64, block_size=SEQ, vocab_size=128)
+    return models.Llama(cfg).to("meta")
+
+
+def _styles(layout) -> dict:
+    return {m.module: (m.style, m.placement) for m in layout.modules}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gpt_fused_qkv_is_a_strided_column_and_its_hard_coded_heads_split(tp):
+    """nanoGPT's ``c_attn`` output ``[q | k | v]`` is split in three, each viewed as (4 heads, 16) with
+    the head count from the module, not -1: each rank needs its heads of each of q, k and v."""
+    with pytest.warns(UserWarning, match="lm_head"):  # the loss reads the logits whole
+        styles = _styles(find_layout(_gpt(), (_tokens(), _tokens()), tp))
+    for b in ("blocks.0", "blocks.1"):
+        assert styles[f"{b}.attn.c_attn"] == ("column", "_StridedShard(0, 3)")
+        assert styles[f"{b}.attn.c_proj"] == ("row", "Shard(1)")
+        assert styles[f"{b}.mlp.c_fc"] == ("column", "Shard(0)")
+        assert styles[f"{b}.mlp.c_proj"] == ("row", "Shard(1)")
+        assert styles[f"{b}.ln_1"][0] == styles[f"{b}.ln_2"][0] == "sequence"
+    assert styles["wte"] == ("vocab", "Shard(0)") and styles["wpe"][0] == "replicated"  # positions, not tokens
+    assert styles["ln_f"][0] == "sequence" and styles["lm_head"][0] == "replicated"
+
+
+def test_llama_separate_qkv_with_rotary_and_swiglu():
+    with pytest.warns(UserWarning, match="output"):
+        styles = _styles(find_layout(_llama(), (_tokens(), _tokens()), 2))
+    for b in ("blocks.0", "blocks.1"):
+        for w in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            assert styles[f"{b}.{w}"] == ("column", "Shard(0)"), w
+        assert styles[f"{b}.attention.wo"] == styles[f"{b}.feed_forward.w2"] == ("row", "Shard(1)")
+        assert styles[f"{b}.attention_norm"][0] == styles[f"{b}.ffn_norm"][0] == "sequence"  # hand-written RMSNorm
+    assert styles["tok_embeddings"][0] == "vocab" and styles["norm"][0] == "sequence"
+
+
+def test_heads_not_divisible_leave_attention_replicated_with_a_warning_naming_it():
+    """4 heads over 8 ranks: the attention pair stays replicated (and its warning says why); the MLP's
+    256 features still split."""
+    with pytest.warns(UserWarning) as record:
+        layout = find_layout(_gpt(n_head=4, n_embd=64), (_tokens(), _tokens()), 8)
+    styles = _styles(layout)
+    assert styles["blocks.0.attn.c_attn"][0] == styles["blocks.0.attn.c_proj"][0] == "replicated"
+    assert styles["blocks.0.mlp.c_fc"][0] == "column" and styles["blocks.0.mlp.c_proj"][0] == "row"
+    messages = [str(w.message) for w in record]
+    assert any("blocks.0.attn.c_attn" in m and "not divisible by 8" in m for m in messages), messages
+    assert "blocks.0.attn.c_attn" in str(layout) and "warning" in str(layout)
+
+
+class _OddMLP(nn.Module):
+    """An op between the pair that mixes features (a running sum over them): not shardable."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)).cumsum(-1))
+
+
+def test_an_unknown_op_between_the_pair_leaves_it_replicated_with_a_warning():
+    with pytest.warns(UserWarning, match=r"up: kept replicated: cumsum"):
+        styles = _styles(find_layout(_OddMLP().to("meta"), (torch.zeros(2, SEQ, 16, device="meta"),), 2))
+    assert styles["up"][0] == styles["down"][0] == "replicated"
+
+
+def test_a_bare_transformer_block_takes_hidden_states():
+    cfg = models.GPTConfig(n_layer=1, n_head=4, n_embd=64, block_size=SEQ)
+    block = models.Block(cfg).to("meta")
+    styles = _styles(find_layout(block, (torch.zeros(2, SEQ, 64, device="meta"),), 2))
+    assert styles["attn.c_attn"] == ("column", "_StridedShard(0, 3)") and styles["mlp.c_proj"][0] == "row"
+    assert styles["ln_1"][0] == "sequence"
+    assert "ln_1" not in _styles(find_layout(block, (torch.zeros(2, SEQ, 64, device="meta"),), 2,
+                                             sequence_parallel=False))
+
+
+def test_a_bad_rank_count_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        find_layout(_OddMLP(), (torch.zeros(2, 16),), 0)
