@@ -83,6 +83,9 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node
+# DTensor's interleaved shard: a fused [q | k | v] weight split so each rank holds its heads of each piece
+# (private in 2.13, docs/parallel-design.md Q1)
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
@@ -98,7 +101,7 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode",
+    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "StridedShard",
     "layout_optimized",
 ]
 

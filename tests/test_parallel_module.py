@@ -1,0 +1,73 @@
+"""A layout applied to a model's parameters (recompile_opt.parallel.module, issue 22 step 4), on 2 gloo
+ranks: every parameter a DTensor under its own name whose ``full_tensor()`` is the unsharded one, the
+fused QKV weight holding this rank's heads of q, k and v, and a full state dict that loads into the
+unparallelized model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from recompile_opt import models
+
+from multiprocess import init_gloo, leave, progress, run_ranks
+
+WORLD, SEQ, H = 2, 16, 32
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return models.GPT(models.GPTConfig(n_layer=1, n_head=4, n_embd=H, block_size=SEQ, vocab_size=64))
+
+
+def _worker(rank: int, out: str):
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, out)
+    try:
+        _check(rank)
+        progress(out, rank, "checked")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave(out, rank)
+
+
+def _check(rank: int):
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from recompile_opt.parallel.layout import find_layout
+    from recompile_opt.parallel.module import distribute_parameters
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plain, model = _gpt(), _gpt()
+    tokens = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LM head's "kept replicated"
+        layout = find_layout(copy.deepcopy(model).to("meta"), (tokens, tokens), WORLD)
+    distribute_parameters(model, layout, mesh)
+    params = dict(model.named_parameters())
+    assert params.keys() == dict(plain.named_parameters()).keys()
+    for name, p in plain.named_parameters():
+        assert isinstance(params[name], DTensor), name
+        assert torch.equal(params[name].full_tensor(), p.detach()), name
+    q, k, v = plain.blocks[0].attn.c_attn.weight.detach().split(H, 0)
+    mine = torch.cat([t.chunk(WORLD)[rank] for t in (q, k, v)])
+    assert torch.equal(params["blocks.0.attn.c_attn.weight"].to_local(), mine)
+    assert torch.equal(params["blocks.0.attn.c_proj.weight"].to_local(),
+                       plain.blocks[0].attn.c_proj.weight.detach().chunk(WORLD, 1)[rank])
+    assert torch.equal(params["wte.weight"].to_local(), plain.wte.weight.detach().chunk(WORLD, 0)[rank])
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    fresh = models.GPT(plain.config)
+    fresh.load_state_dict(state)
+    for (name, a), b in zip(fresh.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_parameters_become_dtensors_under_their_names_with_their_global_layout(tmp_path):
+    run_ranks(_worker, (str(tmp_path),), str(tmp_path), WORLD)
