@@ -83,9 +83,6 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node
-# DTensor's interleaved shard: a fused [q | k | v] weight split so each rank holds its heads of each piece
-# (private in 2.13, docs/parallel-design.md Q1)
-from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry
 
@@ -101,7 +98,7 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "StridedShard",
+    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard",
     "layout_optimized",
 ]
 
@@ -341,6 +338,15 @@ def _input_layouts(buf, graph) -> list[tuple[tuple, tuple]] | None:
             return None
         out.append((size, stride))
     return out
+
+
+def strided_shard(dim: int, pieces: int):
+    """DTensor's interleaved shard: a fused ``[q | k | v]`` weight split so that each rank holds its heads
+    of each of the ``pieces`` (private in torch 2.13, docs/parallel-design.md Q1). Imported here, when
+    asked: torch.distributed is not in every build."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=pieces)
 
 
 def layout_optimized(gm: torch.fx.GraphModule) -> bool:

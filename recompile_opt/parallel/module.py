@@ -42,7 +42,7 @@ def placement_of(entry: ModuleLayout | None, name: str):
         return Replicate()
     if entry.style == "column":
         if entry.placement.startswith("_StridedShard"):
-            return ti.StridedShard(0, split_factor=int(entry.placement.split(",")[1].rstrip(")")))
+            return ti.strided_shard(0, int(entry.placement.split(",")[1].rstrip(")")))
         return Shard(0)
     if entry.style == "row" and name == "weight":
         return Shard(1)
