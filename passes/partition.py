@@ -36,13 +36,17 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
     saved_values = [n for n in nodes if n.name in saved]
     saved_sym_nodes = [n for n in nodes if ti.is_sym_node(n) and n not in bwd
                        and any(u in bwd or u.name in recomputed for u in n.users)]
+    # opaque inputs the backward reads (a DTensor parameter's mesh, which its gradient is rebuilt with):
+    # handed over as they are, never planned
+    saved_opaque = [n for n in nodes if ti.is_opaque_node(n) and (n.op == "placeholder" or n not in bwd)
+                    and any(u in bwd or u.op == "output" or u.name in recomputed for u in n.users)]
     with ti.no_graph_codegen() if for_simulation else contextlib.nullcontext():
         if for_simulation:
-            fw, bw = _extract_for_reading(gm, saved_values, saved_sym_nodes, num_fwd_outputs)
+            fw, bw = _extract_for_reading(gm, saved_values, saved_sym_nodes + saved_opaque, num_fwd_outputs)
         else:
             fw, bw = ti._extract_fwd_bwd_modules(
-                gm, saved_values, saved_sym_nodes=saved_sym_nodes, num_fwd_outputs=num_fwd_outputs,
-                static_lifetime_input_nodes=info.static_lifetime_input_nodes)
+                gm, saved_values, saved_sym_nodes=saved_sym_nodes, saved_opaque_nodes=saved_opaque,
+                num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=info.static_lifetime_input_nodes)
         if replayed:
             fw, bw = ti.functionalize_rng_ops(gm, fw, bw, len(saved_sym_nodes))
         bw = _reorder_in_place(bw) if for_simulation else ti.reordering_to_mimic_autograd_engine(bw)

@@ -63,6 +63,7 @@ from torch._functorch.partitioners import (
     _must_be_in_forward,
     classify_nodes,
     functionalize_rng_ops,
+    is_opaque_node,
     min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
 )
@@ -98,7 +99,7 @@ __all__ = [
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard",
+    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
     "layout_optimized",
 ]
 

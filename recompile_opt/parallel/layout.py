@@ -51,6 +51,11 @@ class Layout:
     sequence_parallel: bool
     modules: list[ModuleLayout] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # the graph it was found in, and per node what the rewrite needs: the dimension a node's value is
+    # sharded on, and each linear's role (column, row; absent: replicated)
+    program: object = field(default=None, repr=False)
+    sharded: dict[str, int] = field(default_factory=dict, repr=False)
+    roles: dict[str, str] = field(default_factory=dict, repr=False)
 
     def style_of(self, module: str) -> str:
         return next((m.style for m in self.modules if m.module == module), "replicated")
@@ -99,7 +104,9 @@ def find_layout(model: torch.nn.Module, example_inputs: tuple, tp: int, *, seque
     program = torch.export.export(model, tuple(example_inputs), strict=False)
     params = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
               if spec.kind.name == "PARAMETER"}
-    return _Finder(program.graph_module.graph, params, tp).layout(sequence_parallel)
+    layout = _Finder(program.graph_module.graph, params, tp).layout(sequence_parallel)
+    layout.program = program
+    return layout
 
 
 class _Finder:
@@ -125,6 +132,10 @@ class _Finder:
             roles, strided, partners = self._propagate()
         out = Layout(self.tp, sequence_parallel)
         closed = {g for g, role in roles.values() if role == "row"}
+        open_groups = {g for g, role in roles.values()} - closed
+        out.sharded = {n.name: v.dim for n, v in self.state.items()
+                       if isinstance(v, _Sharded) and self._find(v.group) not in open_groups}
+        out.roles = {n.name: role for n, (g, role) in roles.items() if g in closed}
         for node in self.linears:
             name = self._name(node)
             i = self.index[node]
@@ -181,6 +192,7 @@ class _Finder:
                 if kept:
                     state[node] = kept[0]
         roles = {n: (self._find(g), role) for n, (g, role) in roles.items()}
+        self.state = state
         return roles, strided, partners
 
     def _linear(self, node, state, roles, source, partners):
@@ -217,8 +229,9 @@ class _Finder:
         dim = first.dim
         if any(isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins):
             raise _Failed(group, f"{op} combines values sharded on different dimensions")
-        if op is None:  # getitem of a multi-output op: its first output
-            return _Sharded(dim, group) if node.args[1] == 0 else None
+        if op is None:  # getitem: every piece of a split, else a multi-output op's first output
+            whole = _op(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
+            return _Sharded(dim, group) if whole else None
         if op in _ELEMENTWISE:
             return _Sharded(_out_dim(node, ins[0], dim), group)
         if op in _VIEWS:
