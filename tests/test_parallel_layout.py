@@ -103,3 +103,30 @@ def test_a_bare_transformer_block_takes_hidden_states():
 def test_a_bad_rank_count_is_an_error_naming_it():
     with pytest.raises(ValueError, match="tp must be a positive int"):
         find_layout(_OddMLP(), (torch.zeros(2, 16),), 0)
+
+
+class _HFLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def test_hugging_face_llama_with_fewer_kv_heads():
+    """``LlamaForCausalLM`` with grouped-query attention (4 query heads, 2 KV heads, t = 2): every
+    projection pairs up as Megatron's, the RMSNorms on sequence shards."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = _HFLoss(transformers.LlamaForCausalLM(cfg))
+    with pytest.warns(UserWarning, match="lm_head"):
+        styles = _styles(find_layout(model, (_tokens(),), 2))
+    layer = "model.model.layers.0"
+    for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert styles[f"{layer}.{w}"] == ("column", "Shard(0)"), w
+    assert styles[f"{layer}.self_attn.o_proj"] == styles[f"{layer}.mlp.down_proj"] == ("row", "Shard(1)")
+    assert styles[f"{layer}.input_layernorm"][0] == styles["model.model.norm"][0] == "sequence"
+    assert styles["model.model.embed_tokens"][0] == "vocab"
