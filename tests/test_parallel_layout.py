@@ -130,3 +130,17 @@ def test_hugging_face_llama_with_fewer_kv_heads():
     assert styles[f"{layer}.self_attn.o_proj"] == styles[f"{layer}.mlp.down_proj"] == ("row", "Shard(1)")
     assert styles[f"{layer}.input_layernorm"][0] == styles["model.model.norm"][0] == "sequence"
     assert styles["model.model.embed_tokens"][0] == "vocab"
+
+
+def test_hugging_face_gpt2_conv1d_is_named_in_a_warning_not_left_silently():
+    """GPT-2's ``Conv1D`` multiplies by ``addmm`` with its weight laid out ``[in, out]``: not paired yet,
+    and every such module is named."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=64)
+    with torch.device("meta"):
+        model = _HFLoss(transformers.GPT2LMHeadModel(cfg))
+    with pytest.warns(UserWarning) as record:
+        find_layout(model, (_tokens(),), 2)
+    messages = " ".join(str(w.message) for w in record)
+    for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        assert f"model.transformer.h.0.{m}: its weight is multiplied by addmm" in messages, messages

@@ -158,6 +158,7 @@ class _Finder:
                 out.modules.append(ModuleLayout(name, "row", "Shard(1)", "contracts the sharded features; partial "
                                                 "sums " + ("reduce-scattered" if sequence_parallel else "all-reduced")))
         out.modules += self._others(sequence_parallel)
+        out.warnings += self._unrecognised()
         for w in out.warnings:
             warnings.warn("recompile_opt.parallel: " + w, stacklevel=3)
         return out
@@ -306,6 +307,18 @@ class _Finder:
         ra, rb = self._find(a), self._find(b)
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
+
+    def _unrecognised(self) -> list[str]:
+        """Weights multiplied outside ``aten.linear`` (GPT-2's ``Conv1D``: ``addmm(bias, x, W)``, W laid
+        out ``[in, out]``): not paired yet, so say so rather than leave them replicated silently."""
+        found = {}
+        for node in self.graph.nodes:
+            if _op(node) in ("addmm", "mm", "matmul", "bmm"):
+                for arg in node.args:
+                    if isinstance(arg, fx.Node) and arg.name in self.params and _ndim(arg) == 2:
+                        found.setdefault(_module(self.params[arg.name]), _op(node))
+        return [f"{m}: its weight is multiplied by {op}, not recognised as a linear layer yet; kept replicated"
+                for m, op in found.items()]
 
     # -- the modules between the pairs ------------------------------------------------------------
 
