@@ -199,12 +199,15 @@ def test_full_says_when_it_finds_no_blocks():
     assert any("no repeated blocks found" in n for n in plan.notes) and not plan.recompute_flops
 
 
-def _predicted_and_measured(name, setting):
+def _predicted_and_measured(name, setting, with_source=False):
     """The plan's predicted peak and the measured peak of a step compiled by Inductor (one more step
-    after one of training, entered with gradients None as the prediction assumes)."""
+    after one of training, entered with gradients None as the prediction assumes); with
+    ``with_source``, also where the prediction came from (bench/outside_peaks.py prints it)."""
     model, inputs = MODELS[name]()
     torch._dynamo.reset()
     plan, measured = train_side_by_side(model, inputs, options=setting, steps=1, measure_peak=True)
+    if with_source:
+        return plan.predicted_peak_bytes, measured, plan.solver.get("peak_from")
     return plan.predicted_peak_bytes, measured
 
 
