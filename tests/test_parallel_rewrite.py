@@ -46,7 +46,7 @@ def _train(model, step_fn, steps=STEPS):
     return losses, grads
 
 
-def _worker(rank: int, name: str, options: dict | None, out: str):
+def _worker(rank: int, name: str, options: dict | None, out: str, sequence_parallel: bool = False):
     torch.set_num_threads(1)
     init_gloo(rank, WORLD, out)
     try:
@@ -61,7 +61,7 @@ def _worker(rank: int, name: str, options: dict | None, out: str):
         meta = [t.to("meta") for t in _batch()]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the LM head's "kept replicated"
-            layout = find_layout(copy.deepcopy(model).to("meta"), meta, WORLD, sequence_parallel=False)
+            layout = find_layout(copy.deepcopy(model).to("meta"), meta, WORLD, sequence_parallel=sequence_parallel)
         distribute_parameters(model, layout, mesh)
         install(model, layout, local_forward(layout, mesh.get_group().group_name, rank))
         step_fn = model if options is None else torch.compile(model, backend="recompile_opt",
@@ -79,6 +79,21 @@ def _worker(rank: int, name: str, options: dict | None, out: str):
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_tensor_parallel_equals_one_process(name, options, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path)), str(tmp_path), WORLD)
+    model = _model(name)
+    losses, grads = _train(model, model)
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        assert res["losses"] == pytest.approx(losses, rel=1e-5)
+        for step in range(STEPS):
+            for n, g in grads[step].items():
+                torch.testing.assert_close(res["grads"][step][n], g, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"rank {rank}, step {step}, {n}: {m}")
+
+
+@pytest.mark.parametrize("options", [None, {"memory_budget": 0.0}], ids=["eager", "compiled-0.0"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_tensor_and_sequence_parallel_equals_one_process(name, options, tmp_path):
+    run_ranks(_worker, (name, options, str(tmp_path), True), str(tmp_path), WORLD)
     model = _model(name)
     losses, grads = _train(model, model)
     for rank in range(WORLD):

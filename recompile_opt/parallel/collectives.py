@@ -39,6 +39,14 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return funcol.all_gather_single_autograd(x.contiguous(), dim, _name(group))
 
 
+def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Every rank's sequence shard, concatenated along ``dim``, for a computation every rank then repeats
+    whole (the LM head and the loss): each rank's gradient is already the whole one, so the backward
+    keeps this rank's slice of it rather than summing the ranks' (which would count it t times)."""
+    pg = _group(group)
+    return _GatherToReplicated.apply(x, pg.group_name, dim, dist.get_world_size(pg), dist.get_rank(pg))
+
+
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """The partial sums of a row-parallel layer added up and this rank's sequence shard kept (after a
     row-parallel layer); the gradient is all-gathered."""
@@ -102,3 +110,14 @@ class _SplitToShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return funcol.all_gather_single(grad.contiguous(), ctx.dim, ctx.name), None, None, None, None
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name, dim, size, rank):
+        ctx.dim, ctx.rank, ctx.rows = dim, rank, x.shape[dim]
+        return funcol.all_gather_single(x.contiguous(), dim, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.rank * ctx.rows, ctx.rows).contiguous(), None, None, None, None

@@ -30,19 +30,30 @@ _SIZED = {"view", "reshape", "_unsafe_view", "expand"}
 
 def local_forward(layout: Layout, group_name: str, rank: int, device: torch.device | str = "cpu") -> fx.GraphModule:
     """Rank ``rank``'s graph: the exported graph with local sizes and the transitions inserted. A graph
-    captured on the meta device makes its tensors (``arange`` positions) on ``device`` instead."""
-    if layout.sequence_parallel:
-        raise NotImplementedError("recompile_opt.parallel: sequence parallelism is not built yet (step 6)")
+    captured on the meta device makes its tensors (``arange`` positions) on ``device`` instead.
+
+    With sequence parallelism (:class:`_SequencePlan`) the values between the pairs hold this rank's
+    rows of the sequence: a column-parallel linear's input is all-gathered first (instead of ``f``),
+    a row-parallel linear's partial sums are reduce-scattered (instead of ``g``)."""
     source = layout.program.graph_module
     vocab = {m.module for m in layout.modules if m.style == "vocab"}
     params = {s.arg.name: s.target for s in layout.program.graph_signature.input_specs if s.kind.name == "PARAMETER"}
-    graph, env, copies = fx.Graph(), {}, {}
+    seq = _SequencePlan(source.graph, layout, params) if layout.sequence_parallel else None
+    graph, env, copies, gathered = fx.Graph(), {}, {}, {}
+
+    def gather(x: fx.Node) -> fx.Node:  # a sequence-sharded value whole, for replicated work (once per value)
+        if x not in gathered:
+            gathered[x] = graph.call_function(C.gather_sequence_for_replicated, (env[x], group_name, seq.dim(x)))
+        return gathered[x]
+
     for node in source.graph.nodes:
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
+            if seq is not None and node in seq.summed:  # replicated, read on shards: gradients summed (f)
+                env[node] = graph.call_function(C.copy_to_tensor_parallel, (env[node], group_name))
             continue
         if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], env.__getitem__))
+            graph.output(fx.map_arg(node.args[0], lambda n: gather(n) if seq and n in seq.sharded else env[n]))
             continue
         if node.op == "get_attr":
             env[node] = graph.get_attr(node.target)
@@ -51,23 +62,118 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": torch.device(device)}
         role, op = layout.roles.get(node.name), _op(node)
+        sharded_in = [a for a in node.all_input_nodes if seq is not None and a in seq.sharded]
         if role == "column":
             x = node.args[0]
-            if x not in copies:  # one f per input: its backward all-reduces the input's gradient once
-                copies[x] = graph.call_function(C.copy_to_tensor_parallel, (env[x], group_name))
-            env[node] = graph.call_function(node.target, (copies[x], *args[1:]), kwargs)
+            if x in sharded_in:  # its gradient comes back partial from each rank: reduce-scattered
+                if ("col", x) not in gathered:
+                    gathered[("col", x)] = graph.call_function(C.gather_sequence, (env[x], group_name, seq.dim(x)))
+                x_local = gathered[("col", x)]
+            else:
+                if x not in copies:  # one f per input: its backward all-reduces the input's gradient once
+                    copies[x] = graph.call_function(C.copy_to_tensor_parallel, (env[x], group_name))
+                x_local = copies[x]
+            env[node] = graph.call_function(node.target, (x_local, *args[1:]), kwargs)
         elif role == "row":
             partial = graph.call_function(node.target, tuple(args[:2]))
-            out = graph.call_function(C.reduce_from_tensor_parallel, (partial, group_name))
+            out = (graph.call_function(C.reduce_scatter_sequence, (partial, group_name, seq.dim(node)))
+                   if seq is not None else graph.call_function(C.reduce_from_tensor_parallel, (partial, group_name)))
             bias = args[2] if len(args) > 2 else None
             env[node] = out if bias is None else graph.call_function(aten.add.Tensor, (out, bias))
         elif op == "embedding" and params.get(node.args[0].name, "").rsplit(".", 1)[0] in vocab:
-            env[node] = _vocab_lookup(graph, node, args, layout.tp, rank, group_name)
+            env[node] = _vocab_lookup(graph, node, args, layout.tp, rank, group_name,
+                                      seq.dim(node) if seq is not None and node in seq.sharded else None)
+        elif seq is not None and node in seq.sharded and node in seq.seeds:  # a replicated token embedding
+            whole = graph.call_function(node.target, args, kwargs)
+            env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)))
+        elif seq is not None and node in seq.sharded:  # per-token op on shards: full-length operands narrowed
+            env[node] = graph.call_function(node.target, seq.narrowed(node, args, env, graph, rank), kwargs)
         else:
+            if sharded_in:  # anything else reads the whole sequence
+                args = fx.map_arg(node.args, lambda n: gather(n) if n in sharded_in else env[n])
             env[node] = graph.call_function(node.target, _local_args(node, args, layout), kwargs)
     out = fx.GraphModule(source, graph)
     out.meta = {}
     return out
+
+
+# ops that act on each token alone, so they run on a rank's rows of the sequence
+_PER_TOKEN = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "mean", "layer_norm", "native_layer_norm",
+              "rms_norm", "dropout", "native_dropout", "_to_copy", "to", "type_as", "clone", "alias", "detach",
+              "gelu", "silu", "relu", "tanh"}
+
+
+class _SequencePlan:
+    """Which values hold a rank's rows of the sequence: from the token embedding on, through the
+    per-token ops between the pairs (norms, residual adds, dropout), and out of each row-parallel
+    linear; a full-length replicated operand they combine with is narrowed to the rank's rows (GPT's
+    position embedding), and the parameters read on shards (norm weights, row biases, the position
+    table) get their gradients summed over the ranks (``summed``)."""
+
+    def __init__(self, graph: fx.Graph, layout: Layout, params: dict[str, str]):
+        self.tp, self.sharded, self.seeds, self.summed = layout.tp, set(), set(), set()
+        self.length: int | None = None
+        self.to_narrow: dict[fx.Node, list[fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            op = _op(node)
+            if op == "embedding" and node.args[0].name in params and _from_input(node.args[1]):
+                self.sharded.add(node)
+                self.seeds.add(node)
+                self.length = node.meta["val"].shape[1]
+            elif layout.roles.get(node.name) == "row":
+                self.sharded.add(node)  # reduce-scattered; its bias is then added on the rank's rows
+                self.summed |= {a for a in node.args[2:3] if isinstance(a, fx.Node) and a.name in params}
+            elif op is None and node.args[0] in self.sharded and layout.roles.get(node.args[0].name) != "column":
+                self.sharded.add(node)  # getitem of a per-token multi-output op (its output, mean, rstd)
+            elif op in _PER_TOKEN and any(a in self.sharded for a in node.all_input_nodes) \
+                    and layout.roles.get(node.name) is None:
+                self.sharded.add(node)
+                full = [a for a in node.all_input_nodes if a not in self.sharded and self._spans(a, node)]
+                self.to_narrow[node] = full
+                for a in full:
+                    self.summed |= _parameters_behind(a, params, self.sharded)
+                self.summed |= {a for a in node.all_input_nodes if a.op == "placeholder" and a.name in params}
+
+    def dim(self, node: fx.Node) -> int:
+        return 1 if len(node.meta["val"].shape) >= 2 else 0
+
+    def _spans(self, a: fx.Node, node: fx.Node) -> bool:
+        """Whether operand ``a`` runs the whole sequence where ``node``'s value runs its rows."""
+        val = a.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return False
+        d = self.dim(node) - (len(node.meta["val"].shape) - val.dim())
+        return 0 <= d < val.dim() and val.shape[d] == self.length
+
+    def narrowed(self, node: fx.Node, args, env, graph: fx.Graph, rank: int):
+        rows = self.length // self.tp
+        swap = {}
+        for a in self.to_narrow.get(node, []):
+            d = self.dim(node) - (len(node.meta["val"].shape) - a.meta["val"].dim())
+            swap[env[a]] = graph.call_function(aten.narrow.default, (env[a], d, rank * rows, rows))
+        return fx.map_arg(args, lambda n: swap.get(n, n))
+
+
+def _parameters_behind(node: fx.Node, params: dict, stop: set) -> set:
+    """The parameter inputs a replicated value is computed from (its gradient is then a rank's part)."""
+    found, todo, seen = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.name in params:
+            found.add(n)
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def _from_input(node: fx.Node) -> bool:
+    while node.op == "call_function" and _op(node) in ("view", "reshape", "_to_copy", "clone", "slice"):
+        node = node.args[0]
+    return node.op == "placeholder"
 
 
 def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
@@ -86,8 +192,10 @@ def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
     return args
 
 
-def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: int, group_name: str) -> fx.Node:
-    """Megatron's vocabulary-parallel embedding: this rank's rows looked up, the others zero, summed by g."""
+def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: int, group_name: str,
+                  seq_dim: int | None = None) -> fx.Node:
+    """Megatron's vocabulary-parallel embedding: this rank's rows looked up, the others zero, summed by g
+    (or, with sequence parallelism, reduce-scattered over the sequence)."""
     weight, ids = args[0], args[1]
     rows = node.args[0].meta["val"].shape[0] // tp
     local = graph.call_function(aten.sub.Tensor, (ids, rank * rows))
@@ -97,6 +205,8 @@ def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: in
     found = graph.call_function(aten.embedding.default, (weight, local, *args[2:]))
     found = graph.call_function(aten.masked_fill.Scalar, (found, graph.call_function(aten.unsqueeze.default,
                                                                                      (outside, -1)), 0.0))
+    if seq_dim is not None:
+        return graph.call_function(C.reduce_scatter_sequence, (found, group_name, seq_dim))
     return graph.call_function(C.reduce_from_tensor_parallel, (found, group_name))
 
 
