@@ -46,9 +46,10 @@ def _train(model, step_fn, steps=STEPS):
     return losses, grads
 
 
-def _worker(rank: int, name: str, options: dict | None, out: str, sequence_parallel: bool = False):
+def _worker(rank: int, name: str, options: dict | None, out: str, sequence_parallel: bool = False,
+            world: int = WORLD):
     torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
+    init_gloo(rank, world, out)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -56,12 +57,12 @@ def _worker(rank: int, name: str, options: dict | None, out: str, sequence_paral
         from recompile_opt.parallel.module import distribute_parameters
         from recompile_opt.parallel.rewrite import install, local_forward
 
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh("cpu", (world,))
         model = _model(name)
         meta = [t.to("meta") for t in _batch()]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the LM head's "kept replicated"
-            layout = find_layout(copy.deepcopy(model).to("meta"), meta, WORLD, sequence_parallel=sequence_parallel)
+            layout = find_layout(copy.deepcopy(model).to("meta"), meta, world, sequence_parallel=sequence_parallel)
         distribute_parameters(model, layout, mesh)
         install(model, layout, local_forward(layout, mesh.get_group().group_name, rank))
         step_fn = model if options is None else torch.compile(model, backend="recompile_opt",
@@ -90,13 +91,15 @@ def test_tensor_parallel_equals_one_process(name, options, tmp_path):
                                            msg=lambda m: f"rank {rank}, step {step}, {n}: {m}")
 
 
-@pytest.mark.parametrize("options", [None, {"memory_budget": 0.0}], ids=["eager", "compiled-0.0"])
+@pytest.mark.parametrize(("options", "world"), [(None, 2), ({"memory_budget": 0.0}, 2), (None, 4),
+                                                pytest.param({"memory_budget": 0.0}, 4, marks=pytest.mark.slow)],
+                         ids=["eager", "compiled-0.0", "eager-4-ranks", "compiled-0.0-4-ranks"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_tensor_and_sequence_parallel_equals_one_process(name, options, tmp_path):
-    run_ranks(_worker, (name, options, str(tmp_path), True), str(tmp_path), WORLD)
+def test_tensor_and_sequence_parallel_equals_one_process(name, options, world, tmp_path):
+    run_ranks(_worker, (name, options, str(tmp_path), True, world), str(tmp_path), world)
     model = _model(name)
     losses, grads = _train(model, model)
-    for rank in range(WORLD):
+    for rank in range(world):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
         for step in range(STEPS):
