@@ -65,8 +65,8 @@ def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_i
 
 def _disk_path(key: str) -> Path:
     """Where a graph's figures are kept: under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``),
-    by the graph's key and a hash of the code that computes them (this package's cost and pass
-    modules: a changed simulator or walk finds none of the old figures)."""
+    by the graph's key and a hash of the code that computes them (the cost and pass modules and
+    ``_torch_internals``, which lowers the walks: a changed simulator or walk finds none of the old figures)."""
     return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{_code_hash()}.json"
 
 
@@ -75,7 +75,7 @@ def _code_hash() -> str:
     from recompile_opt import passes
 
     here = Path(__file__).parent
-    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py")])
+    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py"), here.parent / "_torch_internals.py"])
     return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:12]
 
 

@@ -57,9 +57,6 @@ class Layout:
     sharded: dict[str, int] = field(default_factory=dict, repr=False)
     roles: dict[str, str] = field(default_factory=dict, repr=False)
 
-    def style_of(self, module: str) -> str:
-        return next((m.style for m in self.modules if m.module == module), "replicated")
-
     def __str__(self) -> str:
         width = max((len(m.module) for m in self.modules), default=6)
         lines = [f"tensor parallel over {self.tp} ranks" + (", sequence parallel" if self.sequence_parallel else ""),
@@ -115,7 +112,7 @@ class _Finder:
 
     def __init__(self, graph: fx.Graph, params: dict[str, str], tp: int):
         self.graph, self.params, self.tp = graph, params, tp
-        self.linears = [n for n in graph.nodes if _op(n) in _LINEAR and _param(n, 1, params)]
+        self.linears = [n for n in graph.nodes if op_name(n) in _LINEAR and _param(n, 1, params)]
         self.index = {n: i for i, n in enumerate(self.linears)}
         self.excluded: dict[int, str] = {}  # a column linear's index -> why its pair stays replicated
 
@@ -185,11 +182,11 @@ class _Finder:
             if node in self.index:
                 self._linear(node, state, roles, source, partners)
                 continue
-            if (_op(node) or "").startswith("_assert"):  # checks of a value's metadata: no value of their own
+            if (op_name(node) or "").startswith("_assert"):  # checks of a value's metadata: no value of their own
                 continue
             ins = [a for a in node.all_input_nodes if isinstance(state.get(a), (_Sharded, _Partial))]
             if ins:
-                state[node] = self._rule(node, _op(node), ins, state, strided, source)
+                state[node] = self._rule(node, op_name(node), ins, state, strided, source)
             else:
                 kept = [state[a] for a in node.all_input_nodes if isinstance(state.get(a), _Replicated)]
                 if kept:
@@ -233,7 +230,7 @@ class _Finder:
         if any(isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins):
             raise _Failed(group, f"{op} combines values sharded on different dimensions")
         if op is None:  # getitem: every piece of a split, else a multi-output op's first output
-            whole = _op(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
+            whole = op_name(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
             return _Sharded(dim, group) if whole else None
         if op in _ELEMENTWISE:
             return _Sharded(_out_dim(node, ins[0], dim), group)
@@ -313,10 +310,10 @@ class _Finder:
         out ``[in, out]``): not paired yet, so say so rather than leave them replicated silently."""
         found = {}
         for node in self.graph.nodes:
-            if _op(node) in ("addmm", "mm", "matmul", "bmm"):
+            if op_name(node) in ("addmm", "mm", "matmul", "bmm"):
                 for arg in node.args:
                     if isinstance(arg, fx.Node) and arg.name in self.params and _ndim(arg) == 2:
-                        found.setdefault(_module(self.params[arg.name]), _op(node))
+                        found.setdefault(_module(self.params[arg.name]), op_name(node))
         return [f"{m}: its weight is multiplied by {op}, not recognised as a linear layer yet; kept replicated"
                 for m, op in found.items()]
 
@@ -327,11 +324,11 @@ class _Finder:
         norms (on sequence shards under SP; a norm is a module whose ops reduce over the features)."""
         out, seen = [], set()
         for node in self.graph.nodes:
-            op = _op(node)
+            op = op_name(node)
             if op == "embedding" and _param(node, 0, self.params):
                 name = _module(self.params[node.args[0].name])
                 rows = _shape(node.args[0])[0]
-                if not _from_input(node.args[1]):
+                if not from_input(node.args[1]):
                     out.append(ModuleLayout(name, "replicated", "Replicate", "indexed by positions, not tokens"))
                 elif rows % self.tp == 0:
                     out.append(ModuleLayout(name, "vocab", "Shard(0)", "rows split; partial sums added up"))
@@ -347,20 +344,20 @@ class _Finder:
 
 def _is_norm(node: fx.Node) -> bool:
     """A norm's op: layer/RMS norm, or a mean over the last dimension (a hand-written RMSNorm)."""
-    op = _op(node)
+    op = op_name(node)
     if op in _NORMS:
         return True
     return op == "mean" and len(node.args) > 1 and list(node.args[1]) in ([-1], [_ndim(node.args[0]) - 1])
 
 
-def _from_input(node: fx.Node) -> bool:
+def from_input(node: fx.Node) -> bool:
     """Whether ``node`` is a user input (through views): token ids, not positions made in the graph."""
-    while node.op == "call_function" and _op(node) in _VIEWS | {"slice", "_to_copy", "clone"}:
+    while node.op == "call_function" and op_name(node) in _VIEWS | {"slice", "_to_copy", "clone"}:
         node = node.args[0]
     return node.op == "placeholder"
 
 
-def _op(node: fx.Node) -> str | None:
+def op_name(node: fx.Node) -> str | None:
     if node.op != "call_function":
         return None
     if node.target is operator.getitem:

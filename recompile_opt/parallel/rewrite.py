@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from recompile_opt.parallel import collectives as C
-from recompile_opt.parallel.layout import Layout
+from recompile_opt.parallel.layout import Layout, from_input, op_name
 
 aten = torch.ops.aten
 # ops whose literal size arguments name the sharded dimension's global size
@@ -39,7 +39,7 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
     vocab = {m.module for m in layout.modules if m.style == "vocab"}
     params = {s.arg.name: s.target for s in layout.program.graph_signature.input_specs if s.kind.name == "PARAMETER"}
     seq = _SequencePlan(source.graph, layout, params) if layout.sequence_parallel else None
-    graph, env, copies, gathered = fx.Graph(), {}, {}, {}
+    graph, env, copies, gathered, gathered_for_columns = fx.Graph(), {}, {}, {}, {}
 
     def gather(x: fx.Node) -> fx.Node:  # a sequence-sharded value whole, for replicated work (once per value)
         if x not in gathered:
@@ -61,14 +61,14 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
         args, kwargs = fx.map_arg(node.args, env.__getitem__), fx.map_arg(node.kwargs, env.__getitem__)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": torch.device(device)}
-        role, op = layout.roles.get(node.name), _op(node)
+        role, op = layout.roles.get(node.name), op_name(node)
         sharded_in = [a for a in node.all_input_nodes if seq is not None and a in seq.sharded]
         if role == "column":
             x = node.args[0]
             if x in sharded_in:  # its gradient comes back partial from each rank: reduce-scattered
-                if ("col", x) not in gathered:
-                    gathered[("col", x)] = graph.call_function(C.gather_sequence, (env[x], group_name, seq.dim(x)))
-                x_local = gathered[("col", x)]
+                if x not in gathered_for_columns:
+                    gathered_for_columns[x] = graph.call_function(C.gather_sequence, (env[x], group_name, seq.dim(x)))
+                x_local = gathered_for_columns[x]
             else:
                 if x not in copies:  # one f per input: its backward all-reduces the input's gradient once
                     copies[x] = graph.call_function(C.copy_to_tensor_parallel, (env[x], group_name))
@@ -117,8 +117,8 @@ class _SequencePlan:
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            op = _op(node)
-            if op == "embedding" and node.args[0].name in params and _from_input(node.args[1]):
+            op = op_name(node)
+            if op == "embedding" and node.args[0].name in params and from_input(node.args[1]):
                 self.sharded.add(node)
                 self.seeds.add(node)
                 self.length = node.meta["val"].shape[1]
@@ -170,15 +170,9 @@ def _parameters_behind(node: fx.Node, params: dict, stop: set) -> set:
     return found
 
 
-def _from_input(node: fx.Node) -> bool:
-    while node.op == "call_function" and _op(node) in ("view", "reshape", "_to_copy", "clone", "slice"):
-        node = node.args[0]
-    return node.op == "placeholder"
-
-
 def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
     """A size-taking op's arguments with the sharded dimension's size divided by the rank count."""
-    op, tp = _op(node), layout.tp
+    op, tp = op_name(node), layout.tp
     if op in _SIZED and node.name in layout.sharded:
         dim, sizes = layout.sharded[node.name], list(args[1])
         if sizes[dim] != -1:
@@ -238,8 +232,3 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
         return pytree.tree_unflatten(mine, program.call_spec.out_spec)
 
     model.forward = types.MethodType(forward, model)
-
-
-def _op(node: fx.Node) -> str | None:
-    packet = getattr(node.target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else None
