@@ -57,8 +57,8 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset()) -> dict:
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
-    the plan recomputes), ``scratch`` (an extern kernel's own workspace), ``temporaries`` (the backward's other buffers; in the forward, everything
-    not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it
+    the plan recomputes), ``scratch`` (an extern kernel's own workspace), ``temporaries`` (the
+    backward's other buffers; in the forward, everything not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it
     tells a user what a lower budget can still remove (kept, recomputed) and what it cannot
     (gradients, the backward's own working set), i.e. the floor of the peak."""
     peak, phase, gm, trace = _simulate(fw, bw, traced=True)
