@@ -20,11 +20,13 @@ from multiprocess import init_gloo, leave, progress, run_ranks
 WORLD, SEQ, STEPS = 2, 16, 3
 
 
-def _model(name: str):
+def _model(name: str, dropout: float = 0.0):
     torch.manual_seed(0)
     if name == "gpt":
-        return models.GPT(models.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64))
-    return models.Llama(models.LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64))
+        return models.GPT(models.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64,
+                                           dropout=dropout))
+    return models.Llama(models.LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64,
+                                           dropout=dropout))
 
 
 def _batch():
@@ -34,6 +36,7 @@ def _batch():
 
 def _train(model, step_fn, steps=STEPS):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(2)  # dropout's masks: the same generator state on every rank and in one process
     losses, grads = [], []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -47,7 +50,7 @@ def _train(model, step_fn, steps=STEPS):
 
 
 def _worker(rank: int, name: str, options: dict | None, out: str, sequence_parallel: bool = False,
-            world: int = WORLD):
+            world: int = WORLD, dropout: float = 0.0):
     torch.set_num_threads(1)
     init_gloo(rank, world, out)
     try:
@@ -58,7 +61,7 @@ def _worker(rank: int, name: str, options: dict | None, out: str, sequence_paral
         from recompile_opt.parallel.rewrite import install, local_forward
 
         mesh = init_device_mesh("cpu", (world,))
-        model = _model(name)
+        model = _model(name, dropout)
         meta = [t.to("meta") for t in _batch()]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the LM head's "kept replicated"
@@ -68,7 +71,8 @@ def _worker(rank: int, name: str, options: dict | None, out: str, sequence_paral
         step_fn = model if options is None else torch.compile(model, backend="recompile_opt",
                                                               options={**options, "compiler": "eager"})
         losses, grads = _train(model, step_fn)
-        torch.save({"losses": losses, "grads": grads}, os.path.join(out, f"rank{rank}.pt"))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        torch.save({"losses": losses, "grads": grads, "graphs": graphs}, os.path.join(out, f"rank{rank}.pt"))
         progress(out, rank, "results saved")
     except BaseException:
         dist.destroy_process_group()
@@ -76,12 +80,14 @@ def _worker(rank: int, name: str, options: dict | None, out: str, sequence_paral
     leave(out, rank)
 
 
-def _check_equals_one_process(name: str, tmp_path, world: int) -> None:
-    """Every rank's losses and ``full_tensor()`` gradients against one process's, step by step."""
-    model = _model(name)
+def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False) -> None:
+    """Every rank's losses and ``full_tensor()`` gradients against one process's, step by step; a
+    compiled rank's graph in one piece (no graph break at a collective)."""
+    model = _model(name, dropout)
     losses, grads = _train(model, model)
     for rank in range(world):
         res = torch.load(tmp_path / f"rank{rank}.pt")
+        assert res["graphs"] == (1 if compiled else 0)
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
         for step in range(STEPS):
             for n, g in grads[step].items():
@@ -94,7 +100,7 @@ def _check_equals_one_process(name: str, tmp_path, world: int) -> None:
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_tensor_parallel_equals_one_process(name, options, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path)), str(tmp_path), WORLD)
-    _check_equals_one_process(name, tmp_path, WORLD)
+    _check_equals_one_process(name, tmp_path, WORLD, compiled=options is not None)
 
 
 @pytest.mark.parametrize(("options", "world"), [(None, 2), ({"memory_budget": 0.0}, 2), (None, 4),
@@ -103,4 +109,17 @@ def test_tensor_parallel_equals_one_process(name, options, tmp_path):
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_tensor_and_sequence_parallel_equals_one_process(name, options, world, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path), True, world), str(tmp_path), world)
-    _check_equals_one_process(name, tmp_path, world)
+    _check_equals_one_process(name, tmp_path, world, compiled=options is not None)
+
+
+@pytest.mark.parametrize(("sequence_parallel", "options"), [
+    (False, None), (True, None), (True, {"memory_budget": 0.0}),
+    pytest.param(True, {"policy": "save-all"}, marks=pytest.mark.slow)], ids=["tp", "tp+sp", "tp+sp-compiled-0.0",
+                                                                             "tp+sp-compiled-save-all"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_dropout_gives_each_rank_the_single_process_mask(name, sequence_parallel, options, tmp_path):
+    """Dropout 0.1 everywhere (embeddings, attention probabilities: GPT's explicit dropout, Llama's SDPA
+    ``dropout_p``; residuals): each rank applies one process's mask to its rows or heads, so three
+    steps equal one process's, eager and compiled (at 0.0 every mask is replayed in the backward)."""
+    run_ranks(_worker, (name, options, str(tmp_path), sequence_parallel, WORLD, 0.1), str(tmp_path), WORLD)
+    _check_equals_one_process(name, tmp_path, WORLD, dropout=0.1, compiled=options is not None)

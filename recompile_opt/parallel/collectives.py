@@ -39,12 +39,15 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return funcol.all_gather_single_autograd(x.contiguous(), dim, _name(group))
 
 
-def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
+                                   rank: int | None = None) -> torch.Tensor:
     """Every rank's sequence shard, concatenated along ``dim``, for a computation every rank then repeats
     whole (the LM head and the loss): each rank's gradient is already the whole one, so the backward
-    keeps this rank's slice of it rather than summing the ranks' (which would count it t times)."""
-    pg = _group(group)
-    return _GatherToReplicated.apply(x, pg.group_name, dim, dist.get_world_size(pg), dist.get_rank(pg))
+    keeps this rank's slice of it rather than summing the ranks' (which would count it t times).
+    ``size``/``rank``: the group's, where the caller knows them (compiled code cannot look them up
+    without a graph break)."""
+    name, size, rank = _name_size_rank(group, size, rank)
+    return _GatherToReplicated.apply(x, name, dim, size, rank)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -53,20 +56,27 @@ def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tenso
     return funcol.reduce_scatter_single_autograd(x.contiguous(), "sum", dim, _name(group))
 
 
-def split_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+def split_sequence(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
+                   rank: int | None = None) -> torch.Tensor:
     """This rank's shard of a replicated ``x`` along ``dim``, as a tensor of its own (a view would keep
     the whole input alive for as long as the shard is kept); the gradient is all-gathered."""
-    pg = _group(group)
-    size, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    name, size, rank = _name_size_rank(group, size, rank)
     if x.shape[dim] % size:
         raise ValueError(f"recompile_opt.parallel: dimension {dim} of size {x.shape[dim]} does not split "
                          f"over {size} ranks")
-    return _SplitToShard.apply(x, pg.group_name, dim, size, rank)
+    return _SplitToShard.apply(x, name, dim, size, rank)
 
 
 def _name(group) -> str:
     """The group's registered name, which the functional collectives and the traced graph carry."""
     return group if isinstance(group, str) else _group(group).group_name
+
+
+def _name_size_rank(group, size: int | None, rank: int | None) -> tuple[str, int, int]:
+    if size is not None and rank is not None:
+        return _name(group), size, rank
+    pg = _group(group)
+    return pg.group_name, dist.get_world_size(pg), dist.get_rank(pg)
 
 
 def _group(group) -> dist.ProcessGroup:

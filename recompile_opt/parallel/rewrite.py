@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from recompile_opt.parallel import collectives as C
+from recompile_opt.parallel import dropout as D
 from recompile_opt.parallel.layout import Layout, from_input, op_name
 
 aten = torch.ops.aten
@@ -43,7 +44,8 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
 
     def gather(x: fx.Node) -> fx.Node:  # a sequence-sharded value whole, for replicated work (once per value)
         if x not in gathered:
-            gathered[x] = graph.call_function(C.gather_sequence_for_replicated, (env[x], group_name, seq.dim(x)))
+            gathered[x] = graph.call_function(C.gather_sequence_for_replicated, (env[x], group_name, seq.dim(x)),
+                                              {"size": layout.tp, "rank": rank})
         return gathered[x]
 
     for node in source.graph.nodes:
@@ -80,12 +82,21 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
                    if seq is not None else graph.call_function(C.reduce_from_tensor_parallel, (partial, group_name)))
             bias = args[2] if len(args) > 2 else None
             env[node] = out if bias is None else graph.call_function(aten.add.Tensor, (out, bias))
+        elif op in ("dropout", "native_dropout") and (slices := _rank_slices(node.args[0], layout, seq, rank)):
+            fn = D.sliced_dropout if op == "dropout" else D.sliced_native_dropout
+            env[node] = graph.call_function(fn, (*args[:3], list(node.args[0].meta["val"].shape), slices))
+        elif op == "scaled_dot_product_attention" and _attention_dropout(node) > 0 \
+                and (slices := _rank_slices(node.args[0], layout, seq, rank)):
+            q, k = (a.meta["val"].shape for a in node.args[:2])
+            env[node] = graph.call_function(D.sliced_attention, args, {
+                **kwargs, "full_shape": [*q[:-1], k[-2]], "slices": slices})
         elif op == "embedding" and params.get(node.args[0].name, "").rsplit(".", 1)[0] in vocab:
             env[node] = _vocab_lookup(graph, node, args, layout.tp, rank, group_name,
                                       seq.dim(node) if seq is not None and node in seq.sharded else None)
         elif seq is not None and node in seq.sharded and node in seq.seeds:  # a replicated token embedding
             whole = graph.call_function(node.target, args, kwargs)
-            env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)))
+            env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)),
+                                            {"size": layout.tp, "rank": rank})
         elif seq is not None and node in seq.sharded:  # per-token op on shards: full-length operands narrowed
             env[node] = graph.call_function(node.target, seq.narrowed(node, args, env, graph, rank), kwargs)
         else:
@@ -154,6 +165,24 @@ class _SequencePlan:
             d = self.dim(node) - (len(node.meta["val"].shape) - a.meta["val"].dim())
             swap[env[a]] = graph.call_function(aten.narrow.default, (env[a], d, rank * rows, rows))
         return fx.map_arg(args, lambda n: swap.get(n, n))
+
+
+def _rank_slices(x: fx.Node, layout: Layout, seq: _SequencePlan | None, rank: int) -> tuple:
+    """Where this rank's value of ``x`` lies in the global one: ``(dim, start, length)`` for each of its
+    sharded dimensions (the sequence's rows, the features or heads); empty where it is replicated."""
+    shape, out = x.meta["val"].shape, []
+    if seq is not None and x in seq.sharded:
+        dim = seq.dim(x)
+        out.append((dim, rank * (shape[dim] // layout.tp), shape[dim] // layout.tp))
+    if x.name in layout.sharded:
+        dim = layout.sharded[x.name]
+        out.append((dim, rank * (shape[dim] // layout.tp), shape[dim] // layout.tp))
+    return tuple(out)
+
+
+def _attention_dropout(node: fx.Node) -> float:
+    """The ``dropout_p`` of a ``scaled_dot_product_attention`` node."""
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
 def _parameters_behind(node: fx.Node, params: dict, stop: set) -> set:
