@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.cost_model import (base_of, is_fusible_pointwise, is_view_node, node_cost, storage_bytes,
-                                     tensor_bytes)
+from recompile_opt.costs.cost_model import (base_of, collective_bytes, is_fusible_pointwise, is_view_node, node_cost,
+                                            storage_bytes, tensor_bytes)
 from recompile_opt.costs.kernels import consumers
 from recompile_opt.planner.policies import block_of
 from recompile_opt.planner.problem import Problem, Value
@@ -137,7 +137,8 @@ def _op_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         return "getitem"
     packet = getattr(node.target, "_overloadpacket", None)
-    return str(packet).replace("aten.", "") if packet is not None else str(node.target)
+    return str(packet).replace("aten.", "").replace("_c10d_functional.", "c10d.") if packet is not None \
+        else str(node.target)
 
 
 def _user_tag(node: fx.Node) -> str | None:
@@ -169,7 +170,14 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
     return Problem(values=values, storage_bytes=storage_bytes_, save_s=save_s,
                    rng_state_bytes=ti.rng_state_bytes(device),
                    bwd_steps=len(jg.bwd_nodes), bwd_byte_steps=sum(_bwd_live_bytes(jg)),
-                   step_s=_step_seconds(jg, roofline), device=device.type)
+                   step_s=_step_seconds(jg, roofline), device=device.type, collectives=_collectives(jg))
+
+
+def _collectives(jg: JointGraph) -> list[dict]:
+    """Each collective the step runs (waits left out), with the bytes one rank sends."""
+    phases = [(n, "forward") for n in jg.fwd_nodes if n in jg.required_fw] + [(n, "backward") for n in jg.bwd_nodes]
+    return [{**_info(n), "name": n.name, "phase": phase, "bytes": collective_bytes(n)}
+            for n, phase in phases if ti.collective_name(n.target) not in ("", "wait_tensor")]
 
 
 def _step_seconds(jg: JointGraph, roofline: dict) -> float:
@@ -189,13 +197,15 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
     cost = node_cost(node, roofline, fused=_fuses_when_recomputed(jg, node))
     is_primal = node.op == "placeholder"
     target = node.target
-    impure = node.op == "call_function" and (node.is_impure() and not ti.is_seeded_op(target))
+    # a wait is "impure" to FX (DCE must not drop it); whether it may run again is _unrepeatable_collective's call
+    impure = node.op == "call_function" and (node.is_impure() and not ti.is_seeded_op(target)
+                                             and not ti.is_wait_tensor(target))
     return Value(
         name=node.name, storage=storage,
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
         needed=bool(bwd_uses),
-        can_save=is_tensor,
-        can_recompute=not (is_primal or node.op == "get_attr" or impure or ti.is_collective_op(target)
+        can_save=is_tensor and not _unwaited(node),
+        can_recompute=not (is_primal or node.op == "get_attr" or impure or _unrepeatable_collective(node)
                            or _upcasts_low_precision(node)),
         in_forward=_made_by_forward(jg, node),
         random=node.op == "call_function" and ti.is_random_op(node),
@@ -203,6 +213,23 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )
+
+
+def _unwaited(node: fx.Node) -> bool:
+    """A collective's own output, before its ``wait_tensor``: a handle still in flight, never kept (the
+    wait's output, the same buffer, is what a plan keeps)."""
+    return ti.is_collective_op(node.target) and not ti.is_wait_tensor(node.target)
+
+
+def _unrepeatable_collective(node: fx.Node) -> bool:
+    """A collective the backward may not run again: every one but an all-gather (with its wait), which
+    re-gathers the kept shards at a communication cost (what Megatron's sequence parallelism does for
+    the weight gradients); a reduction run twice would sum the ranks' parts twice."""
+    if not ti.is_collective_op(node.target):
+        return False
+    if ti.is_wait_tensor(node.target):
+        return not ti.is_all_gather(node.args[0].target)
+    return not ti.is_all_gather(node.target)
 
 
 def _made_by_forward(jg: JointGraph, node: fx.Node) -> bool:

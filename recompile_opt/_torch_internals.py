@@ -98,6 +98,7 @@ __all__ = [
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
+    "collective_name", "is_all_gather", "is_wait_tensor", "group_size",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
     "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
     "layout_optimized",
@@ -240,9 +241,37 @@ def is_random_op(node) -> bool:
 
 
 def is_collective_op(target) -> bool:
-    """Functional collectives: never recomputed (a recompute would be a second, unmatched collective)."""
+    """Functional collectives (and their waits). Only an all-gather is ever recomputed: every rank runs
+    the same plan, so a re-gather in the backward is matched on every rank, and it reads a kept shard;
+    a reduction recomputed would add the ranks' partial sums a second time."""
     namespace = getattr(target, "namespace", "")
     return namespace in ("_c10d_functional", "c10d_functional", "_dtensor")
+
+
+def collective_name(target) -> str:
+    """``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``wait_tensor``, ... ('' if none)."""
+    if not is_collective_op(target):
+        return ""
+    packet = getattr(target, "_overloadpacket", None)
+    return getattr(packet, "__name__", str(target)).rsplit(".", 1)[-1]
+
+
+def group_size(group_name) -> int:
+    """The size of the process group a traced collective names (2 where this process has no such group)."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return c10d._get_group_size_by_name(group_name)
+    except Exception:
+        return 2
+
+
+def is_all_gather(target) -> bool:
+    return collective_name(target) in ("all_gather_into_tensor", "all_gather_into_tensor_out")
+
+
+def is_wait_tensor(target) -> bool:
+    """``wait_tensor``: returns its input once the collective that makes it is done (an alias)."""
+    return collective_name(target) == "wait_tensor"
 
 
 def rng_state_bytes(device: torch.device) -> int:

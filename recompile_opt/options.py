@@ -22,10 +22,14 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 # Roofline constants per device type: fixed so plans are deterministic (override with `roofline`).
+# A collective costs latency + the bytes one rank sends over the link (a ring): CPU ranks talk through
+# gloo over loopback TCP; CUDA ranks of a tensor-parallel group sit on one NVLink island (H100: 450 GB/s
+# per direction, ~0.3 of it reached by a ring all-gather of a few MiB). Only the ratio to the compute
+# constants matters to a plan: it prices a re-gather in the backward against keeping the gathered value.
 DEFAULT_ROOFLINE = {
-    "cpu": {"flops_per_s": 1.0e11, "bytes_per_s": 2.0e10},
-    "cuda": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12},
-    "meta": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12},
+    "cpu": {"flops_per_s": 1.0e11, "bytes_per_s": 2.0e10, "link_bytes_per_s": 2.0e9, "collective_latency_s": 5e-5},
+    "cuda": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12, "link_bytes_per_s": 1.5e11, "collective_latency_s": 1e-5},
+    "meta": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12, "link_bytes_per_s": 1.5e11, "collective_latency_s": 1e-5},
 }
 
 
@@ -45,7 +49,7 @@ class Options:
     time_limit_s: float = 30.0
     mip_gap: float = 0.01  # stop when proven within this relative gap of the optimum
     plan_dir: str | None = None
-    roofline: dict = field(default_factory=dict)  # {"flops_per_s": ..., "bytes_per_s": ...}
+    roofline: dict = field(default_factory=dict)  # flops_per_s, bytes_per_s, link_bytes_per_s, collective_latency_s
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
@@ -148,7 +152,7 @@ def parse_options(raw: dict | Options | None) -> Options:
 
 
 def _parse_roofline(value) -> dict:
-    keys = ("flops_per_s", "bytes_per_s")
+    keys = ("flops_per_s", "bytes_per_s", "link_bytes_per_s", "collective_latency_s")
     if not isinstance(value, dict) or set(value) - set(keys):
         raise OptionError(f"option 'roofline': got {value!r}; expected a dict with keys from {list(keys)}")
     for k, v in value.items():

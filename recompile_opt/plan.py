@@ -52,6 +52,9 @@ class Plan:
     solver: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
+    # the step's collectives (tensor/sequence parallelism): name, op, shape, dtype, phase, bytes one rank
+    # sends, regathered (a forward all-gather run again in the backward from the kept shard)
+    collectives: list[dict] = field(default_factory=list)
 
     @property
     def recompute_share(self) -> float:
@@ -100,6 +103,7 @@ class Plan:
                f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
                if self.solver.get("peak_from") == "inductor-code" else ""),
             *self._peak_lines(),
+            *self._communication_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
@@ -119,6 +123,22 @@ class Plan:
         n, m = s.get("solves", 0), s.get("simulations", 0)
         return (f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
                 f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s)")
+
+    def communication_bytes(self) -> int:
+        """Bytes one rank sends in a step: every collective once, and each re-gather a second time."""
+        return sum(c["bytes"] * (2 if c.get("regathered") else 1) for c in self.collectives)
+
+    def _communication_lines(self) -> list[str]:
+        if not self.collectives:
+            return []
+        parts = []
+        for phase in ("forward", "backward"):
+            ops = [c for c in self.collectives if c["phase"] == phase]
+            parts.append(f"{phase} {len(ops)} collectives {fmt_bytes(sum(c['bytes'] for c in ops))}")
+        again = [c for c in self.collectives if c.get("regathered")]
+        parts.append(f"{len(again)} re-gathered in the backward {fmt_bytes(sum(c['bytes'] for c in again))}")
+        return [f"  communication     : {fmt_bytes(self.communication_bytes())} sent per rank per step ("
+                + ", ".join(parts) + ")"]
 
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
@@ -144,6 +164,12 @@ class Plan:
             rows = [(fmt_type(e.dtype, e.shape), fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops),
                      e.op, e.name, e.reason, e.module, e.source) for e in entries if e.reason != "param"]
             sections.append((header, rows))
+        forward = [c for c in self.collectives if c["phase"] == "forward"]
+        if forward:
+            sections.append((f"collectives in the forward ({len(forward)}; bytes: sent by each rank):", [
+                (fmt_type(c.get("dtype", ""), c.get("shape", [])), fmt_bytes(c["bytes"]), c["op"], c["name"],
+                 "gathered again in the backward" if c.get("regathered") else "", c.get("module", ""),
+                 c.get("source", "")) for c in forward]))
         rows = [row for _, section in sections for row in section]
         widths = [max([len(row[i]) for row in rows], default=0) for i in range(6)]
         out = []

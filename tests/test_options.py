@@ -32,8 +32,9 @@ from helpers import tiny_gpt, tiny_mlp, train_side_by_side
     ({"mip_gap": -0.01}, r"'mip_gap'.*-0\.01.*\[0, 1\)"),
     ({"mip_gap": "1%"}, r"'mip_gap'.*'1%'.*\[0, 1\)"),
     ({"compiler": "aot_eager"}, r"'compiler'.*'aot_eager'.*accepted values: \['inductor', 'eager'\]"),
-    ({"roofline": 1e12}, r"'roofline'.*expected a dict with keys from \['flops_per_s', 'bytes_per_s'\]"),
-    ({"roofline": {"flops": 1e12}}, r"'roofline'.*'flops'.*keys from \['flops_per_s', 'bytes_per_s'\]"),
+    ({"roofline": 1e12}, r"'roofline'.*expected a dict with keys from \['flops_per_s', 'bytes_per_s', "
+                         r"'link_bytes_per_s', 'collective_latency_s'\]"),
+    ({"roofline": {"flops": 1e12}}, r"'roofline'.*'flops'.*keys from \['flops_per_s', 'bytes_per_s', "),
     ({"roofline": {"flops_per_s": 0}}, r"'roofline': flops_per_s=0 must be a positive number"),
     ({"peak_memory": -1}, r"'peak_memory'.*-1.*>= 0"),
     ({"policy": "full", "memory_budget": 0.2}, r"'policy'.*'full' is a fixed baseline.*memory_budget.*'auto'"),
@@ -76,7 +77,7 @@ def test_every_accepted_value_is_read(raw, field, value):
 
 def test_roofline_overrides_only_the_constants_it_names():
     opts = parse_options({"roofline": {"flops_per_s": 1e9}})
-    assert opts.roofline_for("cpu") == {"flops_per_s": 1e9, "bytes_per_s": DEFAULT_ROOFLINE["cpu"]["bytes_per_s"]}
+    assert opts.roofline_for("cpu") == {**DEFAULT_ROOFLINE["cpu"], "flops_per_s": 1e9}
     assert opts.roofline_for("cuda")["bytes_per_s"] == DEFAULT_ROOFLINE["cuda"]["bytes_per_s"]
     assert Options().roofline_for("xpu") == DEFAULT_ROOFLINE["cuda"]  # an unknown device: the GPU's
     assert opts.key() != Options().key()  # the compile caches never replay another cost model's plan

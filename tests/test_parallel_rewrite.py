@@ -22,6 +22,8 @@ WORLD, SEQ, STEPS = 2, 16, 3
 
 def _model(name: str, dropout: float = 0.0):
     torch.manual_seed(0)
+    if name == "block":  # a bare GPT block: hidden states in, hidden states out
+        return models.Block(models.GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=SEQ, dropout=dropout))
     if name == "gpt":
         return models.GPT(models.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64,
                                            dropout=dropout))
@@ -34,13 +36,21 @@ def _batch():
     return torch.randint(0, 64, (2, SEQ), generator=g), torch.randint(0, 64, (2, SEQ), generator=g)
 
 
-def _train(model, step_fn, steps=STEPS):
+def _inputs(name: str):
+    """Token ids and targets; for the bare block, hidden states ``[b, s, h]``."""
+    if name != "block":
+        return _batch()
+    return (torch.randn(2, SEQ, 32, generator=torch.Generator().manual_seed(1)),)
+
+
+def _train(model, step_fn, steps=STEPS, inputs=_batch):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(2)  # dropout's masks: the same generator state on every rank and in one process
     losses, grads = [], []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = step_fn(*_batch())
+        out = step_fn(*inputs())
+        loss = out if out.dim() == 0 else out.square().mean()  # a bare block's hidden states
         loss.backward()
         losses.append(float(loss))
         grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
@@ -49,50 +59,69 @@ def _train(model, step_fn, steps=STEPS):
     return losses, grads
 
 
-def _worker(rank: int, name: str, options: dict | None, out: str, sequence_parallel: bool = False,
+def _worker(rank: int, name: str, options, out: str, sequence_parallel: bool = False,
             world: int = WORLD, dropout: float = 0.0):
+    """Train the parallelized model once per entry of ``options`` (one dict, None: eager, or a list of
+    them), each from a fresh model; save losses, gradients, the number of graphs and the plans."""
     torch.set_num_threads(1)
     init_gloo(rank, world, out)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
+        import recompile_opt
         from recompile_opt.parallel.layout import find_layout
         from recompile_opt.parallel.module import distribute_parameters
         from recompile_opt.parallel.rewrite import install, local_forward
 
         mesh = init_device_mesh("cpu", (world,))
-        model = _model(name, dropout)
-        meta = [t.to("meta") for t in _batch()]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the LM head's "kept replicated"
-            layout = find_layout(copy.deepcopy(model).to("meta"), meta, world, sequence_parallel=sequence_parallel)
-        distribute_parameters(model, layout, mesh)
-        install(model, layout, local_forward(layout, mesh.get_group().group_name, rank))
-        step_fn = model if options is None else torch.compile(model, backend="recompile_opt",
-                                                              options={**options, "compiler": "eager"})
-        losses, grads = _train(model, step_fn)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        torch.save({"losses": losses, "grads": grads, "graphs": graphs}, os.path.join(out, f"rank{rank}.pt"))
-        progress(out, rank, "results saved")
+        for i, opts in enumerate(options if isinstance(options, list) else [options]):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            recompile_opt.reset_plans()
+            model = _model(name, dropout)
+            meta = [t.to("meta") for t in _inputs(name)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the LM head's "kept replicated"
+                layout = find_layout(copy.deepcopy(model).to("meta"), meta, world, sequence_parallel=sequence_parallel)
+            distribute_parameters(model, layout, mesh)
+            install(model, layout, local_forward(layout, mesh.get_group().group_name, rank))
+            step_fn = model if opts is None else torch.compile(model, backend="recompile_opt",
+                                                               options={**opts, "compiler": "eager"})
+            losses, grads = _train(model, step_fn, inputs=lambda: _inputs(name))
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            plans = [{"saved": sorted(p.saved_names()), "recomputed": sorted(p.recomputed_names()),
+                      "saved_bytes": p.saved_bytes, "sent": p.communication_bytes(),
+                      "gathers": [c["name"] for c in p.collectives if c["phase"] == "forward" and "all_gather" in c["op"]],
+                      "regathered": [c["name"] for c in p.collectives if c.get("regathered")]}
+                     for p in recompile_opt.last_plans()]
+            torch.save({"losses": losses, "grads": grads, "graphs": graphs, "plans": plans,
+                        "str_hash": hash("recompile_opt")},  # differs per rank: PYTHONHASHSEED unset
+                       os.path.join(out, f"rank{rank}_{i}.pt"))
+            progress(out, rank, f"results {i} saved")
     except BaseException:
         dist.destroy_process_group()
         raise
     leave(out, rank)
 
 
-def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False) -> None:
+def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False,
+                              run: int = 0) -> list:
     """Every rank's losses and ``full_tensor()`` gradients against one process's, step by step; a
-    compiled rank's graph in one piece (no graph break at a collective)."""
+    compiled rank's graph in one piece (no graph break at a collective) and planned as every other
+    rank planned it. Returns rank 0's plans."""
     model = _model(name, dropout)
-    losses, grads = _train(model, model)
+    losses, grads = _train(model, model, inputs=lambda: _inputs(name))
+    first = torch.load(tmp_path / f"rank0_{run}.pt")
     for rank in range(world):
-        res = torch.load(tmp_path / f"rank{rank}.pt")
+        res = torch.load(tmp_path / f"rank{rank}_{run}.pt")
         assert res["graphs"] == (1 if compiled else 0)
+        assert res["plans"] == first["plans"], f"rank {rank} planned differently from rank 0"
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
         for step in range(STEPS):
             for n, g in grads[step].items():
                 torch.testing.assert_close(res["grads"][step][n], g, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"rank {rank}, step {step}, {n}: {m}")
+    return first["plans"]
 
 
 @pytest.mark.parametrize("options", [None, {"memory_budget": 0.0}, {"policy": "save-all"}],
@@ -106,7 +135,7 @@ def test_tensor_parallel_equals_one_process(name, options, tmp_path):
 @pytest.mark.parametrize(("options", "world"), [(None, 2), ({"memory_budget": 0.0}, 2), (None, 4),
                                                 pytest.param({"memory_budget": 0.0}, 4, marks=pytest.mark.slow)],
                          ids=["eager", "compiled-0.0", "eager-4-ranks", "compiled-0.0-4-ranks"])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "block"])
 def test_tensor_and_sequence_parallel_equals_one_process(name, options, world, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path), True, world), str(tmp_path), world)
     _check_equals_one_process(name, tmp_path, world, compiled=options is not None)
@@ -123,3 +152,27 @@ def test_dropout_gives_each_rank_the_single_process_mask(name, sequence_parallel
     steps equal one process's, eager and compiled (at 0.0 every mask is replayed in the backward)."""
     run_ranks(_worker, (name, options, str(tmp_path), sequence_parallel, WORLD, 0.1), str(tmp_path), WORLD)
     _check_equals_one_process(name, tmp_path, WORLD, dropout=0.1, compiled=options is not None)
+
+
+BUDGETS = [{"policy": "save-all"}, {"memory_budget": 1.0}, {"memory_budget": 0.3}, {"memory_budget": 0.0},
+           {"policy": "megatron-selective"}]
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
+    """Tensor + sequence parallel through the planner under save-all, at memory_budget 1.0, 0.3, 0.0
+    and under Megatron's selective policy: one process's losses and gradients on every rank, the same
+    plan on every rank. Save-all and the selective policy keep each gathered input as the rank's shard
+    and gather it again in the backward (Megatron's layout); the budgets keep no more than save-all
+    (1.0 is its bytes), and a lower budget never keeps more."""
+    run_ranks(_worker, (name, BUDGETS, str(tmp_path), True, world), str(tmp_path), world)
+    if "PYTHONHASHSEED" not in os.environ:  # each rank hashed strings its own way, and still planned alike
+        assert len({torch.load(tmp_path / f"rank{r}_0.pt")["str_hash"] for r in range(world)}) == world
+    plans = [_check_equals_one_process(name, tmp_path, world, compiled=True, run=i)[0] for i in range(len(BUDGETS))]
+    save_all, one, point_three, zero, selective = plans
+    for plan in (save_all, selective):
+        assert plan["gathers"] and plan["regathered"] == plan["gathers"]
+    assert save_all["saved_bytes"] >= one["saved_bytes"] >= point_three["saved_bytes"] >= zero["saved_bytes"]
+    # every re-gather sends its bytes a second time
+    assert save_all["sent"] > one["sent"] or one["regathered"] == save_all["regathered"]

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from recompile_opt._torch_internals import concrete_size, flop_registry
+from recompile_opt._torch_internals import collective_name, concrete_size, flop_registry, group_size, is_wait_tensor
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,15 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 def is_view_node(node: fx.Node) -> bool:
-    """True when the node's output aliases its first tensor input (views, and getitem of views)."""
+    """True when the node's output aliases its first tensor input (views, and getitem of views; a
+    collective's ``wait_tensor``, which returns the collective's buffer once it is filled)."""
     if node.op != "call_function":
         return False
     target = node.target
     if target is operator.getitem:
         parent = node.args[0]
         return isinstance(parent, fx.Node) and is_view_node(parent)
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
+    return isinstance(target, torch._ops.OpOverload) and (target.is_view or is_wait_tensor(target))
 
 
 def base_of(node: fx.Node) -> fx.Node:
@@ -86,11 +87,38 @@ def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost
     if node.op != "call_function" or is_view_node(node) or node.target is operator.getitem:
         return NodeCost(0, 0, 0.0)
     out = node.meta.get("val")
+    if collective_name(node.target):
+        sent = collective_bytes(node)
+        return NodeCost(0, sent, roofline["collective_latency_s"] + sent / roofline["link_bytes_per_s"])
     flops = _flops(node, out)
     in_vals = [a.meta.get("val") for a in node.all_input_nodes]
     traffic = sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
     seconds = max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
     return NodeCost(int(flops), int(traffic), seconds)
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """Bytes one rank sends in a ring collective: all-gather (t-1)/t of its output, reduce-scatter
+    (t-1)/t of its input, all-reduce 2(t-1)/t of its tensor (a reduce-scatter then an all-gather)."""
+    kind = collective_name(node.target)
+    if kind in ("", "wait_tensor"):
+        return 0
+    size = _group_size(node)
+    if kind.startswith("all_gather"):
+        n, factor = tensor_bytes(node.meta["val"]), 1
+    elif kind.startswith("reduce_scatter"):
+        n, factor = tensor_bytes(node.args[0].meta["val"]), 1
+    else:
+        n, factor = sum(tensor_bytes(t) for t in _tensors(node.meta.get("val"))), 2
+    return factor * n * (size - 1) // max(size, 1)
+
+
+def _group_size(node: fx.Node) -> int:
+    """The group size an all-gather / reduce-scatter carries as an argument; an all-reduce's from its group."""
+    for a in list(node.args[1:]) + list(node.kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool):
+            return a
+    return group_size(node.args[-1] if node.args else None)
 
 
 _aten = torch.ops.aten

@@ -26,28 +26,29 @@ Slices = tuple  # of (dim, start, length): the rank's part of each sharded dimen
 
 
 def kept_slice(full_shape, p: float, like: torch.Tensor, slices: Slices) -> torch.Tensor:
-    """The rank's slice of the keep-mask one process draws for a tensor of ``full_shape``."""
+    """The rank's slice of the keep-mask one process draws for a tensor of ``full_shape``, as a bool
+    tensor of its own (a view would keep the whole mask alive wherever the slice is kept)."""
     _, keep = aten.native_dropout(torch.ones(full_shape, dtype=like.dtype, device=like.device), p, True)
     for dim, start, length in slices:
         keep = keep.narrow(dim, start, length)
-    return keep
+    return keep.clone()
 
 
 def sliced_dropout(x: torch.Tensor, p: float, train: bool, full_shape, slices: Slices) -> torch.Tensor:
     """``aten.dropout(x, p, train)`` for a rank's shard ``x`` of a tensor of ``full_shape``."""
-    if not train or p == 0:
-        return x.clone()
-    if p == 1:
-        return x * 0
-    return x * kept_slice(full_shape, p, x, slices).to(x.dtype).div_(1 - p)
+    return sliced_native_dropout(x, p, train, full_shape, slices)[0]
 
 
 def sliced_native_dropout(x: torch.Tensor, p: float, train: bool | None, full_shape, slices: Slices):
-    """``aten.native_dropout(x, p, train)``: the output and the rank's slice of the keep-mask."""
+    """``aten.native_dropout(x, p, train)``: the output and the rank's slice of the keep-mask. The mask
+    is applied by ``native_dropout_backward`` (x * mask * scale), whose own backward reads the bool
+    mask: what a plan keeps is 1 byte per element, as for one process's dropout, not a scaled copy."""
     if train is False or p == 0:
         return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    if p == 1:
+        return x * 0, torch.zeros_like(x, dtype=torch.bool)
     keep = kept_slice(full_shape, p, x, slices)
-    return x * keep.to(x.dtype) * (1 / (1 - p)), keep
+    return aten.native_dropout_backward(x, keep, 1 / (1 - p)), keep
 
 
 def sliced_attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, *,

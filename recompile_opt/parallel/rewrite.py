@@ -40,7 +40,11 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
     vocab = {m.module for m in layout.modules if m.style == "vocab"}
     params = {s.arg.name: s.target for s in layout.program.graph_signature.input_specs if s.kind.name == "PARAMETER"}
     seq = _SequencePlan(source.graph, layout, params) if layout.sequence_parallel else None
-    graph, env, copies, gathered, gathered_for_columns = fx.Graph(), {}, {}, {}, {}
+    if seq is not None and seq.length is not None and seq.length % layout.tp:
+        raise ValueError(f"recompile_opt.parallel: sequence parallelism splits the sequence over the ranks: "
+                         f"length {seq.length} is not divisible by {layout.tp} ranks (pad it, or pass "
+                         "sequence_parallel=False)")
+    graph, env, copies, gathered, gathered_for_columns = _TracedGraph(), {}, {}, {}, {}
 
     def gather(x: fx.Node) -> fx.Node:  # a sequence-sharded value whole, for replicated work (once per value)
         if x not in gathered:
@@ -49,10 +53,14 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
         return gathered[x]
 
     for node in source.graph.nodes:
+        graph.origin = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta}
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
             if seq is not None and node in seq.summed:  # replicated, read on shards: gradients summed (f)
                 env[node] = graph.call_function(C.copy_to_tensor_parallel, (env[node], group_name))
+            elif seq is not None and node in seq.seeds:  # a bare block's hidden states: this rank's rows
+                env[node] = graph.call_function(C.split_sequence, (env[node], group_name, seq.dim(node)),
+                                                {"size": layout.tp, "rank": rank})
             continue
         if node.op == "output":
             graph.output(fx.map_arg(node.args[0], lambda n: gather(n) if seq and n in seq.sharded else env[n]))
@@ -108,6 +116,18 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
     return out
 
 
+class _TracedGraph(fx.Graph):
+    """A graph whose new nodes carry the user's source line and module path of the node they stand for
+    (Dynamo keeps a GraphModule's node metadata when it traces one), so plans of the rank's graph show
+    the model's own lines and modules."""
+    origin: dict = {}
+
+    def create_node(self, *args, **kwargs) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta.update(self.origin)
+        return node
+
+
 # ops that act on each token alone, so they run on a rank's rows of the sequence
 _PER_TOKEN = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "mean", "layer_norm", "native_layer_norm",
               "rms_norm", "dropout", "native_dropout", "_to_copy", "to", "type_as", "clone", "alias", "detach",
@@ -125,7 +145,12 @@ class _SequencePlan:
         self.tp, self.sharded, self.seeds, self.summed = layout.tp, set(), set(), set()
         self.length: int | None = None
         self.to_narrow: dict[fx.Node, list[fx.Node]] = {}
+        users = set(layout.program.graph_signature.user_inputs)
         for node in graph.nodes:
+            if node.op == "placeholder" and node.name in users and _hidden_states(node):
+                self.sharded.add(node)  # a bare block's [b, s, h] input: split along the sequence on entry
+                self.seeds.add(node)
+                self.length = node.meta["val"].shape[1]
             if node.op != "call_function":
                 continue
             op = op_name(node)
@@ -185,6 +210,12 @@ def _attention_dropout(node: fx.Node) -> float:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
+def _hidden_states(node: fx.Node) -> bool:
+    """A float ``[b, s, h]`` input: hidden states entering a bare transformer block."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 3 and val.is_floating_point()
+
+
 def _parameters_behind(node: fx.Node, params: dict, stop: set) -> set:
     """The parameter inputs a replicated value is computed from (its gradient is then a rank's part)."""
     found, todo, seen = set(), [node], set()
@@ -240,9 +271,19 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
     program = layout.program
     specs = program.graph_signature.input_specs
     out_specs = program.graph_signature.output_specs
+    captured = [_signature(n.meta.get("val")) for n, s in zip(program.graph.find_nodes(op="placeholder"), specs)
+                if s.kind.name == "USER_INPUT"]
+    training = model.training
 
     def forward(self, *args, **kwargs):
-        user = iter(pytree.tree_leaves((args, kwargs)))
+        leaves = pytree.tree_leaves((args, kwargs))
+        got = [_signature(x) for x in leaves]
+        if got != captured or self.training != training:
+            raise ValueError(f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
+                             f"{'training' if training else 'eval'} mode; called with {got} in "
+                             f"{'training' if self.training else 'eval'} mode. Parallelize a fresh model with "
+                             "example inputs of these shapes and this mode")
+        user = iter(leaves)
         inputs = []
         for spec in specs:
             kind = spec.kind.name
@@ -261,3 +302,10 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
         return pytree.tree_unflatten(mine, program.call_spec.out_spec)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _signature(x):
+    """What the captured graph fixed about an input: a tensor's shape and dtype, else the value."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(int(d) for d in x.shape), str(x.dtype).replace("torch.", ""))
+    return x

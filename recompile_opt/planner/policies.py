@@ -3,7 +3,8 @@
 Each policy is a pure function ``Problem -> set of values to recompute``; what is then kept follows
 from :meth:`Problem.needed_closure`. They find their structure from the graph, not from module names:
 
-* ``save-all``: recompute nothing (what eager PyTorch keeps).
+* ``save-all``: recompute nothing (what eager PyTorch keeps); under sequence parallelism each gathered
+  value is gathered again in the backward from the kept shard (Megatron's no-recompute layout).
 * ``full``: keep only what crosses a transformer block boundary, recompute the rest of each block
   (``torch.utils.checkpoint`` around every block). Blocks are a module's children that repeat in the
   graph (:mod:`recompile_opt.planner.structure`: ``blocks.3``, ``encoder_layer_3``, an
@@ -11,6 +12,7 @@ from :meth:`Problem.needed_closure`. They find their structure from the graph, n
 * ``megatron-selective``: recompute exactly the attention core (Korthikanti et al. 2022, §4.2): every
   value from the QK^T matmul to the input of the @V matmul (scale, mask, softmax, dropout), plus the
   values that only feed it. With SDPA the core is the SDPA call itself and no s x s tensor exists.
+  Gathered values are gathered again, as under ``save-all``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,32 @@ _MATMULS = ("bmm", "matmul", "baddbmm")
 
 
 def save_all(problem: Problem) -> set[str]:
-    return set()
+    """Nothing recomputed; under sequence parallelism every gathered value is gathered again in the
+    backward from the kept shard (:func:`regathers`), as Megatron's no-recompute configuration does."""
+    return regathers(problem)
+
+
+# ops that only move what an all-gather brought in: its wait, the split into the ranks' pieces and
+# their cat along the sequence, views
+_MOVES = ("wait_tensor", "split", "split_with_sizes", "chunk", "getitem", "cat", "view", "_unsafe_view", "reshape",
+          "clone", "permute", "t", "transpose", "expand", "alias", "contiguous")
+
+
+def regathers(problem: Problem) -> set[str]:
+    """Every all-gather's output and the copies that only re-arrange it, recomputed: each rank keeps
+    its 1/t shard and the backward gathers it again (communication, not compute). Why not keep the
+    gathered value: that is what makes tensor parallelism's activations ``sbh(10 + 24/t)`` per layer
+    instead of sequence parallelism's ``34sbh/t`` (Korthikanti et al. 2022, Table 2)."""
+    users = consumers(problem)
+    found, todo = set(), [n for n, v in problem.values.items() if "all_gather" in v.info.get("op", "")]
+    while todo:
+        name = todo.pop()
+        v = problem.values[name]
+        if name in found or not v.can_recompute or v.flops:
+            continue
+        found.add(name)
+        todo.extend(u for u in users[name] if problem.values[u].info.get("op", "").rsplit(".", 1)[-1] in _MOVES)
+    return with_views(problem, found)
 
 
 def block_of(module: str) -> str | None:
@@ -97,7 +124,7 @@ def attention_cores(problem: Problem) -> list[set[str]]:
 
 
 def megatron_selective(problem: Problem) -> set[str]:
-    recompute = set()
+    recompute = regathers(problem)
     for core in attention_cores(problem):
         recompute |= {n for n in core if problem.values[n].can_recompute}
     return with_views(problem, recompute)

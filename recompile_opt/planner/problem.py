@@ -40,6 +40,9 @@ class Problem:
     bwd_byte_steps: int = 0  # Σ over backward steps of the bytes its own tensors hold: the ILP's byte scale
     step_s: float = 0.0  # estimated forward + backward time without recompute
     device: str = "cpu"
+    # the step's collectives (tensor/sequence parallelism), for the Plan: name, op, shape, dtype, phase
+    # (forward/backward), bytes (what one rank sends); a forward all-gather may be recomputed (a re-gather)
+    collectives: list[dict] = field(default_factory=list)
 
     def needed_closure(self, recompute: set[str], keep: set[str] = frozenset(), *,
                        feasible: set[str] | None = None) -> tuple[set[str], set[str]]:
@@ -80,4 +83,7 @@ class Problem:
         return sum(self.storage_bytes[s] for s in storages) + rng * self.rng_state_bytes
 
     def recompute_seconds(self, recomputed: set[str]) -> float:
-        return sum(self.values[n].recompute_s for n in recomputed if self.values[n].in_forward)
+        """Summed in the values' (graph) order, not the set's: a set of names iterates in an order that
+        varies with each process's string hash seed, float sums then differ in the last bit, and two
+        ranks broke a tie between equal plans differently (tests/test_parallel_rewrite.py)."""
+        return sum(v.recompute_s for n, v in self.values.items() if n in recomputed and v.in_forward)

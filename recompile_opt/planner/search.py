@@ -24,13 +24,18 @@ __all__ = ["InfeasibleBudget", "make_plan"]
 
 log = logging.getLogger(__name__)
 
+# A graph with collectives runs on several ranks, each planning it alone: a wall-clock limit could stop
+# one rank's solver and not another's, and their plans (so their collectives) would differ. There a node
+# limit, which gives the same plan on every machine, binds instead (the search's, see least_peak), and
+# the time limit only guards against a solver that hangs.
+RANK_SAFE_MAX_NODES, RANK_SAFE_TIME_LIMIT_S = 2000, 3600.0
+
 
 def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
               ) -> Plan:
     """``simulate`` predicts a plan's peak (the partitioner passes one that partitions and simulates
     the graphs); with it, a fractional budget's 0.0 end is the plan of least predicted peak."""
-    baseline_saved, _ = problem.needed_closure(set())
-    baseline = problem.kept_bytes(baseline_saved)
+    baseline = problem.kept_bytes(*problem.needed_closure(POLICIES["save-all"](problem)))  # memory_budget 1.0
     notes: list[str] = []
     keep: set[str] = set()
     if options.policy == "auto":
@@ -56,6 +61,8 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
 def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str],
                 simulate: Simulate | None = None, solves: ilp.SolveLog | None = None):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap, log=solves)
+    if problem.collectives:  # every rank must reach the same plan (a different one hangs the collectives)
+        kw.update(max_nodes=RANK_SAFE_MAX_NODES, time_limit_s=max(options.time_limit_s, RANK_SAFE_TIME_LIMIT_S))
     fit_peak = options.peak_memory is not None
     if fit_peak and simulate is None:  # the ILP has no peak rows: a peak is only known by simulation
         raise ValueError("recompile_opt: peak_memory needs plans simulated on the graphs (recompile_opt.plan "
@@ -197,6 +204,7 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
         recompute_s=problem.recompute_seconds(recomputed), step_s=problem.step_s,
         predicted_peak_bytes=0, solver=solver_info, notes=notes,  # the caller simulates it (backend)
         options={k: v for k, v in vars(options).items() if v not in (None, {}, "")},
+        collectives=[{**c, "regathered": c["name"] in forward_recomputed} for c in problem.collectives],
     )
 
 

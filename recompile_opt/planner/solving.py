@@ -141,7 +141,7 @@ def _ranked_moves(problem: Problem, saved: set[str], rec: set[str], skip: set[st
                  - sum(problem.storage_bytes.get(s, 0) for s in fresh - set(by_storage) - {""})
                  - sum(problem.rng_state_bytes * problem.values[n].copies for n in move
                        if problem.values[n].random))
-        seconds = sum(problem.values[n].recompute_s for n in move) + 1e-12
+        seconds = sum(problem.values[n].recompute_s for n in sorted(move)) + 1e-12  # a fixed order: same float on every rank
         scored.append((-freed / seconds, storage, move))
     return [(storage, move) for _, storage, move in sorted(scored, key=lambda t: t[:2])]
 

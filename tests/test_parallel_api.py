@@ -1,0 +1,101 @@
+"""``recompile_opt.parallelize`` / ``parallel_plan``, the user's entry to tensor + sequence parallelism, on
+2 gloo ranks: the benchmark GPT through the public calls equals one process (eager, and compiled by
+recompile_opt at 0.0 through the eager compiler; through Inductor in the slow run), and each bad input
+is an error naming what is wrong."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import recompile_opt
+from recompile_opt import models
+
+from multiprocess import init_gloo, leave, progress, run_ranks
+from test_parallel_rewrite import SEQ, STEPS, _batch, _model, _train
+
+WORLD = 2
+
+
+def _errors(rank: int) -> dict:
+    """Each bad input's error type and message (no exception escapes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the type and the message
+            out[key] = (type(e).__name__, str(e))
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    attempt("2-D mesh", lambda: recompile_opt.parallelize(_model("gpt"), init_device_mesh("cpu", (1, WORLD)), _batch()))
+    attempt("not a mesh", lambda: recompile_opt.parallelize(_model("gpt"), mesh.get_group(), _batch()))
+    short = tuple(t[:, :SEQ - 1].contiguous() for t in _batch())
+    attempt("sequence", lambda: recompile_opt.parallelize(_model("gpt"), mesh, short))
+    model = recompile_opt.parallelize(_model("gpt"), mesh, _batch())
+    attempt("other shapes", lambda: model(*(t[:1] for t in _batch())))
+    attempt("not parallelized", lambda: recompile_opt.parallel_plan(_model("gpt")))
+    return out
+
+
+def _worker(rank: int, out: str, compiler: str):
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, out)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        errors = _errors(rank)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        results = {}
+        for key, options in (("eager", None), ("compiled", {"memory_budget": 0.0, "compiler": compiler})):
+            torch._dynamo.reset()
+            model = recompile_opt.parallelize(_model("gpt"), mesh, [t.to("meta") for t in _batch()])
+            step_fn = model if options is None else torch.compile(model, backend="recompile_opt", options=options)
+            losses, grads = _train(model, step_fn)
+            results[key] = {"losses": losses, "grads": grads}
+        torch.save({"errors": errors, "results": results, "layout": str(recompile_opt.parallel_plan(model)),
+                    "compiled_layout": str(recompile_opt.parallel_plan(step_fn))},
+                   os.path.join(out, f"rank{rank}.pt"))
+        progress(out, rank, "results saved")
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave(out, rank)
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_path):
+    run_ranks(_worker, (str(tmp_path), compiler), str(tmp_path), WORLD)
+    model = _model("gpt")
+    losses, grads = _train(model, model)
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        for key, run in res["results"].items():
+            assert run["losses"] == pytest.approx(losses, rel=1e-5), key
+            for step in range(STEPS):
+                for n, g in grads[step].items():
+                    torch.testing.assert_close(run["grads"][step][n], g, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{key}, rank {rank}, step {step}, {n}: {m}")
+        layout = res["layout"]
+        assert res["compiled_layout"] == layout
+        assert "sequence parallel" in layout and "blocks.0.attn.c_attn" in layout and "_StridedShard(0, 3)" in layout
+        assert "row" in layout and "vocab" in layout
+        errors = res["errors"]
+        assert errors["2-D mesh"][0] == "ValueError" and "1-D device mesh" in errors["2-D mesh"][1]
+        assert errors["not a mesh"][0] == "TypeError" and "DeviceMesh" in errors["not a mesh"][1]
+        assert errors["sequence"][0] == "ValueError" and f"length {SEQ - 1} is not divisible by 2" in errors["sequence"][1]
+        assert errors["other shapes"][0] == "ValueError" and "laid out for inputs" in errors["other shapes"][1]
+        assert errors["not parallelized"][0] == "ValueError"
+
+
+def test_parallelize_needs_torch_distributed():
+    assert not dist.is_initialized()
+    from torch.distributed.device_mesh import DeviceMesh
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        recompile_opt.parallelize(_model("gpt"), object.__new__(DeviceMesh), _batch())
