@@ -251,6 +251,82 @@ NOTES = """Notes.
 * Forward FLOPs count matmuls only (torch's FLOP registry), as the paper does."""
 
 
+# -- tensor and sequence parallelism (--tp T) ---------------------------------------------------
+
+TP_STRATEGIES = {"none": dict(policy="save-all"), "selective": dict(policy="megatron-selective"),
+                 "full": dict(policy="full")}
+ILP_SLACK = 1.01  # the ILP row's budget: TP+SP+selective's 34sbh/t, 1% over
+
+
+def formula_bytes_tp(strategy: str, h: int, a: int, t: int, sp: bool, s: int = S, b: int = B) -> float:
+    """Table 2 per rank: TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht)); with selective
+    recompute the 5as/(ht) term goes; full recompute keeps the layer's input (2sbh, 2sbh/t sharded)."""
+    sbh = s * b * h
+    replicated = 0 if sp else 10 * sbh  # the norms' inputs, the QKV and fc1 inputs, two h-wide masks
+    core = 5 * a * s * s * b / t
+    return {"none": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0) + core,
+            "selective": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0),
+            "full": 2 * sbh / (t if sp else 1), "ilp": 34 * sbh / t}[strategy]
+
+
+def model_rows_tp(name: str, t: int) -> list[dict]:
+    """One layer over ``t`` ranks (rank 0 of a fake process group, on the meta device), tensor parallel
+    and tensor + sequence parallel: each Table 2 strategy, and the ILP at ILP_SLACK x 34sbh/t."""
+    from recompile_opt.parallel import parallelize
+
+    h, a = MODELS[name]
+    mesh = _fake_mesh(t)
+    rows = []
+    for sp in (False, True):
+        model, x = paper_layer(h, a, s=S, b=B)
+        parallelize(model, mesh, (x,), sequence_parallel=sp)
+        plans = {k: _plan(model, x, **kw) for k, kw in TP_STRATEGIES.items()}
+        if sp:
+            plans["ilp"] = _plan(model, x, memory_budget=int(ILP_SLACK * formula_bytes_tp("ilp", h, a, t, sp)))
+        for strategy, plan in plans.items():
+            formula = formula_bytes_tp(strategy, h, a, t, sp)
+            rows.append({
+                "model": name, "t": t, "sp": sp, "strategy": strategy, "h": h, "heads": a, "s": S, "b": B,
+                "formula_bytes": formula, "plan_bytes": plan.saved_bytes, "ratio": plan.saved_bytes / formula,
+                "sent_bytes": plan.communication_bytes(),
+                "regathered": sum(1 for c in plan.collectives if c.get("regathered")),
+                "s2_kept_bytes": sum(e.bytes for e in plan.saved if list(e.shape[-2:]) == [S, S]),
+                "recompute_flops": plan.recompute_flops,
+                "recomputed_modules": sorted({e.module for e in plan.recomputed if e.flops}),
+            })
+    return rows
+
+
+def _fake_mesh(t: int):
+    """A 1-D mesh of ``t`` ranks in this one process: torch's fake process group (collectives traced,
+    never run), which is what planning on the meta device needs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
+    return init_device_mesh("cpu", (t,))
+
+
+def markdown_tp(rows: list[dict]) -> str:
+    t = rows[0]["t"]
+    head = ("| model | layout | strategy | formula MiB | plan MiB | plan/formula | sent MiB | re-gathers "
+            "| s x s kept MiB | recompute GFLOP | recomputed matmuls in |")
+    lines = [f"Korthikanti et al. 2022, Table 2 per rank and layer at t={t}: s={S}, b={B}, bf16, dropout 0.1; "
+             "rank 0 of a fake process group on the meta device", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {'TP+SP' if r['sp'] else 'TP'} | {r['strategy']} | {r['formula_bytes'] / 2**20:.1f}"
+            f" | {r['plan_bytes'] / 2**20:.1f} | {r['ratio']:.4f} | {r['sent_bytes'] / 2**20:.1f} | {r['regathered']}"
+            f" | {r['s2_kept_bytes'] / 2**20:.1f} | {r['recompute_flops'] / 1e9:.1f}"
+            f" | {', '.join(r['recomputed_modules']) or '-'} |")
+    lines += ["", "ilp: the ILP at 1.01 x 34sbh/t (TP+SP+selective's bytes). sent: bytes one rank sends per step "
+              "(the layer's own collectives, each re-gather again, and the transitions into and out of the bare "
+              "layer: its input split, its output gathered)."]
+    return "\n".join(lines)
+
+
 # -- CLI ----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
@@ -259,6 +335,8 @@ def parse_args(argv=None):
     p.add_argument("--models", default=",".join(MODELS),
                    help="comma-separated subset of: " + ", ".join(MODELS))
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan rank 0's layer tensor "
+                   "parallel and tensor + sequence parallel (a fake process group, the meta device)")
     p.add_argument("--md", metavar="FILE", help="also write the markdown (table and explanations) here, "
                    "opening with recompile_opt.provenance.header_line() (versions, machine, load, date)")
     return p.parse_args(argv)
@@ -282,10 +360,15 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {list(MODELS)}")
-    rows = [r for name in names for r in model_rows(name)]
-    print(json.dumps(rows, indent=1) if args.json else markdown(rows))
+    if args.tp > 1:
+        rows = [r for name in names for r in model_rows_tp(name, args.tp)]
+        text = markdown_tp(rows)
+    else:
+        rows = [r for name in names for r in model_rows(name)]
+        text = markdown(rows)
+    print(json.dumps(rows, indent=1) if args.json else text)
     if args.md:
-        Path(args.md).write_text(markdown_document(rows))
+        Path(args.md).write_text(f"{header_line()}\n\n{text}\n")
     return 0
 
 

@@ -164,6 +164,7 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
         first_use[node.name] = min((pos[u] for u in node.users if u in pos), default=len(jg.bwd_nodes))
         if value.random and not replay_random:
             value.can_recompute = False
+    _inherit_modules(jg, values)
     _propagate_last_use(jg, values, first_use)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
@@ -269,6 +270,26 @@ def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:
         return False
     readers = [u for u in consumers(node) if u in jg.bwd_set]
     return all(is_fusible_pointwise(u) for u in readers)
+
+
+_PARALLEL_DIR = str(Path(__file__).resolve().parents[1] / "recompile_opt" / "parallel")
+_DROPOUT_HELPERS = str(Path(_PARALLEL_DIR) / "dropout.py")
+
+
+def _inherit_modules(jg: JointGraph, values: dict[str, Value]) -> None:
+    """Ops that tensor/sequence parallelism's helpers add (a dropout's sliced mask, a gather's cat, a
+    shard's copy) have no module of their own (Dynamo traced them inside our functions): they take the
+    module of the value they work on, so blocks and plans see them where the user's op was."""
+    helpers = [n for n, v in values.items() if not v.info.get("module")
+               and _PARALLEL_DIR in (jg.name_to_node[n].meta.get("stack_trace") or "")]
+    for name in helpers:  # from what they read (a gather's cat: the gathered norm's module)
+        values[name].info["module"] = next((values[i].info["module"] for i in values[name].inputs
+                                            if values[i].info.get("module")), "")
+    for name in reversed(helpers):  # else a dropout's mask from what reads it (a shard split off the
+        # model's input stays outside every module: it is the first block's input, kept by ``full``)
+        if not values[name].info["module"] and _DROPOUT_HELPERS in jg.name_to_node[name].meta["stack_trace"]:
+            values[name].info["module"] = next((values[u.name].info["module"] for u in jg.name_to_node[name].users
+                                                if u.name in values and values[u.name].info.get("module")), "")
 
 
 def _propagate_last_use(jg: JointGraph, values: dict[str, Value], first_use: dict[str, int]) -> None:

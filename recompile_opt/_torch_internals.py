@@ -98,7 +98,7 @@ __all__ = [
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
-    "collective_name", "is_all_gather", "is_wait_tensor", "group_size",
+    "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
     "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
     "layout_optimized",
@@ -254,6 +254,30 @@ def collective_name(target) -> str:
         return ""
     packet = getattr(target, "_overloadpacket", None)
     return getattr(packet, "__name__", str(target)).rsplit(".", 1)[-1]
+
+
+def inner_static_indices(gm: fx.GraphModule, static: list[int] | None) -> list[int] | None:
+    """The primals of the joint graph that are static inputs (parameters, buffers), as indices of its
+    placeholders. Why: where an input is a tensor subclass (a DTensor parameter: its local tensor and
+    its mesh), AOTAutograd (2.13) hands the partitioner ``static_lifetime_input_indices`` counted over
+    the wrapped inputs, though the graph's placeholders are the unwrapped ones; read as they are, the
+    wrong placeholders were static (a mesh among them) and every sharded weight was charged as a kept
+    activation. Each placeholder's ``desc`` names the wrapped input it comes from."""
+    if not static:
+        return static
+    primals = [n for n in gm.graph.find_nodes(op="placeholder") if _is_primal(n)]
+    outer = [_wrapped_index(n.meta.get("desc")) for n in primals]
+    if all(o == i for i, o in enumerate(outer)) or any(o is None for o in outer):
+        return static  # nothing unwrapped (or no descriptors): the indices are the placeholders'
+    wanted = set(static)
+    return [i for i, o in enumerate(outer) if o in wanted and isinstance(primals[i].meta.get("val"), torch.Tensor)]
+
+
+def _wrapped_index(desc) -> int | None:
+    """The index of the wrapped input an AOT input descriptor comes from (through subclass attributes)."""
+    while desc is not None and not hasattr(desc, "idx"):
+        desc = getattr(desc, "base", None)
+    return getattr(desc, "idx", None)
 
 
 def group_size(group_name) -> int:

@@ -74,7 +74,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         start = time.perf_counter()
         num_fwd_outputs = kwargs["num_fwd_outputs"]
-        static = kwargs.get("static_lifetime_input_indices")
+        static = ti.inner_static_indices(gm, kwargs.get("static_lifetime_input_indices"))
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random())

@@ -84,3 +84,48 @@ def test_plans_recompute_only_what_backward_reads(rows, model):
     # full: the forward but the MLP's second linear (8bsh^2), whose output no backward op reads
     assert rows[model, "full"]["recompute_flops"] == forward_flops(h) - 8 * B * S * h * h
 
+
+
+# -- tensor and sequence parallelism: Table 2 per rank (bench/paper.py --tp) -------------------------
+
+T = 8
+
+
+def table_2_per_rank(strategy, h, a, sp, t=T):
+    """Korthikanti et al. Table 2, per rank: TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh(34/t + 5as/(ht));
+    selective recompute drops the 5as/(ht) term."""
+    sbh = S * B * h
+    core = 5 * a * S * S * B / t if strategy == "none" else 0
+    return (34 * sbh / t if sp else sbh * (10 + 24 / t)) + core
+
+
+@pytest.fixture(scope="module")
+def tp_rows():
+    """22B and 175B at t = 8, in a process of its own (the bench starts a fake process group)."""
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "paper.py"
+    out = subprocess.run([sys.executable, str(path), "--tp", str(T), "--models", "22B,175B", "--json"],
+                         capture_output=True, text=True, timeout=1500, check=True).stdout
+    return {(r["model"], r["sp"], r["strategy"]): r for r in json.loads(out)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("strategy", ["none", "selective"])
+@pytest.mark.parametrize("model", ["22B", "175B"])
+def test_per_rank_bytes_match_table_2(tp_rows, model, strategy, sp):
+    """Per-rank kept bytes within 3% of the paper's TP and TP+SP rows (no recompute, selective)."""
+    h, a = MODELS[model]
+    r = tp_rows[(model, sp, strategy)]
+    assert r["plan_bytes"] == pytest.approx(table_2_per_rank(strategy, h, a, sp), rel=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["22B", "175B"])
+def test_tensor_parallel_sends_four_all_reduces_per_layer(tp_rows, model):
+    """TP without recompute: two all-reduces in the forward, two in the backward, each of the layer's
+    [s, b, h] 16-bit activations, a ring sending 2(t-1)/t of it (Megatron's communication per layer)."""
+    h, _ = MODELS[model]
+    assert tp_rows[(model, False, "none")]["sent_bytes"] == 4 * 2 * (T - 1) * (2 * S * B * h) // T

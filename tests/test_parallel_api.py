@@ -57,8 +57,12 @@ def _worker(rank: int, out: str, compiler: str):
             torch._dynamo.reset()
             model = recompile_opt.parallelize(_model("gpt"), mesh, [t.to("meta") for t in _batch()])
             step_fn = model if options is None else torch.compile(model, backend="recompile_opt", options=options)
+            recompile_opt.reset_plans()
             losses, grads = _train(model, step_fn)
-            results[key] = {"losses": losses, "grads": grads}
+            # what the plan counts as kept inputs: never a sharded weight (a DTensor's local tensor is a
+            # parameter, free to keep), only the token ids and targets
+            inputs = [e.dtype for p in recompile_opt.last_plans() for e in p.saved if e.reason == "input" and e.bytes]
+            results[key] = {"losses": losses, "grads": grads, "kept_inputs": inputs}
         torch.save({"errors": errors, "results": results, "layout": str(recompile_opt.parallel_plan(model)),
                     "compiled_layout": str(recompile_opt.parallel_plan(step_fn))},
                    os.path.join(out, f"rank{rank}.pt"))
@@ -82,6 +86,7 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
                 for n, g in grads[step].items():
                     torch.testing.assert_close(run["grads"][step][n], g, rtol=1e-4, atol=1e-5,
                                                msg=lambda m: f"{key}, rank {rank}, step {step}, {n}: {m}")
+        assert res["results"]["compiled"]["kept_inputs"] and set(res["results"]["compiled"]["kept_inputs"]) == {"int64"}
         layout = res["layout"]
         assert res["compiled_layout"] == layout
         assert "sequence parallel" in layout and "blocks.0.attn.c_attn" in layout and "_StridedShard(0, 3)" in layout

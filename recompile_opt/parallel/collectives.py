@@ -110,12 +110,21 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def copy_of_rows(x: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``x.narrow(dim, start, length)`` as a tensor of its own. Why not ``narrow(...).clone()``:
+    Inductor's joint-graph pass ``remove_noop_ops`` drops a clone whose size and strides equal its
+    input's, which a contiguous slice's do (the sequence rows of a ``[1, s, h]`` batch), so the kept
+    shard was a view keeping the whole sequence alive (7x the bytes at t = 8). An ``index_select`` of
+    the rows is a copy no pass removes; Inductor lowers it to one strided read."""
+    return x.index_select(dim, torch.arange(start, start + length, device=x.device))
+
+
 class _SplitToShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name, dim, size, rank):
         ctx.name, ctx.dim = name, dim
         step = x.shape[dim] // size
-        return x.narrow(dim, rank * step, step).clone()
+        return copy_of_rows(x, dim, rank * step, step)
 
     @staticmethod
     def backward(ctx, grad):

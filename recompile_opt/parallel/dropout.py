@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from recompile_opt.parallel.collectives import copy_of_rows
+
 aten = torch.ops.aten
 
 Slices = tuple  # of (dim, start, length): the rank's part of each sharded dimension
@@ -27,11 +29,12 @@ Slices = tuple  # of (dim, start, length): the rank's part of each sharded dimen
 
 def kept_slice(full_shape, p: float, like: torch.Tensor, slices: Slices) -> torch.Tensor:
     """The rank's slice of the keep-mask one process draws for a tensor of ``full_shape``, as a bool
-    tensor of its own (a view would keep the whole mask alive wherever the slice is kept)."""
+    tensor of its own (a view would keep the whole mask alive wherever the slice is kept; a clone of a
+    contiguous slice is dropped by Inductor as a no-op, see ``collectives.copy_of_rows``)."""
     _, keep = aten.native_dropout(torch.ones(full_shape, dtype=like.dtype, device=like.device), p, True)
     for dim, start, length in slices:
-        keep = keep.narrow(dim, start, length)
-    return keep.clone()
+        keep = copy_of_rows(keep, dim, start, length)
+    return keep
 
 
 def sliced_dropout(x: torch.Tensor, p: float, train: bool, full_shape, slices: Slices) -> torch.Tensor:
