@@ -225,7 +225,9 @@ def _unwaited(node: fx.Node) -> bool:
 def _unrepeatable_collective(node: fx.Node) -> bool:
     """A collective the backward may not run again: every one but an all-gather (with its wait), which
     re-gathers the kept shards at a communication cost (what Megatron's sequence parallelism does for
-    the weight gradients); a reduction run twice would sum the ranks' parts twice."""
+    the weight gradients). A reduction re-run from its inputs would be exact too, but needs their
+    full-size partial sums (kept or recomputed): not offered yet, so ``full`` keeps each
+    reduce-scatter's output (docs/paper.md)."""
     if not ti.is_collective_op(node.target):
         return False
     if ti.is_wait_tensor(node.target):
