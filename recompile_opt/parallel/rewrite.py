@@ -249,12 +249,18 @@ def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
 def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: int, group_name: str,
                   seq_dim: int | None = None) -> fx.Node:
     """Megatron's vocabulary-parallel embedding: this rank's rows looked up, the others zero, summed by g
-    (or, with sequence parallelism, reduce-scattered over the sequence)."""
+    (or, with sequence parallelism, reduce-scattered over the sequence).
+
+    A token's row on this rank is ``(id - rank * rows) mod vocab``, written ``(id + (tp - rank) * rows)
+    mod vocab`` so that no rank adds zero: rank 0's ``id - 0`` was folded away (torch 2.14), its graph
+    lost a node the others have, and the ranks planned differently (a hang or wrong collectives).
+    The rows outside this rank's share land at ``rows`` and above."""
     weight, ids = args[0], args[1]
-    rows = node.args[0].meta["val"].shape[0] // tp
-    local = graph.call_function(aten.sub.Tensor, (ids, rank * rows))
-    outside = graph.call_function(aten.logical_or.default, (
-        graph.call_function(aten.lt.Scalar, (local, 0)), graph.call_function(aten.ge.Scalar, (local, rows))))
+    vocab = node.args[0].meta["val"].shape[0]
+    rows = vocab // tp
+    local = graph.call_function(aten.remainder.Scalar, (
+        graph.call_function(aten.add.Tensor, (ids, (tp - rank) * rows)), vocab))
+    outside = graph.call_function(aten.ge.Scalar, (local, rows))
     local = graph.call_function(aten.masked_fill.Scalar, (local, outside, 0))
     found = graph.call_function(aten.embedding.default, (weight, local, *args[2:]))
     found = graph.call_function(aten.masked_fill.Scalar, (found, graph.call_function(aten.unsqueeze.default,
