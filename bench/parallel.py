@@ -1,0 +1,238 @@
+"""Tensor (+ sequence) parallel training on gloo CPU ranks, measured per rank: no parallelism (one
+process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``parallelize_module`` with
+``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``, compiled by
+plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
+budgets. Each configuration runs in fresh processes: two warm-up (compiling) steps, the peak of one
+step (the allocator's records above the step's start: activations, gradients, temporaries; the
+sharded parameters live before it), then the median of ``--steps`` timed steps.
+
+    python bench/parallel.py --world 2 4 --md docs/parallel.md
+
+Dropout is off (the hand-written recipes do not slice one process's mask; ours does, see
+tests/test_parallel_rewrite.py). Every configuration's first loss is printed next to one process's:
+a layout that computed something else would show there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import types
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from recompile_opt import models  # noqa: E402
+from recompile_opt.costs.measure import peak_memory, step_time  # noqa: E402
+
+MiB = 2 ** 20
+OURS_BUDGETS = (None, 0.5, 0.0)  # None: no budget (the least recompute; keeps all, shards gathered again)
+CONFIGS = ("hand-tp", "hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The hand-written baselines. DTensor's styles shard the linears; the model code must then work on a
+# rank's heads, which the benchmark models (nanoGPT style: ``view(b, s, n_head, h // n_head)``, a fused
+# [q|k|v] projection) do not: as a user of parallelize_module would, the attention is rewritten to
+# take the head count from the local shard, and GPT's fused projection split into q, k and v.
+
+def _gpt_attention(self, x: torch.Tensor) -> torch.Tensor:
+    b, s, _ = x.shape
+    q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+    att = att.masked_fill(~self.causal_mask[:, :, :s, :s], float("-inf"))
+    y = (self.attn_dropout(F.softmax(att, dim=-1)) @ v).transpose(1, 2).contiguous().view(b, s, -1)
+    return self.resid_dropout(self.c_proj(y))
+
+
+def _llama_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    b, s, _ = x.shape
+    q = models.apply_rotary(self.wq(x).view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+    k = models.apply_rotary(self.wk(x).view(b, s, -1, self.head_dim), cos, sin).transpose(1, 2)
+    v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.resid_dropout(self.wo(y.transpose(1, 2).reshape(b, s, -1)))
+
+
+def _split_fused_qkv(attn: nn.Module) -> None:
+    h = attn.c_proj.in_features
+    for i, name in enumerate("qkv"):
+        lin = nn.Linear(h, h, bias=attn.c_attn.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(attn.c_attn.weight[i * h:(i + 1) * h])
+            if lin.bias is not None:
+                lin.bias.copy_(attn.c_attn.bias[i * h:(i + 1) * h])
+        setattr(attn, name, lin)
+    del attn.c_attn
+
+
+def hand_parallel(name: str, model: nn.Module, mesh, sequence_parallel: bool) -> nn.Module:
+    """``model`` laid out by hand with DTensor's parallel styles (torchtitan's Llama plan, and the same
+    for GPT), TP or TP+SP."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    sp = sequence_parallel
+    row_out = {"output_layouts": Shard(1)} if sp else {}
+    if name == "gpt":
+        embed, head, final_norm = "wte", "lm_head", "ln_f"
+        attn, mlp, norms = "attn", "mlp", ("ln_1", "ln_2")
+        cols, rows = ("attn.q", "attn.k", "attn.v", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+    else:
+        embed, head, final_norm = "tok_embeddings", "output", "norm"
+        attn, mlp, norms = "attention", "feed_forward", ("attention_norm", "ffn_norm")
+        cols, rows = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"), \
+            ("attention.wo", "feed_forward.w2")
+    top = {embed: RowwiseParallel(input_layouts=Replicate(), **row_out),
+           head: ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
+    if sp:
+        top[final_norm] = SequenceParallel()
+        if name == "gpt":  # positions: a [s, h] table, its rows reduce-scattered like the tokens'
+            top["wpe"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0))
+    parallelize_module(model, mesh, top)
+    for block in model.blocks:
+        module = getattr(block, attn)
+        module.head_dim = model.config.n_embd // model.config.n_head
+        if name == "gpt":
+            _split_fused_qkv(module)
+            module.forward = types.MethodType(_gpt_attention, module)
+        else:
+            module.forward = types.MethodType(_llama_attention, module)
+        plan = {**{c: ColwiseParallel() for c in cols}, **{r: RowwiseParallel(**row_out) for r in rows}}
+        if sp:
+            extra = (None, None) if name == "llama" else ()
+            plan.update({n: SequenceParallel() for n in norms})
+            plan[attn] = PrepareModuleInput(input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra))
+            plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def _model(name: str):
+    return models.demo_gpt() if name == "gpt" else models.demo_llama()
+
+
+def _measure(step, steps: int) -> dict:
+    peak = peak_memory(step)
+    times = step_time(step, steps=steps, warmup=0)
+    return {"peak": peak, "step_s": statistics.median(times)}
+
+
+def _step_fn(model, fn, batch):
+    losses = []
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        loss = fn(*batch)
+        loss.backward()
+        losses.append(loss.item())
+    return step, losses
+
+
+def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import recompile_opt
+    mesh = init_device_mesh("cpu", (world,))
+    model, batch = _model(name)
+    if config.startswith("hand"):
+        model = hand_parallel(name, model, mesh, sequence_parallel=config.endswith("+sp"))
+        fn = torch.compile(model)
+    else:
+        budget = config.split("@", 1)[1]
+        options = {} if budget == "None" else {"memory_budget": float(budget)}
+        model = recompile_opt.parallelize(model, mesh, batch)
+        fn = torch.compile(model, backend="recompile_opt", options=options)
+    step, losses = _step_fn(model, fn, batch)
+    start = time.perf_counter()
+    for _ in range(2):
+        step()
+    compile_s = time.perf_counter() - start
+    res = {**_measure(step, args.steps), "compile_s": compile_s, "loss": losses[0], "rank": rank}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _single(name: str, steps: int) -> dict:
+    """No parallelism: the whole model in this process, plain torch.compile."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    model, batch = _model(name)
+    step, losses = _step_fn(model, torch.compile(model), batch)
+    for _ in range(2):
+        step()
+    return {**_measure(step, steps), "loss": losses[0]}
+
+
+def run(name: str, config: str, world: int, args) -> dict:
+    """One configuration on ``world`` fresh processes: the largest per-rank peak, the slowest rank's
+    median step."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_rank, args=(name, config, world, out, args), nprocs=world, start_method="spawn")
+        ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
+    return {"peak": max(r["peak"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
+            "compile_s": max(r["compile_s"] for r in ranks), "loss": ranks[0]["loss"]}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | step (ms) | vs hand TP+SP "
+             "| first loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = next((x for x in rows if x["model"] == r["model"] and x["world"] == r["world"]
+                    and x["config"] == "hand-tp+sp"), None)
+        ratio = (lambda k: f"{r[k] / ref[k]:.2f}x" if ref else "") if r["world"] > 1 else (lambda k: "")
+        lines.append(f"| {r['model']} | {r['world']} | {r['config']} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
+                     f"| {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    p.add_argument("--world", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--md", help="write the table (with the command that made it) to this file")
+    p.add_argument("--json", help="write every row to this file")
+    args = p.parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append({"model": name, "world": 1, "config": "no parallelism", **_single(name, args.steps)})
+        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+        for world in args.world:
+            for config in args.configs:
+                rows.append({"model": name, "world": world, "config": config, **run(name, config, world, args)})
+                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    table = markdown(rows)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.md:
+        cmd = "python bench/parallel.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with open(args.md, "w") as f:
+            f.write(f"```bash\n{cmd}\n```\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
