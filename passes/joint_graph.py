@@ -177,7 +177,8 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
 def _collectives(jg: JointGraph) -> list[dict]:
     """Each collective the step runs (waits left out), with the bytes one rank sends."""
     phases = [(n, "forward") for n in jg.fwd_nodes if n in jg.required_fw] + [(n, "backward") for n in jg.bwd_nodes]
-    return [{**_info(n), "name": n.name, "phase": phase, "bytes": collective_bytes(n)}
+    return [{**_info(n), "name": n.name, "phase": phase, "bytes": collective_bytes(n),
+             "group": n.args[-1] if n.args and isinstance(n.args[-1], str) else None}
             for n, phase in phases if ti.collective_name(n.target) not in ("", "wait_tensor")]
 
 

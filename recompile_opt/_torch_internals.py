@@ -280,6 +280,16 @@ def _wrapped_index(desc) -> int | None:
     return getattr(desc, "idx", None)
 
 
+def process_group(group_name):
+    """The process group a traced collective names (its last argument), or None where this process has
+    none by that name (a graph planned on a fake or absent group)."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return c10d._resolve_process_group(group_name)
+    except Exception:
+        return None
+
+
 def group_size(group_name) -> int:
     """The size of the process group a traced collective names (2 where this process has no such group)."""
     try:

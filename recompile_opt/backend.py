@@ -37,6 +37,7 @@ from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
 from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.passes.partition import partition
+from recompile_opt.parallel.agreement import check_same_plan
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
                               "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
         self.plans.append(plan)
+        check_same_plan(plan, gid)
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
         fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)

@@ -176,3 +176,28 @@ def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     assert save_all["saved_bytes"] >= one["saved_bytes"] >= point_three["saved_bytes"] >= zero["saved_bytes"]
     # every re-gather sends its bytes a second time
     assert save_all["sent"] > one["sent"] or one["regathered"] == save_all["regathered"]
+
+
+def _diverging_worker(rank: int, out: str):
+    """Each rank compiles the bare block with its own budget (a user error): planned differently."""
+    torch.set_num_threads(1)
+    init_gloo(rank, WORLD, out)
+    import recompile_opt
+    from torch.distributed.device_mesh import init_device_mesh
+    model = recompile_opt.parallelize(_model("block"), init_device_mesh("cpu", (WORLD,)), _inputs("block"))
+    step = torch.compile(model, backend="recompile_opt",
+                         options={"compiler": "eager", "memory_budget": [1.0, 0.0][rank]})
+    try:
+        step(*_inputs("block"))
+        message = None
+    except Exception as e:  # Dynamo wraps the backend's error
+        message = str(e)
+    torch.save(message, os.path.join(out, f"rank{rank}.pt"))
+    leave(out, rank)
+
+
+def test_ranks_that_plan_differently_fail_at_compile_time_instead_of_hanging(tmp_path):
+    run_ranks(_diverging_worker, (str(tmp_path),), str(tmp_path), WORLD)
+    for rank in range(WORLD):
+        message = torch.load(tmp_path / f"rank{rank}.pt")
+        assert message is not None and "planned graph" in message and "differently" in message, message
