@@ -2,7 +2,11 @@
 all-gather they never call, and the step hangs (or, with equal shapes, exchanges the wrong tensors).
 The planner is deterministic for this (no wall-clock limit, sums in graph order, no rank-dependent
 constant in the graph; tests/test_parallel_rewrite.py gives each rank its own hash seed), and this
-check turns any divergence left into an error at compile time, naming the ranks, instead of a hang."""
+check turns any divergence left into an error at compile time, naming the ranks, instead of a hang.
+
+It runs where the partitioner runs: a graph every rank finds in the compile cache is not checked again
+(it was when it was planned), and one only some ranks find (a cache dir cleared on one node) leaves the
+others waiting in the check until the process group's timeout: an error, late, where it was a hang."""
 
 from __future__ import annotations
 
