@@ -124,28 +124,36 @@ def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 
     return first["plans"]
 
 
-@pytest.mark.parametrize("options", [None, {"memory_budget": 0.0}, {"policy": "save-all"}],
-                         ids=["eager", "compiled-0.0", "compiled-save-all"])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+def _cases(names, cases: dict, slow=()) -> list:
+    """``pytest.param(name, *case)`` for each model and case, with id ``{name}-{case id}``; the ids in
+    ``slow`` (each with a lighter case of the same path in the default run) marked slow."""
+    return [pytest.param(name, *case, id=f"{name}-{cid}", marks=pytest.mark.slow if f"{name}-{cid}" in slow else ())
+            for name in names for cid, case in cases.items()]
+
+
+@pytest.mark.parametrize(("name", "options"), _cases(
+    ["gpt", "llama"], {"eager": (None,), "compiled-0.0": ({"memory_budget": 0.0},),
+                       "compiled-save-all": ({"policy": "save-all"},)},
+    slow={"gpt-compiled-save-all", "llama-compiled-save-all"}))  # save-all: the budgets test, TP+SP
 def test_tensor_parallel_equals_one_process(name, options, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path)), str(tmp_path), WORLD)
     _check_equals_one_process(name, tmp_path, WORLD, compiled=options is not None)
 
 
-@pytest.mark.parametrize(("options", "world"), [(None, 2), ({"memory_budget": 0.0}, 2), (None, 4),
-                                                pytest.param({"memory_budget": 0.0}, 4, marks=pytest.mark.slow)],
-                         ids=["eager", "compiled-0.0", "eager-4-ranks", "compiled-0.0-4-ranks"])
-@pytest.mark.parametrize("name", ["gpt", "llama", "block"])
+@pytest.mark.parametrize(("name", "options", "world"), _cases(
+    ["gpt", "llama", "block"], {"eager": (None, 2), "compiled-0.0": ({"memory_budget": 0.0}, 2),
+                                "eager-4-ranks": (None, 4), "compiled-0.0-4-ranks": ({"memory_budget": 0.0}, 4)},
+    # GPT at 0.0: test_sequence_parallel_budgets_equal_one_process[gpt-2]
+    slow={"gpt-compiled-0.0", "gpt-compiled-0.0-4-ranks", "llama-compiled-0.0-4-ranks", "block-compiled-0.0-4-ranks"}))
 def test_tensor_and_sequence_parallel_equals_one_process(name, options, world, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path), True, world), str(tmp_path), world)
     _check_equals_one_process(name, tmp_path, world, compiled=options is not None)
 
 
-@pytest.mark.parametrize(("sequence_parallel", "options"), [
-    (False, None), (True, None), (True, {"memory_budget": 0.0}),
-    pytest.param(True, {"policy": "save-all"}, marks=pytest.mark.slow)], ids=["tp", "tp+sp", "tp+sp-compiled-0.0",
-                                                                             "tp+sp-compiled-save-all"])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize(("name", "sequence_parallel", "options"), _cases(
+    ["gpt", "llama"], {"tp": (False, None), "tp+sp": (True, None), "tp+sp-compiled-0.0": (True, {"memory_budget": 0.0}),
+                       "tp+sp-compiled-save-all": (True, {"policy": "save-all"})},
+    slow={"gpt-tp+sp-compiled-save-all", "llama-tp+sp-compiled-save-all", "llama-tp+sp-compiled-0.0"}))
 def test_dropout_gives_each_rank_the_single_process_mask(name, sequence_parallel, options, tmp_path):
     """Dropout 0.1 everywhere (embeddings, attention probabilities: GPT's explicit dropout, Llama's SDPA
     ``dropout_p``; residuals): each rank applies one process's mask to its rows or heads, so three
