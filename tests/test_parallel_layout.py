@@ -4,6 +4,8 @@ the pairs left replicated with a warning that names them. Captured on the meta d
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,8 +39,10 @@ def _styles(layout) -> dict:
 def test_gpt_fused_qkv_is_a_strided_column_and_its_hard_coded_heads_split(tp):
     """nanoGPT's ``c_attn`` output ``[q | k | v]`` is split in three, each viewed as (4 heads, 16) with
     the head count from the module, not -1: each rank needs its heads of each of q, k and v."""
-    with pytest.warns(UserWarning, match="lm_head"):  # the loss reads the logits whole
-        styles = _styles(find_layout(_gpt(), (_tokens(), _tokens()), tp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing kept replicated
+        layout = find_layout(_gpt(), (_tokens(), _tokens()), tp)
+    styles = _styles(layout)
     for b in ("blocks.0", "blocks.1"):
         assert styles[f"{b}.attn.c_attn"] == ("column", "_StridedShard(0, 3)")
         assert styles[f"{b}.attn.c_proj"] == ("row", "Shard(1)")
@@ -46,11 +50,15 @@ def test_gpt_fused_qkv_is_a_strided_column_and_its_hard_coded_heads_split(tp):
         assert styles[f"{b}.mlp.c_proj"] == ("row", "Shard(1)")
         assert styles[f"{b}.ln_1"][0] == styles[f"{b}.ln_2"][0] == "sequence"
     assert styles["wte"] == ("vocab", "Shard(0)") and styles["wpe"][0] == "replicated"  # positions, not tokens
-    assert styles["ln_f"][0] == "sequence" and styles["lm_head"][0] == "replicated"
+    # the LM head: column-parallel, its logits gathered whole for the loss (torch's
+    # ColwiseParallel(output_layouts=Replicate())), not every rank computing all of them
+    assert styles["ln_f"][0] == "sequence" and styles["lm_head"] == ("column", "Shard(0)")
+    assert list(layout.gathered) == ["cross_entropy_loss"]
 
 
 def test_llama_separate_qkv_with_rotary_and_swiglu():
-    with pytest.warns(UserWarning, match="output"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         styles = _styles(find_layout(_llama(), (_tokens(), _tokens()), 2))
     for b in ("blocks.0", "blocks.1"):
         for w in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
@@ -58,6 +66,7 @@ def test_llama_separate_qkv_with_rotary_and_swiglu():
         assert styles[f"{b}.attention.wo"] == styles[f"{b}.feed_forward.w2"] == ("row", "Shard(1)")
         assert styles[f"{b}.attention_norm"][0] == styles[f"{b}.ffn_norm"][0] == "sequence"  # hand-written RMSNorm
     assert styles["tok_embeddings"][0] == "vocab" and styles["norm"][0] == "sequence"
+    assert styles["output"] == ("column", "Shard(0)")
 
 
 def test_heads_not_divisible_leave_attention_replicated_with_a_warning_naming_it():
@@ -122,14 +131,13 @@ def test_hugging_face_llama_with_fewer_kv_heads():
                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
     with torch.device("meta"):
         model = _HFLoss(transformers.LlamaForCausalLM(cfg))
-    with pytest.warns(UserWarning, match="lm_head"):
-        styles = _styles(find_layout(model, (_tokens(),), 2))
+    styles = _styles(find_layout(model, (_tokens(),), 2))
     layer = "model.model.layers.0"
     for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
         assert styles[f"{layer}.{w}"] == ("column", "Shard(0)"), w
     assert styles[f"{layer}.self_attn.o_proj"] == styles[f"{layer}.mlp.down_proj"] == ("row", "Shard(1)")
     assert styles[f"{layer}.input_layernorm"][0] == styles["model.model.norm"][0] == "sequence"
-    assert styles["model.model.embed_tokens"][0] == "vocab"
+    assert styles["model.model.embed_tokens"][0] == "vocab" and styles["model.lm_head"][0] == "column"
 
 
 def test_hugging_face_gpt2_conv1d_is_named_in_a_warning_not_left_silently():

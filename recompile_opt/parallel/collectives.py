@@ -50,6 +50,15 @@ def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1, *, size
     return _GatherToReplicated.apply(x, name, dim, size, rank)
 
 
+def gather_features_for_replicated(x: torch.Tensor, group, dim: int = -1, *, size: int | None = None,
+                                   rank: int | None = None) -> torch.Tensor:
+    """A column-parallel layer's output features whole, for an op every rank then repeats whole (the
+    loss after the LM head, as ``ColwiseParallel(output_layouts=Replicate())``): the same exchange, and
+    the same backward (this rank's slice of the whole gradient), as :func:`gather_sequence_for_replicated`."""
+    name, size, rank = _name_size_rank(group, size, rank)
+    return _GatherToReplicated.apply(x, name, dim % x.dim(), size, rank)
+
+
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """The partial sums of a row-parallel layer added up and this rank's sequence shard kept (after a
     row-parallel layer); the gradient is all-gathered."""

@@ -56,6 +56,9 @@ class Layout:
     program: object = field(default=None, repr=False)
     sharded: dict[str, int] = field(default_factory=dict, repr=False)
     roles: dict[str, str] = field(default_factory=dict, repr=False)
+    # node -> {input: its sharded dimension}: inputs gathered whole first (a lone column linear's output
+    # before an op that needs every feature: the LM head's logits before the loss)
+    gathered: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
         width = max((len(m.module) for m in self.modules), default=6)
@@ -87,9 +90,9 @@ class _Replicated:
 
 
 class _Failed(Exception):
-    def __init__(self, group: int, why: str):
+    def __init__(self, group: int, why: str, node: fx.Node | None = None):
         super().__init__(why)
-        self.group, self.why = group, why
+        self.group, self.why, self.node = group, why, node
 
 
 def find_layout(model: torch.nn.Module, example_inputs: tuple, tp: int, *, sequence_parallel: bool = True
@@ -115,6 +118,7 @@ class _Finder:
         self.linears = [n for n in graph.nodes if op_name(n) in _LINEAR and _param(n, 1, params)]
         self.index = {n: i for i, n in enumerate(self.linears)}
         self.excluded: dict[int, str] = {}  # a column linear's index -> why its pair stays replicated
+        self.gather_at: set[fx.Node] = set()  # nodes whose sharded inputs are gathered whole first
 
     def layout(self, sequence_parallel: bool) -> Layout:
         for _ in range(len(self.linears) + 1):
@@ -122,13 +126,20 @@ class _Finder:
                 roles, strided, partners = self._propagate()
                 break
             except _Failed as failed:
+                if self._gatherable(failed):
+                    self.gather_at.add(failed.node)
+                    continue
                 for i in self._members(failed.group):
                     self.excluded.setdefault(i, failed.why)
         else:  # every round excluded a pair and none came clean: nothing is sharded
             self.excluded = {i: self.excluded.get(i, "no consistent layout found") for i in range(len(self.linears))}
             roles, strided, partners = self._propagate()
         out = Layout(self.tp, sequence_parallel)
-        closed = {g for g, role in roles.values() if role == "row"}
+        gathered = {node: {a: self.state[a] for a in node.all_input_nodes if isinstance(self.state.get(a), _Sharded)}
+                    for node in self.gather_at}
+        ends = {self._find(v.group) for ins in gathered.values() for v in ins.values()}
+        out.gathered = {node.name: {a.name: v.dim for a, v in ins.items()} for node, ins in gathered.items()}
+        closed = {g for g, role in roles.values() if role == "row"} | ends
         open_groups = {g for g, role in roles.values()} - closed
         out.sharded = {n.name: v.dim for n, v in self.state.items()
                        if isinstance(v, _Sharded) and self._find(v.group) not in open_groups}
@@ -146,6 +157,10 @@ class _Finder:
             if role == "column" and group not in closed:
                 out.modules.append(ModuleLayout(name, "replicated", "Replicate", "no row-parallel partner"))
                 out.warnings.append(f"{name}: its output features reach no row-parallel linear; kept replicated")
+            elif role == "column" and group in ends:
+                at = next(n for n in gathered if any(self._find(v.group) == group for v in gathered[n].values()))
+                out.modules.append(ModuleLayout(name, "column", "Shard(0)", "output features sharded, gathered "
+                                                f"whole for {op_name(at)} (it reads every feature)"))
             elif role == "column":
                 k = strided.get(node, 1)
                 out.modules.append(ModuleLayout(
@@ -172,6 +187,7 @@ class _Finder:
     def _propagate(self):
         self.parent = list(range(len(self.linears)))
         state: dict[fx.Node, object] = {}
+        self.state = state  # as far as it got, where a pair fails (_gatherable reads it)
         roles: dict[fx.Node, tuple[int, str]] = {}
         strided: dict[fx.Node, int] = {}
         source: dict[fx.Node, fx.Node] = {}  # a value still laid out as a column linear's output
@@ -185,14 +201,19 @@ class _Finder:
             if (op_name(node) or "").startswith("_assert"):  # checks of a value's metadata: no value of their own
                 continue
             ins = [a for a in node.all_input_nodes if isinstance(state.get(a), (_Sharded, _Partial))]
+            if node in self.gather_at:  # its inputs gathered whole: it computes a replicated value
+                continue
             if ins:
-                state[node] = self._rule(node, op_name(node), ins, state, strided, source)
+                try:
+                    state[node] = self._rule(node, op_name(node), ins, state, strided, source)
+                except _Failed as failed:
+                    failed.node = failed.node or node
+                    raise
             else:
                 kept = [state[a] for a in node.all_input_nodes if isinstance(state.get(a), _Replicated)]
                 if kept:
                     state[node] = kept[0]
         roles = {n: (self._find(g), role) for n, (g, role) in roles.items()}
-        self.state = state
         return roles, strided, partners
 
     def _linear(self, node, state, roles, source, partners):
@@ -292,6 +313,24 @@ class _Finder:
         size = _shape(node)[dim] // pieces
         if size % self.tp:
             raise _Failed(group, f"{size} features are not divisible by {self.tp} ranks")
+
+    def _gatherable(self, failed: _Failed) -> bool:
+        """A lone column linear (no partner: the LM head) whose sharded output reaches an op that needs
+        every feature, and nothing after that op is a linear: its output is gathered whole there, as
+        ``ColwiseParallel(output_layouts=Replicate())`` does, rather than the linear kept replicated
+        (every rank computing all the logits: on the benchmark GPT at t = 2, 20% of the step)."""
+        if failed.node is None or len(self._members(failed.group)) != 1:
+            return False
+        if any(isinstance(self.state.get(a), _Partial) for a in failed.node.all_input_nodes):
+            return False
+        seen, todo = set(), [failed.node]
+        while todo:
+            n = todo.pop()
+            if n in self.index and n is not failed.node:
+                return False
+            todo.extend(u for u in n.users if u not in seen)
+            seen.update(n.users)
+        return True
 
     # groups: a union-find over the column linears' indices
     def _find(self, i):

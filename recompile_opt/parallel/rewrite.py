@@ -101,6 +101,12 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
         elif op == "embedding" and params.get(node.args[0].name, "").rsplit(".", 1)[0] in vocab:
             env[node] = _vocab_lookup(graph, node, args, layout.tp, rank, group_name,
                                       seq.dim(node) if seq is not None and node in seq.sharded else None)
+        elif node.name in layout.gathered:  # needs every feature of a lone column linear's output: gathered
+            whole = {x: graph.call_function(C.gather_features_for_replicated, (env[x], group_name, dim),
+                                            {"size": layout.tp, "rank": rank})
+                     for x in node.all_input_nodes if (dim := layout.gathered[node.name].get(x.name)) is not None}
+            args = fx.map_arg(node.args, lambda n: whole.get(n, env[n]))
+            env[node] = graph.call_function(node.target, _local_args(node, args, layout), kwargs)
         elif seq is not None and node in seq.sharded and node in seq.seeds:  # a replicated token embedding
             whole = graph.call_function(node.target, args, kwargs)
             env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)),
