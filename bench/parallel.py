@@ -6,7 +6,7 @@ budgets. Each configuration runs in fresh processes: two warm-up (compiling) ste
 step (the allocator's records above the step's start: activations, gradients, temporaries; the
 sharded parameters live before it), then the median of ``--steps`` timed steps.
 
-    python bench/parallel.py --world 2 4 --md docs/parallel.md
+    python bench/parallel.py --world 2 4 --md out.md   (docs/parallel.md)
 
 Dropout is off (the hand-written recipes do not slice one process's mask; ours does, see
 tests/test_parallel_rewrite.py). Every configuration's first loss is printed next to one process's:
@@ -223,15 +223,19 @@ def main(argv=None) -> None:
             for config in args.configs:
                 rows.append({"model": name, "world": world, "config": config, **run(name, config, world, args)})
                 print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-    table = markdown(rows)
-    print(table)
+    print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.md:
-        cmd = "python bench/parallel.py " + " ".join(argv if argv is not None else sys.argv[1:])
         with open(args.md, "w") as f:
-            f.write(f"```bash\n{cmd}\n```\n\n{table}\n")
+            f.write(markdown_document(rows))
+
+
+def markdown_document(rows: list[dict]) -> str:
+    """What ``--md`` writes: the provenance line (versions, machine, load, date), then the table."""
+    from recompile_opt.provenance import header_line
+    return f"{header_line()}\n\n{markdown(rows)}\n"
 
 
 if __name__ == "__main__":

@@ -290,6 +290,15 @@ def process_group(group_name):
         return None
 
 
+def default_store():
+    """The key-value store the default process group met through (TCP or file), or None."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return c10d._get_default_store()
+    except Exception:
+        return None
+
+
 def group_size(group_name) -> int:
     """The size of the process group a traced collective names (2 where this process has no such group)."""
     try:

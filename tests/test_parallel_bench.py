@@ -63,3 +63,13 @@ def test_hand_written_tp_and_tp_sp_equal_one_process(tmp_path):
                 else:
                     want = params[n].grad
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} sp={sp} {n}: {m}")
+
+
+def test_the_md_output_opens_with_the_provenance_line():
+    from test_docs import PROVENANCE
+    rows = [{"model": "gpt", "world": 1, "config": "no parallelism", "peak": 2 ** 20, "step_s": 0.1, "loss": 6.4},
+            {"model": "gpt", "world": 2, "config": "hand-tp+sp", "peak": 2 ** 19, "step_s": 0.2, "loss": 6.4},
+            {"model": "gpt", "world": 2, "config": "ours@0.0", "peak": 2 ** 18, "step_s": 0.3, "loss": 6.4}]
+    text = bench.markdown_document(rows)
+    assert PROVENANCE.match(text.splitlines()[0])
+    assert "| gpt | 2 | ours@0.0 | 0.25 | 0.50x | 300.0 | 1.50x | 6.40000 |" in text
