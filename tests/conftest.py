@@ -35,6 +35,10 @@ HEAVY = {
     "test_partition.py::test_graphs_partitioned_for_simulation_are_torchs_graphs[llama]",
     "test_partition.py::test_graphs_partitioned_for_simulation_are_torchs_graphs[gpt-dropout]",
     "test_outside_models.py::test_a_vision_models_peak_counts_its_convolution_scratch_and_channels_last_copies",
+    # 40-60 s on an idle machine
+    "test_peak_memory.py::test_a_fraction_and_a_peak_limit_together",
+    "test_peak_memory.py::test_a_plan_says_how_many_solves_and_simulations_its_planning_took",
+    "test_partition.py::test_graphs_partitioned_for_simulation_are_torchs_graphs[gpt-dropout-compiled]",
 }
 
 

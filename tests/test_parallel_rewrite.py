@@ -170,8 +170,9 @@ BUDGETS = [{"policy": "save-all"}, {"memory_budget": 1.0}, {"memory_budget": 0.3
            {"policy": "megatron-selective"}]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("name", "world"), [("gpt", 2), pytest.param("gpt", 4, marks=pytest.mark.slow),
+                                              pytest.param("llama", 2, marks=pytest.mark.slow)],
+                         ids=["gpt-2", "gpt-4", "llama-2"])  # Llama at 4 ranks: the TP+SP test above (eager; 0.0 slow)
 def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     """Tensor + sequence parallel through the planner under save-all, at memory_budget 1.0, 0.3, 0.0
     and under Megatron's selective policy: one process's losses and gradients on every rank, the same
