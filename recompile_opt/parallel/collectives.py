@@ -27,6 +27,13 @@ def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToGroup.apply(x, _name(group))
 
 
+def copy_all_to_tensor_parallel(xs: list[torch.Tensor], group) -> tuple[torch.Tensor, ...]:
+    """``f`` on several tensors of one dtype at once: each as it is, their gradients summed over the
+    group by one all-reduce (the parameters a sequence-parallel rank reads on its rows, e.g. every norm
+    weight: one collective per step, not one per weight)."""
+    return _CopyAllToGroup.apply(_name(group), *xs)
+
+
 def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Megatron's ``g``: the partial sums of a row-parallel layer added up on every rank; the gradient
     passes through as it is."""
@@ -107,6 +114,20 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return funcol.all_reduce(grad.contiguous(), "sum", ctx.name), None
+
+
+class _CopyAllToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *xs):
+        ctx.name, ctx.shapes = name, [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([(g if g is not None else torch.zeros(s)).reshape(-1) for g, s in zip(grads, ctx.shapes)])
+        summed = funcol.all_reduce(flat, "sum", ctx.name)
+        sizes = [s.numel() for s in ctx.shapes]
+        return (None, *(piece.view(s) for piece, s in zip(summed.split(sizes), ctx.shapes)))
 
 
 class _ReduceFromGroup(torch.autograd.Function):

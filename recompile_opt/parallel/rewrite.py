@@ -13,6 +13,7 @@ constants (its rows' offset), so the planner sees the same graph on every rank.
 
 from __future__ import annotations
 
+import operator
 import types
 
 import torch
@@ -52,12 +53,16 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
                                               {"size": layout.tp, "rank": rank})
         return gathered[x]
 
+    summed = []  # replicated parameters read on shards: their gradients summed by one f after the inputs
     for node in source.graph.nodes:
         graph.origin = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta}
+        if node.op != "placeholder" and summed:
+            _sum_gradients(graph, env, summed, group_name)
+            summed = []
         if node.op == "placeholder":
             env[node] = graph.placeholder(node.name)
-            if seq is not None and node in seq.summed:  # replicated, read on shards: gradients summed (f)
-                env[node] = graph.call_function(C.copy_to_tensor_parallel, (env[node], group_name))
+            if seq is not None and node in seq.summed:
+                summed.append(node)
             elif seq is not None and node in seq.seeds:  # a bare block's hidden states: this rank's rows
                 env[node] = graph.call_function(C.split_sequence, (env[node], group_name, seq.dim(node)),
                                                 {"size": layout.tp, "rank": rank})
@@ -120,6 +125,18 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
     out = fx.GraphModule(source, graph)
     out.meta = {}
     return out
+
+
+def _sum_gradients(graph: fx.Graph, env: dict, params: list[fx.Node], group_name: str) -> None:
+    """Megatron's ``f`` on every parameter a rank reads on its sequence rows (norm weights, biases): one
+    all-reduce of their gradients per dtype, not one each (on the Llama, 5 collectives a step become 1)."""
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault(p.meta["val"].dtype, []).append(p)
+    for group in by_dtype.values():
+        copies = graph.call_function(C.copy_all_to_tensor_parallel, ([env[p] for p in group], group_name))
+        for i, p in enumerate(group):
+            env[p] = graph.call_function(operator.getitem, (copies, i))
 
 
 class _TracedGraph(fx.Graph):
