@@ -62,8 +62,7 @@ def gather_features_for_replicated(x: torch.Tensor, group, dim: int = -1, *, siz
     """A column-parallel layer's output features whole, for an op every rank then repeats whole (the
     loss after the LM head, as ``ColwiseParallel(output_layouts=Replicate())``): the same exchange, and
     the same backward (this rank's slice of the whole gradient), as :func:`gather_sequence_for_replicated`."""
-    name, size, rank = _name_size_rank(group, size, rank)
-    return _GatherToReplicated.apply(x, name, dim % x.dim(), size, rank)
+    return gather_sequence_for_replicated(x, group, dim % x.dim(), size=size, rank=rank)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
@@ -119,12 +118,13 @@ class _CopyToGroup(torch.autograd.Function):
 class _CopyAllToGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, *xs):
-        ctx.name, ctx.shapes = name, [x.shape for x in xs]
+        ctx.name, ctx.shapes, ctx.dtype, ctx.device = name, [x.shape for x in xs], xs[0].dtype, xs[0].device
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([(g if g is not None else torch.zeros(s)).reshape(-1) for g, s in zip(grads, ctx.shapes)])
+        flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)).reshape(-1)
+                          for g, s in zip(grads, ctx.shapes)])  # None: an output the loss never read
         summed = funcol.all_reduce(flat, "sum", ctx.name)
         sizes = [s.numel() for s in ctx.shapes]
         return (None, *(piece.view(s) for piece, s in zip(summed.split(sizes), ctx.shapes)))
