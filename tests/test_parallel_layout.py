@@ -140,15 +140,33 @@ def test_hugging_face_llama_with_fewer_kv_heads():
     assert styles["model.model.embed_tokens"][0] == "vocab" and styles["model.lm_head"][0] == "column"
 
 
-def test_hugging_face_gpt2_conv1d_is_named_in_a_warning_not_left_silently():
-    """GPT-2's ``Conv1D`` multiplies by ``addmm`` with its weight laid out ``[in, out]``: not paired yet,
-    and every such module is named."""
+def test_hugging_face_gpt2_conv1d_pairs_with_its_weight_split_on_the_output_dimension():
+    """GPT-2's ``Conv1D`` multiplies by ``addmm`` with its weight laid out ``[in, out]``: it pairs as a
+    linear does, its weight split on dimension 1 (a row's on 0), the fused QKV strided, no warning."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=64)
     with torch.device("meta"):
         model = _HFLoss(transformers.GPT2LMHeadModel(cfg))
-    with pytest.warns(UserWarning) as record:
-        find_layout(model, (_tokens(),), 2)
-    messages = " ".join(str(w.message) for w in record)
-    for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-        assert f"model.transformer.h.0.{m}: its weight is multiplied by addmm" in messages, messages
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        styles = _styles(find_layout(model, (_tokens(),), 2))
+    block = "model.transformer.h.0"
+    assert styles[f"{block}.attn.c_attn"] == ("column", "_StridedShard(1, 3)")
+    assert styles[f"{block}.mlp.c_fc"] == ("column", "Shard(1)")
+    assert styles[f"{block}.attn.c_proj"] == styles[f"{block}.mlp.c_proj"] == ("row", "Shard(0)")
+
+
+class _MatmulMLP(nn.Module):
+    """Weights multiplied with ``@``, not ``F.linear``: not recognised as linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(16, 32)), nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1) @ self.w2
+
+
+def test_a_weight_multiplied_outside_a_linear_is_named_in_a_warning_not_left_silently():
+    with pytest.warns(UserWarning, match="its weight is multiplied by"):
+        find_layout(_MatmulMLP(), (torch.zeros(2, 16),), 2)

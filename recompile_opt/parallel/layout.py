@@ -104,6 +104,7 @@ def find_layout(model: torch.nn.Module, example_inputs: tuple, tp: int, *, seque
     program = torch.export.export(model, tuple(example_inputs), strict=False)
     params = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
               if spec.kind.name == "PARAMETER"}
+    _addmm_as_linear(program.graph_module, params)
     layout = _Finder(program.graph_module.graph, params, tp).layout(sequence_parallel)
     layout.program = program
     return layout
@@ -115,7 +116,7 @@ class _Finder:
 
     def __init__(self, graph: fx.Graph, params: dict[str, str], tp: int):
         self.graph, self.params, self.tp = graph, params, tp
-        self.linears = [n for n in graph.nodes if op_name(n) in _LINEAR and _param(n, 1, params)]
+        self.linears = [n for n in graph.nodes if op_name(n) in _LINEAR and _weight(n, params) is not None]
         self.index = {n: i for i, n in enumerate(self.linears)}
         self.excluded: dict[int, str] = {}  # a column linear's index -> why its pair stays replicated
         self.gather_at: set[fx.Node] = set()  # nodes whose sharded inputs are gathered whole first
@@ -157,18 +158,20 @@ class _Finder:
             if role == "column" and group not in closed:
                 out.modules.append(ModuleLayout(name, "replicated", "Replicate", "no row-parallel partner"))
                 out.warnings.append(f"{name}: its output features reach no row-parallel linear; kept replicated")
-            elif role == "column" and group in ends:
+            # a weight laid out [in, out] (GPT-2's Conv1D) is split on the other dimension
+            out_dim, in_dim = (1, 0) if _transposed(node, self.params) else (0, 1)
+            if role == "column" and group in ends:
                 at = next(n for n in gathered if any(self._find(v.group) == group for v in gathered[n].values()))
-                out.modules.append(ModuleLayout(name, "column", "Shard(0)", "output features sharded, gathered "
-                                                f"whole for {op_name(at)} (it reads every feature)"))
+                out.modules.append(ModuleLayout(name, "column", f"Shard({out_dim})", "output features sharded, "
+                                                f"gathered whole for {op_name(at)} (it reads every feature)"))
             elif role == "column":
                 k = strided.get(node, 1)
                 out.modules.append(ModuleLayout(
-                    name, "column", f"_StridedShard(0, {k})" if k > 1 else "Shard(0)",
+                    name, "column", f"_StridedShard({out_dim}, {k})" if k > 1 else f"Shard({out_dim})",
                     f"fused output split into {k} pieces, each sharded by heads" if k > 1 else "output features sharded"))
             elif role == "row":
-                out.modules.append(ModuleLayout(name, "row", "Shard(1)", "contracts the sharded features; partial "
-                                                "sums " + ("reduce-scattered" if sequence_parallel else "all-reduced")))
+                out.modules.append(ModuleLayout(name, "row", f"Shard({in_dim})", "contracts the sharded features; "
+                                                "partial sums " + ("reduce-scattered" if sequence_parallel else "all-reduced")))
         out.modules += self._others(sequence_parallel)
         out.warnings += self._unrecognised()
         for w in out.warnings:
@@ -176,7 +179,7 @@ class _Finder:
         return out
 
     def _name(self, linear: fx.Node) -> str:
-        return _module(self.params[linear.args[1].name])
+        return _module(self.params[_weight(linear, self.params).name])
 
     def _members(self, group: int) -> list[int]:
         root = self._find(group)
@@ -345,8 +348,8 @@ class _Finder:
             self.parent[max(ra, rb)] = min(ra, rb)
 
     def _unrecognised(self) -> list[str]:
-        """Weights multiplied outside ``aten.linear`` (GPT-2's ``Conv1D``: ``addmm(bias, x, W)``, W laid
-        out ``[in, out]``): not paired yet, so say so rather than leave them replicated silently."""
+        """Weights multiplied outside ``aten.linear`` other than as :func:`_addmm_as_linear` rewrites
+        them: not paired, so say so rather than leave them replicated silently."""
         found = {}
         for node in self.graph.nodes:
             if op_name(node) in ("addmm", "mm", "matmul", "bmm"):
@@ -403,6 +406,48 @@ def op_name(node: fx.Node) -> str | None:
         return None
     packet = getattr(node.target, "_overloadpacket", None)
     return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
+
+
+def _addmm_as_linear(gm: fx.GraphModule, params: dict) -> None:
+    """GPT-2's ``Conv1D`` (``addmm(bias, x.view(-1, in), W).view(*lead, out)``, W a parameter laid out
+    ``[in, out]``) rewritten in place as ``linear(x, t(W), bias)``: the same values, and then it pairs
+    as any linear does (its weight split on dimension 1 where a linear's is on 0, :func:`_transposed`)."""
+    graph = gm.graph
+    for mm in list(graph.nodes):
+        if op_name(mm) != "addmm" or mm.kwargs or len(mm.args) != 3 or not _param(mm, 2, params) \
+                or _ndim(mm.args[2]) != 2 or len(mm.users) != 1:
+            continue
+        flat, unflat = mm.args[1], next(iter(mm.users))
+        if op_name(flat) not in _VIEWS or op_name(unflat) not in _VIEWS:
+            continue
+        x = flat.args[0]
+        if _shape(x)[:-1] != _shape(unflat)[:-1] or _shape(x)[-1:] != _shape(flat)[-1:]:
+            continue
+        with graph.inserting_before(mm):
+            weight = graph.call_function(aten.t.default, (mm.args[2],))
+            linear = graph.call_function(aten.linear.default, (x, weight, mm.args[0]))
+        weight.meta = {**mm.meta, "val": mm.args[2].meta["val"].t()}
+        linear.meta = {**mm.meta, "val": unflat.meta["val"]}
+        unflat.replace_all_uses_with(linear)
+        graph.erase_node(unflat)
+        graph.erase_node(mm)
+        if not flat.users:
+            graph.erase_node(flat)
+    gm.recompile()
+
+
+def _weight(linear: fx.Node, params: dict) -> fx.Node | None:
+    """The parameter a linear multiplies by: its weight, or a weight it transposes (:func:`_addmm_as_linear`)."""
+    if len(linear.args) < 2 or not isinstance(linear.args[1], fx.Node):
+        return None
+    w = linear.args[1]
+    if op_name(w) == "t" and isinstance(w.args[0], fx.Node):
+        w = w.args[0]
+    return w if w.name in params else None
+
+
+def _transposed(linear: fx.Node, params: dict) -> bool:
+    return _weight(linear, params) is not linear.args[1]
 
 
 def _param(node: fx.Node, i: int, params: dict) -> bool:

@@ -303,6 +303,9 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
     captured = [_signature(n.meta.get("val")) for n, s in zip(program.graph.find_nodes(op="placeholder"), specs)
                 if s.kind.name == "USER_INPUT"]
     training = model.training
+    # read here, not in the forward: Dynamo does not trace into ExportedProgram (a graph break per call)
+    constants = {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
+    out_tree = program.call_spec.out_spec
 
     def forward(self, *args, **kwargs):
         leaves = pytree.tree_leaves((args, kwargs))
@@ -322,13 +325,13 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
             elif kind == "BUFFER":
                 inputs.append(self.get_buffer(spec.target))
             elif kind == "CONSTANT_TENSOR":
-                inputs.append(program.constants[spec.target])
+                inputs.append(constants[spec.target])
             else:
                 inputs.append(next(user))
         outputs = graph(*inputs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         mine = [o for o, s in zip(outputs, out_specs) if s.kind.name == "USER_OUTPUT"]
-        return pytree.tree_unflatten(mine, program.call_spec.out_spec)
+        return pytree.tree_unflatten(mine, out_tree)
 
     model.forward = types.MethodType(forward, model)
 
