@@ -32,6 +32,8 @@ _ELEMENTWISE = {
 }
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
 _LINEAR = {"linear"}
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
 
 
@@ -253,6 +255,8 @@ class _Finder:
         dim = first.dim
         if any(isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins):
             raise _Failed(group, f"{op} combines values sharded on different dimensions")
+        if op in _ELEMENTWISE or op in ("matmul", "bmm") or op in _ATTENTION:
+            self._check_replicated_operands(node, op, ins, _out_dim(node, ins[0], dim), group)
         if op is None:  # getitem: every piece of a split, else a multi-output op's first output
             whole = op_name(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
             return _Sharded(dim, group) if whole else None
@@ -281,8 +285,7 @@ class _Finder:
             if node.args[1] % _ndim(node) == dim:
                 raise _Failed(group, f"{op} over the sharded dimension")
             return _Sharded(dim, group)
-        if op in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"):
+        if op in _ATTENTION:
             if dim != 1:
                 raise _Failed(group, f"{op} with its inputs sharded on dimension {dim}, not the heads")
             return _Sharded(1, group)
@@ -298,6 +301,19 @@ class _Finder:
         if op == "unsqueeze":
             return _Sharded(dim + (1 if node.args[1] % _ndim(node) <= dim else 0), group)
         raise _Failed(group, f"{op} is not known to keep each rank's features apart")
+
+    def _check_replicated_operands(self, node, op, ins, dim, group):
+        """A sharded value may meet a replicated one only where the replicated one is broadcast along the
+        sharded dimension (rotary tables, masks): a replicated operand that spans it (the keys of a pair
+        kept replicated, e.g. 2 KV heads over 4 ranks, against this rank's query heads) would be read
+        whole against this rank's part."""
+        for a in node.all_input_nodes:
+            if a in ins or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            d = dim - (_ndim(node) - _ndim(a))
+            if 0 <= d < _ndim(a) and _shape(a)[d] != 1:
+                raise _Failed(group, f"{op} combines this rank's part with a value replicated across the sharded "
+                              f"dimension ({a.name}, {list(_shape(a))})")
 
     def _split(self, node, op, x, dim, group, strided, source):
         along = (node.args[2] if len(node.args) > 2 else 0) % _ndim(x)

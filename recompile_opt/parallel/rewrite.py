@@ -117,7 +117,7 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
             env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)),
                                             {"size": layout.tp, "rank": rank})
         elif seq is not None and node in seq.sharded:  # per-token op on shards: full-length operands narrowed
-            env[node] = graph.call_function(node.target, seq.narrowed(node, args, env, graph, rank), kwargs)
+            env[node] = graph.call_function(node.target, seq.narrowed(node, args, env, graph, rank, group_name), kwargs)
         else:
             if sharded_in:  # anything else reads the whole sequence
                 args = fx.map_arg(node.args, lambda n: gather(n) if n in sharded_in else env[n])
@@ -165,7 +165,7 @@ class _SequencePlan:
     table) get their gradients summed over the ranks (``summed``)."""
 
     def __init__(self, graph: fx.Graph, layout: Layout, params: dict[str, str]):
-        self.tp, self.sharded, self.seeds, self.summed = layout.tp, set(), set(), set()
+        self.tp, self.sharded, self.seeds, self.summed, self.resplit = layout.tp, set(), set(), set(), set()
         self.length: int | None = None
         self.to_narrow: dict[fx.Node, list[fx.Node]] = {}
         users = set(layout.program.graph_signature.user_inputs)
@@ -192,7 +192,11 @@ class _SequencePlan:
                 full = [a for a in node.all_input_nodes if a not in self.sharded and self._spans(a, node)]
                 self.to_narrow[node] = full
                 for a in full:
-                    self.summed |= _parameters_behind(a, params, self.sharded)
+                    behind, from_rows = _parameters_behind(a, params, self.sharded)
+                    if from_rows:  # replicated work on gathered rows (a pair kept replicated): resplit
+                        self.resplit.add(a)
+                    else:
+                        self.summed |= behind
                 self.summed |= {a for a in node.all_input_nodes if a.op == "placeholder" and a.name in params}
 
     def dim(self, node: fx.Node) -> int:
@@ -206,11 +210,22 @@ class _SequencePlan:
         d = self.dim(node) - (len(node.meta["val"].shape) - val.dim())
         return 0 <= d < val.dim() and val.shape[d] == self.length
 
-    def narrowed(self, node: fx.Node, args, env, graph: fx.Graph, rank: int):
+    def narrowed(self, node: fx.Node, args, env, graph: fx.Graph, rank: int, group_name: str):
+        """``node``'s arguments with each full-length operand cut to this rank's rows. A narrow leaves the
+        operand's gradient partial (this rank's rows only): right for a value computed from replicated
+        inputs alone, whose parameters' gradients are then summed (``summed``). A value computed from
+        gathered rows (``resplit``: work every rank repeats whole, e.g. attention kept replicated) is
+        split instead, its gradient all-gathered, so every rank's gradient of it is the whole one, as the
+        gather before it (:func:`~recompile_opt.parallel.collectives.gather_sequence_for_replicated`)
+        expects: a narrow there lost the other ranks' rows' share of each row's gradient."""
         rows = self.length // self.tp
         swap = {}
         for a in self.to_narrow.get(node, []):
             d = self.dim(node) - (len(node.meta["val"].shape) - a.meta["val"].dim())
+            if a in self.resplit:
+                swap[env[a]] = graph.call_function(C.split_sequence, (env[a], group_name, d),
+                                                   {"size": self.tp, "rank": rank})
+                continue
             swap[env[a]] = graph.call_function(aten.narrow.default, (env[a], d, rank * rows, rows))
         return fx.map_arg(args, lambda n: swap.get(n, n))
 
@@ -239,18 +254,21 @@ def _hidden_states(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 3 and val.is_floating_point()
 
 
-def _parameters_behind(node: fx.Node, params: dict, stop: set) -> set:
-    """The parameter inputs a replicated value is computed from (its gradient is then a rank's part)."""
-    found, todo, seen = set(), [node], set()
+def _parameters_behind(node: fx.Node, params: dict, stop: set) -> tuple[set, bool]:
+    """The parameter inputs a replicated value is computed from (its gradient is then a rank's part),
+    and whether it is computed from sequence-sharded values (``stop``) too."""
+    found, todo, seen, reached = set(), [node], set(), False
     while todo:
         n = todo.pop()
+        if n in stop:
+            reached = True
         if n in seen or n in stop:
             continue
         seen.add(n)
         if n.op == "placeholder" and n.name in params:
             found.add(n)
         todo.extend(n.all_input_nodes)
-    return found
+    return found, reached
 
 
 def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
