@@ -3,11 +3,18 @@
 import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # pytest -n N: each worker's share of the cores (2 workers of 2 OpenMP threads each on 2 cores spent
+    # a tenth of test_gradients.py waiting on each other); subprocesses inherit it
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest
 import torch
 
 import recompile_opt
+
+if "OMP_NUM_THREADS" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +49,29 @@ HEAVY = {
 }
 
 
+# Modules whose tests share a module-scoped fixture of half a minute or more (a bench run, a sweep):
+# pytest -n 2 sends each whole to one worker, which computes the fixture once (spread over both, each
+# worker computed it: the paper's tensor-parallel bench ran twice, 150 and 207 s).
+SHARED_FIXTURE_MODULES = {"test_paper_bench.py", "test_frontier.py", "test_peak_accuracy_bench.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, each test its own scope but the modules above (xdist_group marks
+    would do it, but pytest-xdist 3.8 cannot group on pytest 9: it renames ``item._nodeid``, which
+    pytest 9 no longer reads). Tests go out a few at a time, so the workers also end close together."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if os.path.basename(module) in SHARED_FIXTURE_MODULES else nodeid
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     found = set()
     for item in items:
@@ -52,3 +82,6 @@ def pytest_collection_modifyitems(config, items):
     whole_suite = not config.option.keyword and all(os.path.isdir(a) for a in config.args or ["."])
     if whole_suite and config.option.markexpr in ("", "not slow") and HEAVY - found:  # a renamed test would drop out silently
         raise pytest.UsageError(f"tests/conftest.py HEAVY names tests that do not exist: {sorted(HEAVY - found)}")
+    if whole_suite and SHARED_FIXTURE_MODULES - {item.path.name for item in items}:
+        raise pytest.UsageError("tests/conftest.py SHARED_FIXTURE_MODULES names modules that do not exist: "
+                                f"{sorted(SHARED_FIXTURE_MODULES - {item.path.name for item in items})}")

@@ -1,6 +1,11 @@
 """Tests over several processes on gloo (loopback only) that fail instead of hanging: a rank that raises
 fails the test with its traceback, ranks still running at the deadline are killed and reported with
-their last progress line, and each rank dumps its stacks 30 s before the deadline."""
+their last progress line, and each rank dumps its stacks 30 s before the deadline.
+
+Ranks fork from multiprocessing's fork server, which imports torch, Dynamo, Inductor and this package
+once per test worker: a spawned rank imported them anew, 6-16 s before its first line on 2 cores (a
+rank's process is still fresh: nothing the test worker ran is in it, and it gets the worker's sys.path).
+Forked ranks share the server's string-hash seed; a test that needs ranks hashing differently spawns."""
 
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ import torch.multiprocessing as mp
 # up to 80 s here, so both are generous)
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 JOIN_DEADLINE_S = 480
+
+# (a module that does not import is skipped by the server: transformers is a test extra)
+mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.device_mesh", "torch._dynamo",
+                           "torch._inductor.compile_fx", "recompile_opt", "recompile_opt.parallel",
+                           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
 
 
 def progress(out: str, rank: int, step: str) -> None:
@@ -46,9 +56,9 @@ def leave(out: str, rank: int) -> None:
     os._exit(0)
 
 
-def run_ranks(fn, args, out: str, world: int) -> None:
-    """``mp.spawn`` of ``fn(rank, *args)`` on ``world`` processes with a deadline (module docstring)."""
-    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+def run_ranks(fn, args, out: str, world: int, start_method: str = "forkserver") -> None:
+    """``fn(rank, *args)`` on ``world`` processes with a deadline (module docstring)."""
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method=start_method)
     deadline = time.monotonic() + JOIN_DEADLINE_S
     while not ctx.join(timeout=5):  # raises ProcessRaisedException / ProcessExitedException
         if time.monotonic() > deadline:

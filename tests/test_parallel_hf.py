@@ -60,11 +60,12 @@ def _worker(rank: int, name: str, world: int, keys: tuple, out: str):
     leave(out, rank)
 
 
-# the default run: the plans that need no least-peak search; the slow run: all of them, and 4 ranks
-CASES = [pytest.param(name, world, keys, id=f"{name}-{world}-{'all' if len(keys) == len(OPTIONS) else 'fixed'}",
-                      marks=[pytest.mark.slow] if world > 2 or len(keys) == len(OPTIONS) else [])
-         for name in ("llama", "gpt2") for world in (2, 4)
-         for keys in ((("eager", "1.0", "selective"), tuple(OPTIONS)) if world == 2 else (tuple(OPTIONS),))]
+# the default run: the plans that need no least-peak search; the slow run: the searched ones (1.0 beside
+# them, what they are checked against), and at 4 ranks eager and the least-peak plan
+KEYS = {"fixed": ("eager", "1.0", "selective"), "searched": ("1.0", "0.3", "0.0"), "4-ranks": ("eager", "1.0", "0.0")}
+CASES = [pytest.param(name, 4 if kid == "4-ranks" else 2, keys, id=f"{name}-{kid}",
+                      marks=[pytest.mark.slow] if kid != "fixed" else [])
+         for name in ("llama", "gpt2") for kid, keys in KEYS.items()]
 
 
 @pytest.mark.parametrize("name, world, keys", CASES)
@@ -85,7 +86,8 @@ def test_hugging_face_models_equal_one_process(name, world, keys, tmp_path):
                 assert run["graphs"] == 1, (key, run["graphs"])  # the rank's graph: no break at a collective
         # 1.0 re-runs only the all-gathers (Megatron's no-recompute configuration); 0.0 recomputes more
         recomputed = {key: run["recomputed"] for key, run in res["results"].items()}
-        assert recomputed.get("0.0", 10**9) > recomputed["1.0"] > 0 and recomputed["selective"] > recomputed["1.0"]
+        assert recomputed["1.0"] > 0
+        assert all(recomputed[key] > recomputed["1.0"] for key in ("0.0", "selective") if key in recomputed)
         styles = res["styles"]
         replicated = {m for m, (style, _, why) in styles.items()
                       if style == "replicated" and not why.startswith("indexed by positions")}  # GPT-2's wpe
