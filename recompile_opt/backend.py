@@ -35,6 +35,7 @@ from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.passes.partition import partition
 from recompile_opt.parallel.agreement import check_same_plan
@@ -179,8 +180,10 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
     else:
+        chunked = chunk_regions(gm, opts)
         compiled = ti.compile_fx(gm, example_inputs,
                                  config_patches={"custom_partitioner_fn": partitioner})
+        _note(partitioner, chunked)
     _record(partitioner, key, opts)
     return compiled
 
@@ -202,6 +205,7 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
     # every caller's partitioner has options but torch's own (frontier's comparison)
     target = getattr(getattr(partitioner, "options", None), "target_device", Options.target_device)
+    chunked = chunk_regions(gm, getattr(partitioner, "options", Options()))
     fused = 0
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
         # Inductor's joint-graph constant folding treats every meta tensor as foldable and would
@@ -215,11 +219,33 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
                                   decompositions=ti.select_decomp_table(),
                                   keep_inference_input_mutations=True)
         compiled = backend(gm, example_inputs)
-    if fused and getattr(partitioner, "plans", None):
-        partitioner.plans[-1].notes.append(
-            f"meta device: {fused} attention call(s) planned as the fused kernel target_device={target!r} "
-            "runs (its output and logsumexp, no s x s tensor)")
+    if fused:
+        _note(partitioner, [f"meta device: {fused} attention call(s) planned as the fused kernel "
+                            f"target_device={target!r} runs (its output and logsumexp, no s x s tensor)"])
+    _note(partitioner, chunked)
     return compiled
+
+
+def chunk_regions(gm: fx.GraphModule, options: Options) -> list[str]:
+    """Mini-sequence chunking forced by ``chunks={"loss": k}`` (:mod:`recompile_opt.passes.chunking`),
+    on the Dynamo graph before AOTAutograd; one line per chunked region for the plan's notes. A region
+    that cannot be chunked raises, naming it and why."""
+    k = (options.chunks or {}).get("loss", 1)
+    if k == 1:
+        return []
+    lines = []
+    for region in find_loss_regions(gm):
+        if region.why_not is not None:
+            raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
+        lines.append("chunk: " + region.describe(k))
+        chunk_loss(gm, region, k)
+    return lines
+
+
+def _note(partitioner, lines: list[str]) -> None:
+    """Add ``lines`` to the notes of the plan just made for this graph (none on a cache hit)."""
+    if lines and getattr(partitioner, "plans", None):
+        partitioner.plans[-1].notes.extend(lines)
 
 
 def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner) -> str:

@@ -53,6 +53,9 @@ class Options:
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
+    # mini-sequence chunking (passes/chunking.py): {"loss": k} forces k chunks on every LM head + loss;
+    # None and False: no chunking (the planner does not choose k yet)
+    chunks: dict | None = None
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -148,7 +151,22 @@ def parse_options(raw: dict | Options | None) -> Options:
         out["plan_dir"] = str(raw["plan_dir"])
     if "roofline" in raw:
         out["roofline"] = _parse_roofline(raw["roofline"])
+    if raw.get("chunks") not in (None, False):
+        out["chunks"] = _parse_chunks(raw["chunks"])
     return Options(**out)
+
+
+CHUNK_REGIONS = ("loss",)
+
+
+def _parse_chunks(value) -> dict:
+    if not isinstance(value, dict) or not value or set(value) - set(CHUNK_REGIONS):
+        raise OptionError(f"option 'chunks': got {value!r}; accepted values: False, None, or a dict from "
+                          f"{list(CHUNK_REGIONS)} to a number of chunks (e.g. {{'loss': 8}})")
+    for region, k in value.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise OptionError(f"option 'chunks': {region}={k!r}; the number of chunks must be an int >= 1")
+    return dict(value)
 
 
 def _parse_roofline(value) -> dict:

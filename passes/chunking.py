@@ -1,0 +1,225 @@
+"""Mini-sequence chunking (Luo et al. 2024, "Mini-Sequence Transformer") of the LM head and its loss.
+
+Why: at the least-peak plan of a language model the step peaks at the loss, where the logits
+``[tokens, vocab]``, their log-softmax and their gradient each exist at full length, whatever the plan
+keeps; they grow with the vocabulary (Llama 3: 128k). Cut the tokens into k chunks and each of them
+exists for one chunk at a time.
+
+A region is ``linear(x, W[, b])`` followed only by ops that keep the token order (``view`` / ``reshape``
+to ``[tokens, vocab]``, ``float`` / ``to`` / ``contiguous``) into ``F.cross_entropy(logits, target)``
+with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo graph, before AOTAutograd: the
+region becomes :func:`chunked_linear_cross_entropy`, a loop over ``tensor_split`` chunks of the tokens
+(k need not divide them) that sums each chunk's summed loss and divides by the count of counted tokens
+(``mean`` with ``ignore_index`` exactly, up to the order of the float sums). AOTAutograd then derives
+each chunk's backward, and the planner sees chunk-sized values to keep or recompute like any other (at
+a tight budget it recomputes each chunk's logits in the backward, MST's recompute). The chunks' head
+matmuls are separate extern kernels, so Inductor cannot fuse them back into one full-length buffer.
+
+Refused, with the reason in the region's ``why_not``: logits read anywhere else (returned, or a second
+loss: the head would be computed twice), class weights, a reduction of ``none``, inputs that are not
+``[tokens, vocab]`` / ``[tokens]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+_LINEAR = {F.linear, torch._C._nn.linear}
+_CROSS_ENTROPY = {F.cross_entropy}
+_ORDER_KEEPING_METHODS = {"view", "reshape", "float", "to", "contiguous", "flatten"}
+_ORDER_KEEPING_FUNCTIONS = {torch.reshape, torch.flatten}
+_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class LossRegion:
+    """One LM head + cross-entropy found in a Dynamo graph."""
+
+    loss: fx.Node  # the cross_entropy call
+    linear: fx.Node | None  # the head's linear (None: not found)
+    chain: list[fx.Node]  # from the linear's output to the loss's input, in order
+    tokens: int
+    vocab: int
+    why_not: str | None = None  # why it cannot be chunked
+
+    @property
+    def name(self) -> str:
+        return f"loss {self.loss.name}"
+
+    def describe(self, chunks: int) -> str:
+        per = math.ceil(self.tokens / chunks)
+        return (f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
+                f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
+                "at a time")
+
+
+def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
+    """Every cross-entropy call of ``gm``, each with its head or the reason it cannot be chunked."""
+    return [_region(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _CROSS_ENTROPY]
+
+
+def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
+    """Rewrite ``region`` of ``gm`` as ``chunks`` serial chunks; returns the new loss node."""
+    if region.why_not is not None:
+        raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
+    x, weight, bias = _linear_args(region.linear)
+    target = _ce_arg(region.loss, "target")
+    kwargs = {"chunks": chunks, "dtype": _value(region.chain[-1] if region.chain else region.linear).dtype,
+              "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
+              "reduction": _ce_arg(region.loss, "reduction", "mean"),
+              "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0)}
+    graph = gm.graph
+    with graph.inserting_before(region.loss):
+        new = graph.call_function(chunked_linear_cross_entropy, (x, weight, bias, target), kwargs)
+    new.meta = dict(region.loss.meta)
+    region.loss.replace_all_uses_with(new)
+    for node in [region.loss, *reversed(region.chain), region.linear]:
+        graph.erase_node(node)
+    gm.recompile()
+    return new
+
+
+def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype: torch.dtype,
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 label_smoothing: float = 0.0):
+    """``F.cross_entropy(F.linear(x, weight, bias).to(dtype).view(-1, V), target.view(-1), ...)``
+    computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    flat_target = target.reshape(-1)
+    count = (flat_target != ignore_index).sum() if reduction == "mean" else None
+    return _ChunkedHeadLoss.apply(tokens, weight, bias, flat_target, count, chunks, dtype, ignore_index,
+                                  label_smoothing).to(x.dtype if reduction == "mean" else dtype)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """The loss and its gradients, chunk by chunk, in the forward (Liger's fused linear cross-entropy).
+
+    Why not let autograd differentiate a loop of chunks: the head's weight gradient is then a sum of k
+    partial ``[vocab, hidden]`` products, and Inductor fuses the sum into one kernel that reads all k
+    of them (measured in the plan's peak: k weight-sized buffers alive at once). Here the weight's
+    gradient is accumulated by ``addmm`` (an extern kernel, never fused), two such buffers at most, and
+    the backward only scales the kept gradients by the loss's gradient: the loss is a scalar, so the
+    head is never recomputed. Kept: the gradients of the head's input ``[tokens, hidden]`` and of its
+    parameters, instead of the logits."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
+        total = tokens.new_zeros((), dtype=dtype)
+        grad_tokens = []
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+        scale = 1.0 if count is None else 1.0 / count.clamp(min=1).to(dtype)
+        for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
+            logits = F.linear(x_chunk, weight, bias).to(dtype)
+            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
+            total = total + loss
+            grad_logits = grad_logits * scale
+            grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
+            grad_weight = torch.addmm(grad_weight, grad_logits.t(), x_chunk.to(dtype))
+            if grad_bias is not None:
+                grad_bias = grad_bias + grad_logits.sum(0)
+        if count is not None:
+            total = total / count.to(dtype)  # 0 / 0 = nan where every token is ignored, as torch's mean
+        ctx.save_for_backward(torch.cat(grad_tokens), grad_weight.to(weight.dtype),
+                              None if grad_bias is None else grad_bias.to(bias.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_tokens, grad_weight, grad_bias = ctx.saved_tensors
+        return (grad_tokens * grad_loss.to(grad_tokens.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
+                None if grad_bias is None else grad_bias * grad_loss.to(grad_bias.dtype),
+                None, None, None, None, None, None)
+
+
+def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits."""
+    counted = target != ignore_index
+    safe = torch.where(counted, target, 0)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    nll = -log_probs.gather(1, safe.unsqueeze(1)).squeeze(1)
+    vocab = logits.shape[-1]
+    if label_smoothing:
+        nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
+    loss = torch.where(counted, nll, 0).sum()
+    grad = log_probs.exp()
+    grad = grad - (1 - label_smoothing) * F.one_hot(safe, vocab).to(grad.dtype) - label_smoothing / vocab
+    return loss, torch.where(counted.unsqueeze(1), grad, 0)
+
+
+def _region(loss: fx.Node) -> LossRegion:
+    logits, target = _ce_arg(loss, "input"), _ce_arg(loss, "target")
+    lv, tv = _value(logits), _value(target)
+    tokens = int(lv.shape[0]) if lv is not None and lv.dim() == 2 else 0
+    vocab = int(lv.shape[1]) if lv is not None and lv.dim() == 2 else 0
+    region = LossRegion(loss, None, [], tokens, vocab)
+    if lv is None or lv.dim() != 2 or tv is None or tv.dim() != 1:
+        return _refuse(region, "the loss's input is not logits [tokens, vocab] with targets [tokens]")
+    if _ce_arg(loss, "weight") is not None:
+        return _refuse(region, "class weights (the mean would divide by the weights' sum)")
+    for legacy in ("size_average", "reduce"):
+        if _ce_arg(loss, legacy) is not None:
+            return _refuse(region, f"the legacy argument {legacy!r}")
+    if _ce_arg(loss, "reduction", "mean") not in _REDUCTIONS:
+        return _refuse(region, f"reduction {_ce_arg(loss, 'reduction')!r} (accepted: {list(_REDUCTIONS)})")
+    chain, node = [], logits
+    while not (node.op == "call_function" and node.target in _LINEAR):
+        if node.op == "placeholder":
+            return _refuse(region, f"the logits are an input of this graph ({node.name}): a graph break "
+                                   "lies between the head and the loss")
+        if not _keeps_token_order(node):
+            return _refuse(region, f"{node.name} ({node.target}) between the head and the loss is not a "
+                                   "reshape or a cast")
+        chain.append(node)
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return _refuse(region, "no linear layer (the LM head) before the loss")
+    chain.reverse()
+    region.linear, region.chain = node, chain
+    for producer, consumer in zip([node, *chain], [*chain, loss]):
+        if set(producer.users) != {consumer}:
+            return _refuse(region, f"the logits ({producer.name}) are also read elsewhere (returned, or "
+                                   "another loss): the head would be computed twice")
+    x = _value(_linear_args(node)[0])
+    if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
+        return _refuse(region, "the head's input does not hold one row per token of the loss")
+    return region
+
+
+def _keeps_token_order(node: fx.Node) -> bool:
+    if node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS:
+        return node.target not in ("view", "reshape", "flatten") or _value(node).dim() <= 2
+    return node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS and _value(node).dim() <= 2
+
+
+def _refuse(region: LossRegion, why: str) -> LossRegion:
+    region.why_not = why
+    return region
+
+
+def _linear_args(node: fx.Node):
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
+# F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+_CE_POSITIONS = {"input": 0, "target": 1, "weight": 2, "size_average": 3, "ignore_index": 4, "reduce": 5,
+                 "reduction": 6, "label_smoothing": 7}
+
+
+def _ce_arg(node: fx.Node, name: str, default=None):
+    """An argument of a ``F.cross_entropy`` call, given by position or by name."""
+    pos = _CE_POSITIONS[name]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[pos] if len(node.args) > pos else default
+
+
+def _value(node) -> torch.Tensor | None:
+    val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
