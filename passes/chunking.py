@@ -109,32 +109,34 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
+        need_tokens, need_weight, need_bias = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
         total = tokens.new_zeros((), dtype=dtype)
         grad_tokens = []
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
         scale = 1.0 if count is None else 1.0 / count.clamp(min=1).to(dtype)
         for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
             logits = F.linear(x_chunk, weight, bias).to(dtype)
             loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
             total = total + loss
             grad_logits = grad_logits * scale
-            grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
-            grad_weight = torch.addmm(grad_weight, grad_logits.t(), x_chunk.to(dtype))
+            if need_tokens:
+                grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
+            if grad_weight is not None:
+                grad_weight = torch.addmm(grad_weight, grad_logits.t(), x_chunk.to(dtype))
             if grad_bias is not None:
                 grad_bias = grad_bias + grad_logits.sum(0)
         if count is not None:
             total = total / count.to(dtype)  # 0 / 0 = nan where every token is ignored, as torch's mean
-        ctx.save_for_backward(torch.cat(grad_tokens), grad_weight.to(weight.dtype),
+        ctx.save_for_backward(torch.cat(grad_tokens) if need_tokens else None,
+                              None if grad_weight is None else grad_weight.to(weight.dtype),
                               None if grad_bias is None else grad_bias.to(bias.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_tokens, grad_weight, grad_bias = ctx.saved_tensors
-        return (grad_tokens * grad_loss.to(grad_tokens.dtype), grad_weight * grad_loss.to(grad_weight.dtype),
-                None if grad_bias is None else grad_bias * grad_loss.to(grad_bias.dtype),
-                None, None, None, None, None, None)
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        return (*grads, None, None, None, None, None, None)
 
 
 def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):

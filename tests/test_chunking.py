@@ -109,6 +109,16 @@ def test_ignored_tokens_label_smoothing_and_the_sum_are_exact(reduction, label_s
         torch.testing.assert_close(a, r)
 
 
+def test_a_frozen_head_keeps_no_weight_gradient():
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(16, 8)
+    t = torch.randint(0, 16, (6,))
+    loss = chunked_linear_cross_entropy(x, w, None, t, chunks=3, dtype=torch.float32)
+    kept = [n for n in loss.grad_fn.saved_tensors if n is not None]
+    assert [tuple(k.shape) for k in kept] == [(6, 8)]  # the input's gradient only
+    (grad,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(grad, torch.autograd.grad(F.cross_entropy(F.linear(x, w), t), x)[0])
+
+
 def test_every_token_ignored_gives_torchs_nan():
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8)
     t = torch.full((4,), -100)
