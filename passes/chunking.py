@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
 
 _LINEAR = {F.linear, torch._C._nn.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
-_ORDER_KEEPING_METHODS = {"view", "reshape", "float", "to", "contiguous", "flatten"}
+_ORDER_KEEPING_METHODS = {"view", "reshape", "flatten"}  # reshapes; casts: float, to, contiguous
 _ORDER_KEEPING_FUNCTIONS = {torch.reshape, torch.flatten}
 _REDUCTIONS = ("mean", "sum")
 
@@ -174,7 +175,7 @@ def _region(loss: fx.Node) -> LossRegion:
         if node.op == "placeholder":
             return _refuse(region, f"the logits are an input of this graph ({node.name}): a graph break "
                                    "lies between the head and the loss")
-        if not _keeps_token_order(node):
+        if not _keeps_token_order(node, vocab):
             return _refuse(region, f"{node.name} ({node.target}) between the head and the loss is not a "
                                    "reshape or a cast")
         chain.append(node)
@@ -193,10 +194,14 @@ def _region(loss: fx.Node) -> LossRegion:
     return region
 
 
-def _keeps_token_order(node: fx.Node) -> bool:
-    if node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS:
-        return node.target not in ("view", "reshape", "flatten") or _value(node).dim() <= 2
-    return node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS and _value(node).dim() <= 2
+def _keeps_token_order(node: fx.Node, vocab: int) -> bool:
+    """A cast, or a reshape to ``[tokens, vocab]`` (rows stay tokens, in order)."""
+    value = _value(node)
+    if node.op == "call_method" and node.target in ("float", "to", "contiguous"):
+        return True
+    reshape = (node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS) or (
+        node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS)
+    return reshape and value is not None and value.dim() <= 2 and value.shape[-1] == vocab
 
 
 def _refuse(region: LossRegion, why: str) -> LossRegion:
@@ -205,21 +210,20 @@ def _refuse(region: LossRegion, why: str) -> LossRegion:
 
 
 def _linear_args(node: fx.Node):
-    args = list(node.args) + [None] * (3 - len(node.args))
-    return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-
-
-# F.cross_entropy(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-_CE_POSITIONS = {"input": 0, "target": 1, "weight": 2, "size_average": 3, "ignore_index": 4, "reduce": 5,
-                 "reduction": 6, "label_smoothing": 7}
+    kw = _arguments(node)
+    return kw["input"], kw["weight"], kw["bias"]
 
 
 def _ce_arg(node: fx.Node, name: str, default=None):
-    """An argument of a ``F.cross_entropy`` call, given by position or by name."""
-    pos = _CE_POSITIONS[name]
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[pos] if len(node.args) > pos else default
+    """An argument of a ``F.cross_entropy`` call, by name (given by position, name or default)."""
+    value = _arguments(node).get(name, default)
+    return default if value is None else value
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The call's arguments by name, defaults filled in (torch.fx's own normalisation)."""
+    return normalize_function(node.target, tuple(node.args), dict(node.kwargs),
+                              normalize_to_only_use_kwargs=True).kwargs
 
 
 def _value(node) -> torch.Tensor | None:
