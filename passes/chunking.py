@@ -10,10 +10,10 @@ to ``[tokens, vocab]``, ``float`` / ``to`` / ``contiguous``) into ``F.cross_entr
 with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo graph, before AOTAutograd: the
 region becomes :func:`chunked_linear_cross_entropy`, a loop over ``tensor_split`` chunks of the tokens
 (k need not divide them) that sums each chunk's summed loss and divides by the count of counted tokens
-(``mean`` with ``ignore_index`` exactly, up to the order of the float sums). AOTAutograd then derives
-each chunk's backward, and the planner sees chunk-sized values to keep or recompute like any other (at
-a tight budget it recomputes each chunk's logits in the backward, MST's recompute). The chunks' head
-matmuls are separate extern kernels, so Inductor cannot fuse them back into one full-length buffer.
+(``mean`` with ``ignore_index`` exactly, up to the order of the float sums). Each chunk computes its
+loss and its gradients in the forward (:class:`_ChunkedHeadLoss`), so the backward only scales them.
+The chunks' head matmuls are separate extern kernels, so Inductor cannot fuse them back into one
+full-length buffer.
 
 Refused, with the reason in the region's ``why_not``: logits read anywhere else (returned, or a second
 loss: the head would be computed twice), class weights, a reduction of ``none``, inputs that are not
@@ -30,7 +30,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-_LINEAR = {F.linear, torch._C._nn.linear}
+LINEAR = {F.linear, torch._C._nn.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
 _ORDER_KEEPING_METHODS = {"view", "reshape", "flatten"}  # reshapes; casts: float, to, contiguous
 _ORDER_KEEPING_FUNCTIONS = {torch.reshape, torch.flatten}
@@ -70,7 +70,7 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     x, weight, bias = _linear_args(region.linear)
     target = _ce_arg(region.loss, "target")
-    kwargs = {"chunks": chunks, "dtype": _value(region.chain[-1] if region.chain else region.linear).dtype,
+    kwargs = {"chunks": chunks, "dtype": value_of(region.chain[-1] if region.chain else region.linear).dtype,
               "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
               "reduction": _ce_arg(region.loss, "reduction", "mean"),
               "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0)}
@@ -114,7 +114,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         total = tokens.new_zeros((), dtype=dtype)
         grad_tokens = []
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_bias else None
+        grad_bias = None
         scale = 1.0 if count is None else 1.0 / count.clamp(min=1).to(dtype)
         for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
             logits = F.linear(x_chunk, weight, bias).to(dtype)
@@ -125,8 +125,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
             if grad_weight is not None:
                 grad_weight = torch.addmm(grad_weight, grad_logits.t(), x_chunk.to(dtype))
-            if grad_bias is not None:
-                grad_bias = grad_bias + grad_logits.sum(0)
+            if need_bias:
+                grad_bias = add_column_sums(grad_bias, grad_logits)
         if count is not None:
             total = total / count.to(dtype)  # 0 / 0 = nan where every token is ignored, as torch's mean
         ctx.save_for_backward(torch.cat(grad_tokens) if need_tokens else None,
@@ -138,6 +138,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None)
+
+
+def add_column_sums(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    """``total + grad.sum(0)`` (``grad.sum(0)`` where ``total`` is None) as a matrix product with a row of
+    ones. Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
+    that reads every chunk's gradient, so all k are alive at once (seen in the generated code of a
+    chunked MLP's backward); ``addmm`` is an extern kernel that runs alone, one chunk at a time."""
+    ones = grad.new_ones(1, grad.shape[0])
+    if total is None:
+        return torch.mm(ones, grad).squeeze(0)
+    return torch.addmm(total.unsqueeze(0), ones, grad).squeeze(0)
 
 
 def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
@@ -157,7 +168,7 @@ def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
 
 def _region(loss: fx.Node) -> LossRegion:
     logits, target = _ce_arg(loss, "input"), _ce_arg(loss, "target")
-    lv, tv = _value(logits), _value(target)
+    lv, tv = value_of(logits), value_of(target)
     tokens = int(lv.shape[0]) if lv is not None and lv.dim() == 2 else 0
     vocab = int(lv.shape[1]) if lv is not None and lv.dim() == 2 else 0
     region = LossRegion(loss, None, [], tokens, vocab)
@@ -171,7 +182,7 @@ def _region(loss: fx.Node) -> LossRegion:
     if _ce_arg(loss, "reduction", "mean") not in _REDUCTIONS:
         return _refuse(region, f"reduction {_ce_arg(loss, 'reduction')!r} (accepted: {list(_REDUCTIONS)})")
     chain, node = [], logits
-    while not (node.op == "call_function" and node.target in _LINEAR):
+    while not (node.op == "call_function" and node.target in LINEAR):
         if node.op == "placeholder":
             return _refuse(region, f"the logits are an input of this graph ({node.name}): a graph break "
                                    "lies between the head and the loss")
@@ -188,7 +199,7 @@ def _region(loss: fx.Node) -> LossRegion:
         if set(producer.users) != {consumer}:
             return _refuse(region, f"the logits ({producer.name}) are also read elsewhere (returned, or "
                                    "another loss): the head would be computed twice")
-    x = _value(_linear_args(node)[0])
+    x = value_of(_linear_args(node)[0])
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
     return region
@@ -196,7 +207,7 @@ def _region(loss: fx.Node) -> LossRegion:
 
 def _keeps_token_order(node: fx.Node, vocab: int) -> bool:
     """A cast, or a reshape to ``[tokens, vocab]`` (rows stay tokens, in order)."""
-    value = _value(node)
+    value = value_of(node)
     if node.op == "call_method" and node.target in ("float", "to", "contiguous"):
         return True
     reshape = (node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS) or (
@@ -210,22 +221,22 @@ def _refuse(region: LossRegion, why: str) -> LossRegion:
 
 
 def _linear_args(node: fx.Node):
-    kw = _arguments(node)
+    kw = arguments(node)
     return kw["input"], kw["weight"], kw["bias"]
 
 
 def _ce_arg(node: fx.Node, name: str, default=None):
     """An argument of a ``F.cross_entropy`` call, by name (given by position, name or default)."""
-    value = _arguments(node).get(name, default)
+    value = arguments(node).get(name, default)
     return default if value is None else value
 
 
-def _arguments(node: fx.Node) -> dict:
+def arguments(node: fx.Node) -> dict:
     """The call's arguments by name, defaults filled in (torch.fx's own normalisation)."""
     return normalize_function(node.target, tuple(node.args), dict(node.kwargs),
                               normalize_to_only_use_kwargs=True).kwargs
 
 
-def _value(node) -> torch.Tensor | None:
+def value_of(node) -> torch.Tensor | None:
     val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     return val if isinstance(val, torch.Tensor) else None

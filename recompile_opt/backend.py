@@ -35,6 +35,7 @@ from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.passes.partition import partition
@@ -226,19 +227,26 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     return compiled
 
 
+# each region kind of option 'chunks': how its regions are found, and how one is rewritten
+CHUNKERS = {"loss": (find_loss_regions, chunk_loss), "mlp": (find_mlp_regions, chunk_mlp)}
+
+
 def chunk_regions(gm: fx.GraphModule, options: Options) -> list[str]:
-    """Mini-sequence chunking forced by ``chunks={"loss": k}`` (:mod:`recompile_opt.passes.chunking`),
-    on the Dynamo graph before AOTAutograd; one line per chunked region for the plan's notes. A region
-    that cannot be chunked raises, naming it and why."""
-    k = (options.chunks or {}).get("loss", 1)
-    if k == 1:
-        return []
+    """Mini-sequence chunking forced by ``chunks={"loss": k, "mlp": k}`` (:mod:`recompile_opt.passes.chunking`,
+    :mod:`recompile_opt.passes.chunk_mlp`), on the Dynamo graph before AOTAutograd; one line per chunked
+    region for the plan's notes. A region that cannot be chunked raises, naming it and why."""
     lines = []
-    for region in find_loss_regions(gm):
-        if region.why_not is not None:
-            raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
-        lines.append("chunk: " + region.describe(k))
-        chunk_loss(gm, region, k)
+    for kind, k in (options.chunks or {}).items():
+        if k == 1:
+            continue
+        find, rewrite = CHUNKERS[kind]
+        regions = find(gm)
+        for region in regions:
+            if region.why_not is not None:
+                raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
+        for region in regions:
+            lines.append("chunk: " + region.describe(k))
+            rewrite(gm, region, k)
     return lines
 
 

@@ -53,7 +53,8 @@ class Options:
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
-    # mini-sequence chunking (passes/chunking.py): {"loss": k} forces k chunks on every LM head + loss;
+    # mini-sequence chunking (passes/chunking.py, chunk_mlp.py): {"loss": k, "mlp": k} forces k chunks on
+    # every LM head + loss / MLP;
     # None and False: no chunking (the planner does not choose k yet)
     chunks: dict | None = None
 
@@ -156,7 +157,7 @@ def parse_options(raw: dict | Options | None) -> Options:
     return Options(**out)
 
 
-CHUNK_REGIONS = ("loss",)
+CHUNK_REGIONS = ("loss", "mlp")
 
 
 def _parse_chunks(value) -> dict:

@@ -154,7 +154,7 @@ def test_a_region_that_cannot_be_chunked_is_refused_by_name(module, why):
     torch.compile(module, backend="recompile_opt", options={"chunks": False, **EAGER})(*inputs)
 
 
-@pytest.mark.parametrize("bad", [True, {"loss": 0}, {"loss": 2.0}, {"mlp": 2}, {}])
+@pytest.mark.parametrize("bad", [True, {"loss": 0}, {"loss": 2.0}, {"attention": 2}, {}])
 def test_bad_chunks_values_name_the_option_and_what_it_accepts(bad):
     with pytest.raises(recompile_opt.OptionError, match="option 'chunks'"):
         parse_options({"chunks": bad})

@@ -1,0 +1,239 @@
+"""Mini-sequence chunking (MST, Luo et al. 2024) of the MLP: ``down(act(up(x)[, gate(x)]))`` in k token chunks.
+
+Why: in a transformer's backward the MLP's hidden-width values (``[tokens, 4h]`` for a GELU MLP, three of
+them for SwiGLU) are the largest working set after the logits; at the least-peak plan the step peaks
+there whatever the plan keeps, because the backward needs the recomputed activation, its gradient and
+the gradient of the up-projection's output at once. Processed k tokens-chunks at a time, each exists for
+one chunk only.
+
+A region is found in the Dynamo graph: a ``linear`` (the down-projection) whose input is computed by
+elementwise ops (:data:`POINTWISE`, at least one of them an activation) from the outputs of one or more
+``linear`` layers that all read the same input ``x`` (GELU MLP: one; SwiGLU: gate and up). Nothing
+inside may be read outside it. The region becomes :func:`chunked_mlp`, an autograd Function whose
+forward runs the chunks one after the other and keeps only ``x``, and whose backward recomputes each
+chunk's up-projections and activation and accumulates the weights' gradients with ``addmm`` (an extern
+kernel: Inductor cannot fuse k weight-sized partial products into one sum, which letting autograd
+differentiate a loop of chunks did). The elementwise part is differentiated by autograd, one chunk at a
+time, so any activation written as torch ops (Hugging Face's tanh GELU) works.
+
+Refused, with the reason in ``why_not``: a random op (dropout) or any op not elementwise between the
+projections, an intermediate value read elsewhere, up-projections that read different inputs, a tensor
+from outside the region that is not a scalar.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from recompile_opt.passes.chunking import LINEAR, add_column_sums, arguments, value_of
+
+ACTIVATIONS = {F.gelu, F.silu, F.relu, torch.relu, F.mish, F.softplus, F.relu6, F.leaky_relu, F.elu,
+               torch.tanh, torch.sigmoid, F.sigmoid, torch.erf, F.hardswish}
+ACTIVATION_METHODS = {"relu", "tanh", "sigmoid", "erf"}
+POINTWISE = ACTIVATIONS | {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow, operator.neg,
+                           torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.exp, torch.square,
+                           torch.neg}
+# elementwise but random: not chunked (a chunk would draw other numbers than the whole), but an MLP with
+# dropout inside is still found, so that a forced ``chunks`` names it and says why
+RANDOM = {F.dropout, torch.dropout, F.alpha_dropout, F.feature_alpha_dropout}
+POINTWISE_METHODS = ACTIVATION_METHODS | {"mul", "add", "sub", "div", "pow", "exp", "float", "to", "type_as",
+                                          "neg", "square"}
+
+
+@dataclass
+class MLPRegion:
+    """One MLP found in a Dynamo graph."""
+
+    down: fx.Node  # the down-projection's linear
+    ups: list[fx.Node] = field(default_factory=list)  # the up-projections (gate first, as read by the act)
+    body: list[fx.Node] = field(default_factory=list)  # the elementwise ops between, in graph order
+    tokens: int = 0
+    hidden: int = 0
+    why_not: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"mlp {self.down.name}"
+
+    def describe(self, chunks: int) -> str:
+        per = math.ceil(self.tokens / chunks)
+        return (f"{self.name}: MLP ({len(self.ups)} up-projection{'s' * (len(self.ups) > 1)}, hidden "
+                f"{self.hidden}) in {chunks} chunks of <= {per} of {self.tokens} tokens, recomputed "
+                "chunk by chunk in the backward")
+
+
+def find_mlp_regions(gm: fx.GraphModule) -> list[MLPRegion]:
+    """Every down-projection of ``gm`` fed by an activation of up-projections, each with its parts or
+    the reason it cannot be chunked. A linear fed by anything else (attention's out-projection) is no
+    candidate and is not listed."""
+    regions = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in LINEAR:
+            region = _region(node)
+            if region is not None:
+                regions.append(region)
+    return regions
+
+
+def _region(down: fx.Node) -> MLPRegion | None:
+    a = arguments(down)["input"]
+    if not (isinstance(a, fx.Node) and _is_activation(a)) and not _feeds_from_activation(a):
+        return None
+    region = MLPRegion(down)
+    body, ups, stack = set(), [], [a]
+    while stack:
+        node = stack.pop()
+        if node in body or node in ups:
+            continue
+        if node.op == "call_function" and node.target in LINEAR:
+            ups.append(node)
+            continue
+        if not _is_pointwise(node):
+            return _refuse(region, f"{node.name} ({_target_name(node)}) between the projections is not an "
+                                   "elementwise op (dropout and other random ops are not chunked)")
+        body.add(node)
+        for arg in node.all_input_nodes:
+            stack.append(arg)
+    order = {n: i for i, n in enumerate(down.graph.nodes)}
+    region.body = sorted(body, key=order.__getitem__)
+    region.ups = sorted(ups, key=order.__getitem__)
+    inputs = {arguments(u)["input"] for u in region.ups}
+    if len(inputs) != 1:
+        return _refuse(region, "the up-projections read different inputs")
+    x = value_of(next(iter(inputs)))
+    out = value_of(a)
+    if x is None or out is None:
+        return _refuse(region, "shapes unknown")
+    region.tokens, region.hidden = math.prod(int(s) for s in x.shape[:-1]), int(out.shape[-1])
+    for node in region.body + region.ups:
+        outside = [u.name for u in node.users if u not in body and u is not down]
+        if outside:
+            return _refuse(region, f"{node.name} is also read by {', '.join(outside)}")
+        val = value_of(node)
+        if val is None or tuple(val.shape) != tuple(out.shape):
+            return _refuse(region, f"{node.name} is not [tokens, hidden] like the down-projection's input")
+    return region
+
+
+def _feeds_from_activation(node) -> bool:
+    """An elementwise chain ending in an activation (a tanh GELU written as torch ops, ``silu(g) * u``)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen or not (_is_pointwise(n) or n.target in RANDOM):
+            continue
+        if _is_activation(n):
+            return True
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _is_activation(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in ACTIVATIONS) or (
+        node.op == "call_method" and node.target in ACTIVATION_METHODS)
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in POINTWISE) or (
+        node.op == "call_method" and node.target in POINTWISE_METHODS)
+
+
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _refuse(region: MLPRegion, why: str) -> MLPRegion:
+    region.why_not = why
+    return region
+
+
+def chunk_mlp(gm: fx.GraphModule, region: MLPRegion, chunks: int) -> fx.Node:
+    """Rewrite ``region`` of ``gm`` as :func:`chunked_mlp` over ``chunks`` chunks; returns the new node.
+    The elementwise body becomes a submodule of ``gm`` (``chunked_mlp_act_<i>``) the chunks call."""
+    if region.why_not is not None:
+        raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
+    act_name = _add_body_module(gm, region)
+    x = arguments(region.ups[0])["input"]
+    weights = tuple(arguments(u)["weight"] for u in region.ups)
+    biases = tuple(arguments(u)["bias"] for u in region.ups)
+    down = arguments(region.down)
+    graph = gm.graph
+    with graph.inserting_before(region.down):
+        act = graph.get_attr(act_name)
+        new = graph.call_function(chunked_mlp, (x, weights, biases, down["weight"], down["bias"], act),
+                                  {"chunks": chunks})
+    new.meta = dict(region.down.meta)
+    region.down.replace_all_uses_with(new)
+    graph.erase_node(region.down)
+    for node in [*reversed(region.body), *reversed(region.ups)]:
+        graph.erase_node(node)
+    gm.recompile()
+    return new
+
+
+def _add_body_module(gm: fx.GraphModule, region: MLPRegion) -> str:
+    """The elementwise body as a GraphModule of the up-projections' outputs."""
+    body = fx.Graph()
+    env = {up: body.placeholder(f"up_{i}") for i, up in enumerate(region.ups)}
+    for node in region.body:
+        env[node] = body.node_copy(node, env.__getitem__)
+    body.output(env[arguments(region.down)["input"]])
+    i = 0
+    while hasattr(gm, f"chunked_mlp_act_{i}"):
+        i += 1
+    name = f"chunked_mlp_act_{i}"
+    gm.add_submodule(name, fx.GraphModule(torch.nn.Module(), body))
+    return name
+
+
+def chunked_mlp(x, up_weights, up_biases, down_weight, down_bias, act, *, chunks: int):
+    """``linear(act(*[linear(x, w, b) for w, b in ups]), down_weight, down_bias)`` over ``chunks`` token
+    chunks, recomputed chunk by chunk in the backward (:class:`_ChunkedMLP`)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    out = _ChunkedMLP.apply(tokens, down_weight, down_bias, act, chunks, len(up_weights),
+                            *up_weights, *up_biases)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _ChunkedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, down_weight, down_bias, act, chunks, n_up, *up_params):
+        weights, biases = up_params[:n_up], up_params[n_up:]
+        outs = [F.linear(act(*[F.linear(c, w, b) for w, b in zip(weights, biases)]), down_weight, down_bias)
+                for c in tokens.tensor_split(chunks)]
+        ctx.act, ctx.chunks, ctx.n_up = act, chunks, n_up
+        ctx.has_bias = [b is not None for b in biases], down_bias is not None
+        ctx.save_for_backward(tokens, down_weight, *weights, *biases)
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tokens, down_weight, *ups = ctx.saved_tensors
+        weights, biases = ups[:ctx.n_up], ups[ctx.n_up:]
+        up_bias, down_has_bias = ctx.has_bias
+        grad_tokens = []
+        grad_down = torch.zeros_like(down_weight)
+        grad_down_bias = grad_out.sum(0) if down_has_bias else None
+        grad_ups = [torch.zeros_like(w) for w in weights]
+        grad_up_biases = [None] * ctx.n_up
+        for x_c, g_c in zip(tokens.tensor_split(ctx.chunks), grad_out.tensor_split(ctx.chunks)):
+            with torch.enable_grad():
+                hidden = [F.linear(x_c, w, b).detach().requires_grad_() for w, b in zip(weights, biases)]
+                activated = ctx.act(*hidden)
+            grad_down = torch.addmm(grad_down, g_c.t(), activated.detach())
+            grad_hidden = torch.autograd.grad(activated, hidden, g_c @ down_weight)
+            grad_x = None
+            for i, (g_h, w) in enumerate(zip(grad_hidden, weights)):
+                grad_ups[i] = torch.addmm(grad_ups[i], g_h.t(), x_c)
+                if up_bias[i]:
+                    grad_up_biases[i] = add_column_sums(grad_up_biases[i], g_h)
+                grad_x = g_h @ w if grad_x is None else torch.addmm(grad_x, g_h, w)
+            grad_tokens.append(grad_x)
+        return (torch.cat(grad_tokens), grad_down, grad_down_bias, None, None, None, *grad_ups, *grad_up_biases)
