@@ -56,6 +56,7 @@ class MLPRegion:
     tokens: int = 0
     hidden: int = 0
     why_not: str | None = None
+    width: int = 0  # the input's (model) width
 
     @property
     def name(self) -> str:
@@ -66,6 +67,11 @@ class MLPRegion:
         return (f"{self.name}: MLP ({len(self.ups)} up-projection{'s' * (len(self.ups) > 1)}, hidden "
                 f"{self.hidden}) in {chunks} chunks of <= {per} of {self.tokens} tokens, recomputed "
                 "chunk by chunk in the backward")
+
+    def record(self, chunks: int) -> dict:
+        """The plan's entry; the recompute is the up-projections' matmuls (the activation is free)."""
+        return {"region": self.name, "kind": "mlp", "chunks": chunks, "tokens": self.tokens, "width": self.hidden,
+                "recompute_flops": 2 * self.tokens * self.width * self.hidden * len(self.ups)}
 
 
 def find_mlp_regions(gm: fx.GraphModule) -> list[MLPRegion]:
@@ -111,6 +117,7 @@ def _region(down: fx.Node) -> MLPRegion | None:
     if x is None or out is None:
         return _refuse(region, "shapes unknown")
     region.tokens, region.hidden = math.prod(int(s) for s in x.shape[:-1]), int(out.shape[-1])
+    region.width = int(x.shape[-1])
     for node in region.body + region.ups:
         outside = [u.name for u in node.users if u not in body and u is not down]
         if outside:

@@ -47,6 +47,7 @@ class LossRegion:
     tokens: int
     vocab: int
     why_not: str | None = None  # why it cannot be chunked
+    width: int = 0  # the head's input width (hidden size)
 
     @property
     def name(self) -> str:
@@ -57,6 +58,11 @@ class LossRegion:
         return (f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
                 f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
                 "at a time")
+
+    def record(self, chunks: int) -> dict:
+        """The plan's entry: the gradients are made in the forward, nothing is recomputed."""
+        return {"region": self.name, "kind": "loss", "chunks": chunks, "tokens": self.tokens,
+                "width": self.vocab, "recompute_flops": 0}
 
 
 def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
@@ -161,8 +167,10 @@ def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
     if label_smoothing:
         nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
     loss = torch.where(counted, nll, 0).sum()
-    grad = log_probs.exp()
-    grad = grad - (1 - label_smoothing) * F.one_hot(safe, vocab).to(grad.dtype) - label_smoothing / vocab
+    # the target's column by comparison with the column index, not F.one_hot: that makes an int64
+    # [tokens, vocab] buffer and a range check that Inductor cannot fuse into the gradient's kernel
+    hit = torch.arange(vocab, device=logits.device).unsqueeze(0) == safe.unsqueeze(1)
+    grad = log_probs.exp() - (1 - label_smoothing) * hit.to(logits.dtype) - label_smoothing / vocab
     return loss, torch.where(counted.unsqueeze(1), grad, 0)
 
 
@@ -202,6 +210,7 @@ def _region(loss: fx.Node) -> LossRegion:
     x = value_of(_linear_args(node)[0])
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
+    region.width = int(x.shape[-1])
     return region
 
 

@@ -13,6 +13,8 @@ are also stored on disk under a key of the Dynamo graph, its inputs and that uui
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -27,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.planner import budget_split
+from recompile_opt.planner import budget_split, chunk_choice
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.peak import peak_breakdown
 from recompile_opt.plan import Plan
@@ -73,6 +75,10 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         self.plans: list[Plan] = []
         self.last_forward: fx.GraphModule | None = None  # the graphs of the last partition
         self.last_backward: fx.GraphModule | None = None
+        # plans already made for a joint graph (by graph id): the chunk choice plans its candidates, and
+        # the one taken is not planned a second time when its graph is compiled
+        self.known: dict[str, Plan] = {}
+        self.walk = False  # walk the plan taken in Inductor's code (see walk_plan)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         start = time.perf_counter()
@@ -87,7 +93,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
-        plan = ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+        plan = self.known.pop(gid, None) or ti.on_fresh_stack(make_plan, problem, options, graph=gid,
+                                                               simulate=simulate)
         if split_note:
             plan.notes.insert(0, split_note)
         if not self.replay_random() and any(v.random for v in problem.values.values()):
@@ -103,10 +110,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         exact = simulate.known_exact(saved, plan.recomputed_names())
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
         searched = fraction and options.peak_memory is None and range_walked(problem, options)
-        if exact is None and (searched or ti.layout_optimized(fw)):
+        if exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan()):
             # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
             # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
             # and where Inductor copies convolutions' inputs channels-last, which only its code shows
+            # and where the graph is chunked (or a candidate of the chunk choice, compared by its peak):
+            # the kernel model fuses chunks that the generated code runs apart (2x too high, seen)
             exact = simulate.exact(saved, plan.recomputed_names())
         plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
@@ -117,6 +126,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.solver.update(simulations=simulations, simulate_s=round(simulate_s, 3),
                            exact_peaks=exact_peaks, exact_s=round(exact_s, 3))
         return fw, bw
+
+    def walk_plan(self) -> bool:
+        """Whether the plan taken is walked in Inductor's generated code for its predicted peak even
+        where the search did not walk: every candidate of the chunk choice (compared by that peak), and
+        graphs chunked by force that Inductor compiles (under ``compiler="eager"`` no such code runs)."""
+        return self.walk or (isinstance(self.options.chunks, dict) and self.options.compiler == "inductor")
 
     def replay_random(self) -> bool:
         """Replaying a random op from a saved CPU RNG state (``run_with_rng_state``) works in the eager
@@ -181,7 +196,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
     else:
-        chunked = chunk_regions(gm, opts)
+        chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
         compiled = ti.compile_fx(gm, example_inputs,
                                  config_patches={"custom_partitioner_fn": partitioner})
         _note(partitioner, chunked)
@@ -206,7 +221,7 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
     # every caller's partitioner has options but torch's own (frontier's comparison)
     target = getattr(getattr(partitioner, "options", None), "target_device", Options.target_device)
-    chunked = chunk_regions(gm, getattr(partitioner, "options", Options()))
+    chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=aten_random)
     fused = 0
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
         # Inductor's joint-graph constant folding treats every meta tensor as foldable and would
@@ -231,12 +246,17 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
 CHUNKERS = {"loss": (find_loss_regions, chunk_loss), "mlp": (find_mlp_regions, chunk_mlp)}
 
 
-def chunk_regions(gm: fx.GraphModule, options: Options) -> list[str]:
-    """Mini-sequence chunking forced by ``chunks={"loss": k, "mlp": k}`` (:mod:`recompile_opt.passes.chunking`,
-    :mod:`recompile_opt.passes.chunk_mlp`), on the Dynamo graph before AOTAutograd; one line per chunked
-    region for the plan's notes. A region that cannot be chunked raises, naming it and why."""
-    lines = []
-    for kind, k in (options.chunks or {}).items():
+def chunk_regions(gm: fx.GraphModule, example_inputs, partitioner, *, aten_random: bool) -> Chunked:
+    """Mini-sequence chunking of the Dynamo graph before AOTAutograd (:mod:`recompile_opt.passes.chunking`,
+    :mod:`recompile_opt.passes.chunk_mlp`): forced by ``chunks={"loss": k, "mlp": k}``, or chosen by
+    planning the graph with and without (``chunks="auto"``, :mod:`recompile_opt.planner.chunk_choice`).
+    A forced region that cannot be chunked raises, naming it and why."""
+    options = getattr(partitioner, "options", Options())  # torch's own partitioner (frontier) has none
+    chunks, notes, saved = options.chunks, [], None
+    if chunks == "auto":
+        chunks, notes, saved = _choose_chunks(gm, example_inputs, partitioner, aten_random)
+    done = Chunked(notes=notes)
+    for kind, k in (chunks or {}).items():
         if k == 1:
             continue
         find, rewrite = CHUNKERS[kind]
@@ -245,15 +265,53 @@ def chunk_regions(gm: fx.GraphModule, options: Options) -> list[str]:
             if region.why_not is not None:
                 raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
         for region in regions:
-            lines.append("chunk: " + region.describe(k))
+            done.notes.append("chunk: " + region.describe(k))
+            done.records.append({**region.record(k), "peak_saved_bytes": saved})
             rewrite(gm, region, k)
-    return lines
+    return done
 
 
-def _note(partitioner, lines: list[str]) -> None:
-    """Add ``lines`` to the notes of the plan just made for this graph (none on a cache hit)."""
-    if lines and getattr(partitioner, "plans", None):
-        partitioner.plans[-1].notes.extend(lines)
+@dataclasses.dataclass
+class Chunked:
+    """What :func:`chunk_regions` did: note lines and one plan entry per chunked region."""
+    notes: list = dataclasses.field(default_factory=list)
+    records: list = dataclasses.field(default_factory=list)
+
+
+def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, aten_random: bool):
+    """``chunks="auto"``: where the plan's goal is memory (``memory_budget=0.0``, the least-peak plan, or
+    a ``peak_memory`` limit) and the graph has regions that can be chunked, plan it with and without
+    them (:func:`chunk_choice.choose`); elsewhere no chunks. The plan taken is handed to
+    ``partitioner``, which then does not plan its graph again."""
+    options = partitioner.options
+    least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
+    if options.policy != "auto" or not (least_peak or options.peak_memory is not None):
+        return None, [], None
+    candidates = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm))
+    if not candidates:
+        return None, [], None
+
+    def plan_with(chunks: dict) -> Plan:
+        partitioner = RecompilePartitioner(dataclasses.replace(options, chunks=chunks or None))
+        partitioner.walk = True
+        compile_eager(copy.deepcopy(gm), example_inputs, partitioner, aten_random=aten_random)
+        return partitioner.plans[-1]
+
+    taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory)
+    partitioner.known[best.graph] = best
+    partitioner.walk = bool(taken)  # its predicted peak as the candidate's: walked
+    return taken, notes, unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
+
+
+def _note(partitioner, lines: list[str] | Chunked) -> None:
+    """Add ``lines`` (and the chunked regions) to the plan just made for this graph (none on a cache hit)."""
+    if not getattr(partitioner, "plans", None):
+        return
+    plan = partitioner.plans[-1]
+    if isinstance(lines, Chunked):  # a plan the chunk choice made has its chunks already
+        plan.chunks = [*lines.records]
+        lines = lines.notes
+    plan.notes.extend(line for line in lines if line not in plan.notes)
 
 
 def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner) -> str:

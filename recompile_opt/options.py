@@ -54,9 +54,8 @@ class Options:
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
     # mini-sequence chunking (passes/chunking.py, chunk_mlp.py): {"loss": k, "mlp": k} forces k chunks on
-    # every LM head + loss / MLP;
-    # None and False: no chunking (the planner does not choose k yet)
-    chunks: dict | None = None
+    # every LM head + loss / MLP; "auto": the planner chooses (planner/chunk_choice.py); None and False: none
+    chunks: dict | str | None = None
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -153,7 +152,7 @@ def parse_options(raw: dict | Options | None) -> Options:
     if "roofline" in raw:
         out["roofline"] = _parse_roofline(raw["roofline"])
     if raw.get("chunks") not in (None, False):
-        out["chunks"] = _parse_chunks(raw["chunks"])
+        out["chunks"] = "auto" if raw["chunks"] == "auto" else _parse_chunks(raw["chunks"])
     return Options(**out)
 
 
@@ -162,7 +161,7 @@ CHUNK_REGIONS = ("loss", "mlp")
 
 def _parse_chunks(value) -> dict:
     if not isinstance(value, dict) or not value or set(value) - set(CHUNK_REGIONS):
-        raise OptionError(f"option 'chunks': got {value!r}; accepted values: False, None, or a dict from "
+        raise OptionError(f"option 'chunks': got {value!r}; accepted values: False, None, 'auto', or a dict from "
                           f"{list(CHUNK_REGIONS)} to a number of chunks (e.g. {{'loss': 8}})")
     for region, k in value.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

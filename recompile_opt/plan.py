@@ -55,6 +55,10 @@ class Plan:
     # the step's collectives (tensor/sequence parallelism): name, op, shape, dtype, phase, bytes one rank
     # sends, regathered (a forward all-gather run again in the backward from the kept shard)
     collectives: list[dict] = field(default_factory=list)
+    # mini-sequence chunking: region, kind (loss, mlp), chunks, tokens, width (vocabulary, hidden),
+    # recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the unchunked
+    # plan, where the planner chose the chunks; None where forced)
+    chunks: list[dict] = field(default_factory=list)
 
     @property
     def recompute_share(self) -> float:
@@ -104,6 +108,7 @@ class Plan:
                if self.solver.get("peak_from") == "inductor-code" else ""),
             *self._peak_lines(),
             *self._communication_lines(),
+            *self._chunk_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
@@ -139,6 +144,24 @@ class Plan:
         parts.append(f"{len(again)} re-gathered in the backward {fmt_bytes(sum(c['bytes'] for c in again))}")
         return [f"  communication     : {fmt_bytes(self.communication_bytes())} sent per rank per step ("
                 + ", ".join(parts) + ")"]
+
+    def _chunk_lines(self) -> list[str]:
+        """One line: the chunked regions by kind, with k and the recompute they cost, and whether the
+        planner chose them (with the peak they save) or the option forced them."""
+        if not self.chunks:
+            return []
+        parts = []
+        for kind in ("loss", "mlp"):
+            regions = [c for c in self.chunks if c["kind"] == kind]
+            if regions:
+                ks = "/".join(str(k) for k in sorted({c["chunks"] for c in regions}))
+                flops = sum(c["recompute_flops"] for c in regions)
+                parts.append(f"{len(regions)} {kind} region{'s' * (len(regions) > 1)} in {ks} chunks"
+                             + (f" (recompute {fmt_flops(flops)})" if flops else ""))
+        saved = self.chunks[0].get("peak_saved_bytes")
+        how = ("forced by option 'chunks'" if saved is None
+               else f"chosen by the planner: predicted peak {fmt_bytes(saved)} below the unchunked plan's")
+        return [f"  chunked           : {', '.join(parts)}; {how}"]
 
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
@@ -213,6 +236,10 @@ class Plan:
                 e = a if a is not None and a.action == KEEP else (b or a)
                 lines.append(f"  {name:<24} {before:>9} -> {after:<9} {e.op:<20} "
                              f"{fmt_bytes(e.bytes):>10} {e.module}")
+        mine_k, theirs_k = ({c["region"]: c["chunks"] for c in p.chunks} for p in (self, other))
+        for region in sorted(set(mine_k) | set(theirs_k)):
+            if mine_k.get(region, 1) != theirs_k.get(region, 1):
+                lines.append(f"  {region:<24} {mine_k.get(region, 1):>3} chunks -> {theirs_k.get(region, 1)} chunks")
         if len(lines) == header:
             lines.append("  (same decisions)")
         return "\n".join(lines)

@@ -18,6 +18,7 @@ from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.costs.cost_model import base_of
 from recompile_opt.options import parse_options
 from recompile_opt.passes.chunking import chunk_loss, chunked_linear_cross_entropy, find_loss_regions
+from recompile_opt.planner import chunk_choice
 
 from helpers import tiny_gpt, tiny_llama, train_side_by_side
 
@@ -232,3 +233,40 @@ def test_through_inductor_the_chunked_loss_lowers_the_measured_peak_the_plan_pre
         plan = recompile_opt.last_plans()[-1]
         assert plan.predicted_peak_bytes == pytest.approx(peaks[chunks], rel=0.10), (chunks, plan.summary())
     assert peaks[4] < 0.8 * peaks[1], peaks
+
+
+# -- the planner's choice (chunks="auto") ----------------------------------------------------------
+
+def _logits_dominated():
+    """A vocabulary of 8192 over 256 tokens of width 64: the logits are the step's largest values."""
+    cfg = models.GPTConfig(n_layer=1, n_head=4, n_embd=64, block_size=128, vocab_size=8192)
+    torch.manual_seed(0)
+    return models.GPT(cfg), models.example_batch(cfg, 2)
+
+
+def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
+    model, inputs = _logits_dominated()
+    off = recompile_opt.plan(model, inputs, memory_budget=0.0, chunks=False)
+    auto = recompile_opt.plan(model, inputs, memory_budget=0.0, chunks="auto")
+    assert auto.predicted_peak_bytes <= 0.9 * off.predicted_peak_bytes, (auto.summary(), off.summary())
+    (loss,) = [c for c in auto.chunks if c["kind"] == "loss"]
+    assert loss["chunks"] == min(8192 // 64, chunk_choice.MAX_CHUNKS)  # Liger's rule: vocabulary / width
+    assert loss["peak_saved_bytes"] > 0.1 * off.predicted_peak_bytes
+    assert "chunked" in str(auto) and "chosen by the planner" in str(auto)
+    assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), auto.notes
+    assert "chunks" in off.diff(auto) and not off.chunks
+    assert recompile_opt.Plan.from_json(auto.to_json()).chunks == auto.chunks
+
+
+def test_auto_chunks_nothing_where_the_goal_is_not_memory():
+    """A fraction above 0.0 trades kept bytes against recompute: no peak to lower, no chunks tried."""
+    model, inputs = tiny_gpt()
+    auto, off = (recompile_opt.plan(model, inputs, memory_budget=0.5, chunks=c) for c in ("auto", False))
+    assert not auto.chunks and not any("chunk" in n for n in auto.notes)
+    assert auto.saved_names() == off.saved_names()
+
+
+@pytest.mark.parametrize("bad", ["yes", "AUTO", 4])
+def test_chunks_accepts_auto_and_names_it_in_the_error(bad):
+    with pytest.raises(recompile_opt.OptionError, match="'auto'"):
+        parse_options({"chunks": bad})

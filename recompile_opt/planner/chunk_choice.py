@@ -1,0 +1,86 @@
+"""The planner's choice of mini-sequence chunking (``chunks="auto"``): which regions to chunk and in how
+many chunks, costed by the same plans as keep/recompute.
+
+Why a choice between whole plans: a chunked region is a different graph (the rewrite runs before
+AOTAutograd), so its cost is known only by planning that graph: the least-peak search, and the peak of
+the plan it finds (walked in Inductor's generated code where the search walked it). Chunking buys
+memory only where the step peaks in or around the region; elsewhere it costs smaller matmuls and,
+for the MLP, the recompute of its up-projections. So: plan without chunks, then add one region kind
+at a time (the loss first: it needs no recompute) and keep it only where the plan it gives peaks
+lower by at least :data:`GAIN` (or, under ``peak_memory``, fits where the other does not, or fits
+with less recompute). At most three plannings of the graph.
+
+The number of chunks follows Liger's rule for the loss (the chunk's logits no wider than the head's
+input: k = V / h, to a power of two) and the same for the MLP (k = hidden / h): with smaller chunks the
+region's working set is below the width-sized buffers around it, and only the chunks' overhead grows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from recompile_opt.plan import Plan, fmt_bytes
+
+GAIN = 0.02  # a chunked plan must peak this much lower to be taken: within it, the models' noise
+# the chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows with
+# them: a 1-layer GPT's least-peak planning took 2 s unchunked, 13 s with its loss in 4 chunks, 32 s in 32
+MAX_CHUNKS = 8
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str  # "loss" or "mlp"
+    chunks: int
+    width: int  # the per-token width the region removes (vocabulary, MLP hidden width)
+
+
+def chunks_for(width: int, model_width: int, tokens: int) -> int:
+    """A power of two near ``width / model_width``, at least 2, at most :data:`MAX_CHUNKS` and the tokens."""
+    k = 2 ** max(1, math.ceil(math.log2(max(width / max(model_width, 1), 2))))
+    return max(2, min(k, MAX_CHUNKS, tokens))
+
+
+def candidates(loss_regions: list, mlp_regions: list) -> list[Candidate]:
+    """One candidate per region kind whose regions can all be chunked, the loss first; its k from the
+    widest region of the kind."""
+    out = []
+    for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
+        if regions and all(r.why_not is None for r in regions):
+            r = max(regions, key=width)
+            out.append(Candidate(kind, chunks_for(width(r), r.width, r.tokens), width(r)))
+    return out
+
+
+def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None
+           ) -> tuple[dict, Plan, Plan, list[str]]:
+    """Greedy over ``candidates`` (in order): ``plan_with(chunks)`` plans the graph chunked so; returns
+    the chunks taken, the unchunked plan, the plan taken, and one note line per candidate tried."""
+    taken: dict = {}
+    unchunked = best = plan_with({})
+    notes = []
+    for c in candidates:
+        trial = plan_with({**taken, c.kind: c.chunks})
+        better = _better(trial, best, peak_limit)
+        notes.append(f"chunks (auto): {c.kind} in {c.chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
+                     f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
+                     f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
+        if better:
+            taken[c.kind], best = c.chunks, trial
+    return taken, unchunked, best, notes
+
+
+def _time(plan: Plan) -> float:
+    """Estimated step with recompute: a chunked MLP's recompute is in its backward, so in ``step_s``."""
+    return plan.step_s + plan.recompute_s
+
+
+def _better(trial: Plan, best: Plan, peak_limit: int | None) -> bool:
+    if peak_limit is not None:
+        fits = trial.predicted_peak_bytes <= peak_limit, best.predicted_peak_bytes <= peak_limit
+        if fits == (True, True):
+            return _time(trial) < _time(best)
+        if fits != (False, False):
+            return fits[0]
+    return trial.predicted_peak_bytes < (1 - GAIN) * best.predicted_peak_bytes
