@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from recompile_opt.passes.chunking import LINEAR, add_column_sums, arguments, value_of
+from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 ACTIVATIONS = {F.gelu, F.silu, F.relu, torch.relu, F.mish, F.softplus, F.relu6, F.leaky_relu, F.elu,
                torch.tanh, torch.sigmoid, F.sigmoid, torch.erf, F.hardswish}
@@ -244,3 +244,14 @@ class _ChunkedMLP(torch.autograd.Function):
                 grad_x = g_h @ w if grad_x is None else torch.addmm(grad_x, g_h, w)
             grad_tokens.append(grad_x)
         return (torch.cat(grad_tokens), grad_down, grad_down_bias, None, None, None, *grad_ups, *grad_up_biases)
+
+
+def add_column_sums(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    """``total + grad.sum(0)`` (``grad.sum(0)`` where ``total`` is None) as a matrix product with a row of
+    ones. Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
+    that reads every chunk's gradient, so all k are alive at once (seen in the generated code of a
+    chunked MLP's backward); ``addmm`` is an extern kernel that runs alone, one chunk at a time."""
+    ones = grad.new_ones(1, grad.shape[0])
+    if total is None:
+        return torch.mm(ones, grad).squeeze(0)
+    return torch.addmm(total.unsqueeze(0), ones, grad).squeeze(0)

@@ -30,6 +30,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from recompile_opt import _torch_internals as ti
+
 LINEAR = {F.linear, torch._C._nn.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
 _ORDER_KEEPING_METHODS = {"view", "reshape", "flatten"}  # reshapes; casts: float, to, contiguous
@@ -104,74 +106,101 @@ def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype:
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """The loss and its gradients, chunk by chunk, in the forward (Liger's fused linear cross-entropy).
+    """The loss and its gradients, chunk by chunk, in the forward (Liger's fused linear cross-entropy),
+    as one op of the graph (:func:`chunked_head_loss`); the backward scales the kept gradients.
 
     Why not let autograd differentiate a loop of chunks: the head's weight gradient is then a sum of k
     partial ``[vocab, hidden]`` products, and Inductor fuses the sum into one kernel that reads all k
-    of them (measured in the plan's peak: k weight-sized buffers alive at once). Here the weight's
-    gradient is accumulated by ``addmm`` (an extern kernel, never fused), two such buffers at most, and
-    the backward only scales the kept gradients by the loss's gradient: the loss is a scalar, so the
-    head is never recomputed. Kept: the gradients of the head's input ``[tokens, hidden]`` and of its
-    parameters, instead of the logits."""
+    of them (measured in the plan's peak: k weight-sized buffers alive at once). And why one op rather
+    than the loop in the graph: unrolled, each chunk is a few dozen nodes that the planner plans and
+    Inductor may fuse across chunks; the planning time grew with k (a 1-layer GPT's least-peak plan:
+    2 s unchunked, 13 s at k=4, 32 s at k=32). The loss is a scalar, so the head is never recomputed.
+    Kept: the gradients of the head's input ``[tokens, hidden]`` and of its parameters, not the logits."""
 
     @staticmethod
     def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
-        need_tokens, need_weight, need_bias = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
-        total = tokens.new_zeros((), dtype=dtype)
-        grad_tokens = []
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-        grad_bias = None
-        scale = 1.0 if count is None else 1.0 / count.clamp(min=1).to(dtype)
-        for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
-            logits = F.linear(x_chunk, weight, bias).to(dtype)
-            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
-            total = total + loss
-            grad_logits = grad_logits * scale
-            if need_tokens:
-                grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
-            if grad_weight is not None:
-                grad_weight = torch.addmm(grad_weight, grad_logits.t(), x_chunk.to(dtype))
-            if need_bias:
-                grad_bias = add_column_sums(grad_bias, grad_logits)
+        needs = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
+        total, *grads = torch.ops.recompile_opt.chunked_head_loss(
+            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, *needs)
+        scale = None
         if count is not None:
+            scale = 1.0 / count.clamp(min=1).to(dtype)
             total = total / count.to(dtype)  # 0 / 0 = nan where every token is ignored, as torch's mean
-        ctx.save_for_backward(torch.cat(grad_tokens) if need_tokens else None,
-                              None if grad_weight is None else grad_weight.to(weight.dtype),
-                              None if grad_bias is None else grad_bias.to(bias.dtype))
+        ctx.save_for_backward(scale, *(g if need else None for g, need in zip(grads, needs)))
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        scale, *grads = ctx.saved_tensors
+        factor = grad_loss if scale is None else grad_loss * scale
+        grads = [None if g is None else g * factor.to(g.dtype) for g in grads]
         return (*grads, None, None, None, None, None, None)
 
 
-def add_column_sums(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
-    """``total + grad.sum(0)`` (``grad.sum(0)`` where ``total`` is None) as a matrix product with a row of
-    ones. Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
-    that reads every chunk's gradient, so all k are alive at once (seen in the generated code of a
-    chunked MLP's backward); ``addmm`` is an extern kernel that runs alone, one chunk at a time."""
-    ones = grad.new_ones(1, grad.shape[0])
-    if total is None:
-        return torch.mm(ones, grad).squeeze(0)
-    return torch.addmm(total.unsqueeze(0), ones, grad).squeeze(0)
+@torch.library.custom_op("recompile_opt::chunked_head_loss", mutates_args=())
+def chunked_head_loss(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                      chunks: int, dtype: torch.dtype, ignore_index: int, label_smoothing: float,
+                      need_tokens: bool, need_weight: bool, need_bias: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of ``F.linear(tokens, weight, bias)`` over ``chunks`` chunks of rows, and
+    its gradients with respect to the tokens, the weight and the bias (empty where not needed).
+    Inductor runs it as one extern kernel; its chunk-sized working set is its workspace, which the peak
+    model measures (``recompile_opt.costs.scratch``)."""
+    total = tokens.new_zeros((), dtype=dtype)
+    grad_tokens = []
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+    grad_bias = None
+    for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
+        logits = F.linear(x_chunk, weight, bias).to(dtype)
+        loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
+        del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
+        total += loss
+        if need_tokens:
+            grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.t(), x_chunk.to(dtype))
+        if need_bias:
+            grad_bias = grad_logits.sum(0) if grad_bias is None else grad_bias.add_(grad_logits.sum(0))
+        del grad_logits
+    return (total,  # an empty tensor for a gradient not needed (an op's outputs may not alias)
+            torch.cat(grad_tokens) if need_tokens else tokens.new_empty(0),
+            grad_weight.to(weight.dtype) if grad_weight is not None else tokens.new_empty(0),
+            grad_bias.to(bias.dtype) if need_bias else tokens.new_empty(0))
+
+
+@chunked_head_loss.register_fake
+def _(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, need_tokens, need_weight,
+      need_bias):
+    return (tokens.new_empty((), dtype=dtype),
+            torch.empty_like(tokens) if need_tokens else tokens.new_empty(0),
+            torch.empty_like(weight) if need_weight else tokens.new_empty(0),
+            torch.empty_like(bias) if need_bias else tokens.new_empty(0))
+
+
+@ti.register_flop_formula(torch.ops.recompile_opt.chunked_head_loss)
+def _flops(tokens_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """The head's three matmuls: logits, and the gradients of the tokens and the weight."""
+    return 6 * tokens_shape[0] * tokens_shape[1] * weight_shape[0]
 
 
 def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
-    """Summed cross-entropy of one chunk and its gradient with respect to the logits."""
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits, the gradient
+    made in the logits' own buffer. Why in place: this runs eagerly inside one op, where each
+    elementwise op would allocate a chunk-sized buffer (six of them alive at once, measured as the
+    op's workspace), and the step's peak at the loss is this workspace."""
     counted = target != ignore_index
-    safe = torch.where(counted, target, 0)
-    log_probs = torch.log_softmax(logits, dim=-1)
-    nll = -log_probs.gather(1, safe.unsqueeze(1)).squeeze(1)
+    safe = torch.where(counted, target, 0).unsqueeze(1)
     vocab = logits.shape[-1]
-    if label_smoothing:
-        nll = (1 - label_smoothing) * nll - label_smoothing * log_probs.mean(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    nll = lse - logits.gather(1, safe).squeeze(1)
+    if label_smoothing:  # the mean over the classes of -log p = lse - mean(logits)
+        nll = (1 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(-1))
     loss = torch.where(counted, nll, 0).sum()
-    # the target's column by comparison with the column index, not F.one_hot: that makes an int64
-    # [tokens, vocab] buffer and a range check that Inductor cannot fuse into the gradient's kernel
-    hit = torch.arange(vocab, device=logits.device).unsqueeze(0) == safe.unsqueeze(1)
-    grad = log_probs.exp() - (1 - label_smoothing) * hit.to(logits.dtype) - label_smoothing / vocab
-    return loss, torch.where(counted.unsqueeze(1), grad, 0)
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()  # the softmax, over the logits
+    grad.scatter_add_(1, safe, grad.new_full(safe.shape, label_smoothing - 1))
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab)
+    return loss, grad.mul_(counted.unsqueeze(1))
 
 
 def _region(loss: fx.Node) -> LossRegion:

@@ -85,7 +85,7 @@ from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils.checkpoint import CheckpointPolicy
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 __all__ = [
     "BackendCompilerFailed", "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
@@ -94,7 +94,7 @@ __all__ = [
     "_is_bwd_seed_offset", "_is_fwd_seed_offset", "_must_be_in_backward", "_must_be_in_forward",
     "dce_impure_random",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
-    "dynamo_config", "flop_registry", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
+    "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
     "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",

@@ -43,6 +43,7 @@ STRATEGIES: dict[str, dict] = {
                  "note": "budget 0.5 x eager's saved bytes"},
 }
 PEAK_PREFIX = "ours-peak-"
+CHUNKS_SUFFIX = "+chunks"  # any ours-* strategy with chunks="auto" (the planner's mini-sequence chunking)
 
 
 def strategy(name: str) -> dict:
@@ -50,6 +51,9 @@ def strategy(name: str) -> dict:
     ``peak_memory`` accepts. Raises KeyError naming the accepted strategies otherwise."""
     if name in STRATEGIES:
         return STRATEGIES[name]
+    if name.endswith(CHUNKS_SUFFIX) and name.startswith("ours-"):
+        spec = strategy(name[:-len(CHUNKS_SUFFIX)])
+        return {**spec, "options": {**spec["options"], "chunks": "auto"}}
     if name.startswith(PEAK_PREFIX):
         from recompile_opt.options import OptionError, parse_bytes  # lazy: the driver needs no torch
 
@@ -60,7 +64,7 @@ def strategy(name: str) -> dict:
             raise KeyError(f"strategy {name!r}: {e}") from None
         return {"kind": "ours", "options": {"peak_memory": size}}
     raise KeyError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)} or {PEAK_PREFIX}SIZE "
-                   "(SIZE with units, e.g. 27MiB)")
+                   f"(SIZE with units, e.g. 27MiB), each ours-* also with {CHUNKS_SUFFIX}")
 
 
 DEFAULT_STRATEGIES = [

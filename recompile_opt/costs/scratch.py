@@ -34,6 +34,7 @@ SCRATCH_OPS = frozenset({
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "chunked_head_loss",  # recompile_opt.passes.chunking: one chunk's logits and their gradient
 })
 
 _MEASURED: dict[tuple, int] = {}

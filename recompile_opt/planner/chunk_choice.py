@@ -10,7 +10,7 @@ at a time (the loss first: it needs no recompute) and keep it only where the pla
 lower by at least :data:`GAIN` (or, under ``peak_memory``, fits where the other does not, or fits
 with less recompute). At most three plannings of the graph.
 
-The number of chunks follows Liger's rule for the loss (the chunk's logits no wider than the head's
+The number of chunks follows Liger's rule for the loss (the chunk's logits no larger than the head's
 input: k = V / h, to a power of two) and the same for the MLP (k = hidden / h): with smaller chunks the
 region's working set is below the width-sized buffers around it, and only the chunks' overhead grows.
 """
@@ -24,9 +24,9 @@ from typing import Callable
 from recompile_opt.plan import Plan, fmt_bytes
 
 GAIN = 0.02  # a chunked plan must peak this much lower to be taken: within it, the models' noise
-# the chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows with
-# them: a 1-layer GPT's least-peak planning took 2 s unchunked, 13 s with its loss in 4 chunks, 32 s in 32
-MAX_CHUNKS = 8
+# the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
+# with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
+MAX_CHUNKS = {"loss": 256, "mlp": 8}
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,11 @@ class Candidate:
     width: int  # the per-token width the region removes (vocabulary, MLP hidden width)
 
 
-def chunks_for(width: int, model_width: int, tokens: int) -> int:
-    """A power of two near ``width / model_width``, at least 2, at most :data:`MAX_CHUNKS` and the tokens."""
+def chunks_for(kind: str, width: int, model_width: int, tokens: int) -> int:
+    """A power of two at least ``width / model_width``, at least 2, at most :data:`MAX_CHUNKS` and the
+    tokens."""
     k = 2 ** max(1, math.ceil(math.log2(max(width / max(model_width, 1), 2))))
-    return max(2, min(k, MAX_CHUNKS, tokens))
+    return max(2, min(k, MAX_CHUNKS[kind], tokens))
 
 
 def candidates(loss_regions: list, mlp_regions: list) -> list[Candidate]:
@@ -49,7 +50,7 @@ def candidates(loss_regions: list, mlp_regions: list) -> list[Candidate]:
     for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
-            out.append(Candidate(kind, chunks_for(width(r), r.width, r.tokens), width(r)))
+            out.append(Candidate(kind, chunks_for(kind, width(r), r.width, r.tokens), width(r)))
     return out
 
 
