@@ -284,3 +284,27 @@ def test_auto_chunks_nothing_where_the_goal_is_not_memory():
 def test_chunks_accepts_auto_and_names_it_in_the_error(bad):
     with pytest.raises(recompile_opt.OptionError, match="'auto'"):
         parse_options({"chunks": bad})
+
+
+def test_dynamic_sequence_lengths_keep_chunking_with_eagers_gradients():
+    """``dynamic=True``: three sequence lengths (one of them not divisible by the chunks), the loss and
+    the MLPs chunked in each graph Dynamo makes, gradients equal eager's at every length."""
+    from helpers import max_grad_diff
+
+    cfg = models.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64)
+    torch.manual_seed(0)
+    base = models.GPT(cfg)
+    model = copy.deepcopy(base)
+    recompile_opt.reset_plans()
+    step = torch.compile(model, backend="recompile_opt", dynamic=True,
+                         options={"chunks": {"loss": 3, "mlp": 2}, **EAGER})
+    for seq in (16, 23, 32):
+        g = torch.Generator().manual_seed(seq)
+        idx, tgt = (torch.randint(0, 64, (2, seq), generator=g) for _ in range(2))
+        ref = copy.deepcopy(base)
+        ref(idx, tgt).backward()
+        model.zero_grad(set_to_none=True)
+        step(idx, tgt).backward()
+        assert max_grad_diff(model, ref) < 1e-5, seq
+    plans = recompile_opt.last_plans()
+    assert plans and all(sorted(c["chunks"] for c in p.chunks) == [2, 2, 3] for p in plans)
