@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
     report = table(results, args)
     print(report)
     if args.md:
-        Path(args.md).write_text("```bash\npython bench/long_context.py " + " ".join(sys.argv[1:]) + "\n```\n\n"
+        Path(args.md).write_text("```bash\npython bench/long_context.py " + shlex.join(sys.argv[1:]) + "\n```\n\n"
                                  + report + "\n")
     if args.plot:
         plot(results, args.plot, args.cap)
