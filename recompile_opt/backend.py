@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -292,13 +293,19 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
         return None, [], None
 
     def plan_with(chunks: dict) -> Plan:
-        partitioner = RecompilePartitioner(dataclasses.replace(options, chunks=chunks or None))
-        partitioner.walk = True
-        compile_eager(copy.deepcopy(gm), example_inputs, partitioner, aten_random=aten_random)
-        return partitioner.plans[-1]
+        # a candidate that misses a limit is not the user's plan: no warning, no strict error from it
+        trial = RecompilePartitioner(dataclasses.replace(options, chunks=chunks or None, strict=False))
+        trial.walk = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile_eager(copy.deepcopy(gm), example_inputs, trial, aten_random=aten_random)
+        plan = trial.plans[-1]
+        plan.options = {**plan.options, "strict": options.strict, "chunks": options.chunks}
+        return plan
 
     taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory)
-    partitioner.known[best.graph] = best
+    if options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory:
+        partitioner.known[best.graph] = best  # else planned again, to warn (or raise: strict) as usual
     partitioner.walk = bool(taken)  # its predicted peak as the candidate's: walked
     return taken, notes, unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
 

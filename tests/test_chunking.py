@@ -308,3 +308,19 @@ def test_dynamic_sequence_lengths_keep_chunking_with_eagers_gradients():
         assert max_grad_diff(model, ref) < 1e-5, seq
     plans = recompile_opt.last_plans()
     assert plans and all(sorted(c["chunks"] for c in p.chunks) == [2, 2, 3] for p in plans)
+
+
+def test_under_a_peak_limit_only_chunks_meet_auto_chunks_quietly_even_when_strict():
+    """A ``peak_memory`` below the unchunked least-peak plan's: the planner chunks the loss and meets
+    it; the unchunked candidate that missed it neither warns nor raises (``strict=True``)."""
+    import warnings
+
+    model, inputs = _logits_dominated()
+    off = recompile_opt.plan(model, inputs, memory_budget=0.0, chunks=False)
+    limit = int(0.7 * off.predicted_peak_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto = recompile_opt.plan(model, inputs, peak_memory=limit, strict=True, chunks="auto")
+    assert auto.predicted_peak_bytes <= limit and any(c["kind"] == "loss" for c in auto.chunks), auto.summary()
+    with pytest.raises(recompile_opt.InfeasibleBudget):
+        recompile_opt.plan(model, inputs, peak_memory=limit, strict=True, chunks=False)
