@@ -22,8 +22,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.planner.least_peak import EXACT_TIE
 
-GAIN = 0.02  # a chunked plan must peak this much lower to be taken: within it, the models' noise
+# a chunked plan must peak this much lower to be taken. Why the least-peak search's exact tie: the
+# search keeps any plan within it of the least walked peak (less recompute wins), so two plannings of
+# one graph differ by up to that much (seen: 27.08 and 28.16 MiB on the GPT with vocabulary 2048, where
+# a 2% gain took loss chunks that measured 27.22 MiB against 27.08 unchunked)
+GAIN = EXACT_TIE
 # the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
 # with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
 MAX_CHUNKS = {"loss": 256, "mlp": 8}
