@@ -94,11 +94,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
-        plan = self.known.pop(gid, None) or ti.on_fresh_stack(make_plan, problem, options, graph=gid,
-                                                               simulate=simulate)
-        if split_note:
+        known = self.known.pop(gid, None)  # made (notes and walked peak too) by the chunk choice
+        plan = known or ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+        if split_note and not known:
             plan.notes.insert(0, split_note)
-        if not self.replay_random() and any(v.random for v in problem.values.values()):
+        if not known and not self.replay_random() and any(v.random for v in problem.values.values()):
             plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
                               "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
         self.plans.append(plan)
@@ -109,14 +109,16 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         self.last_forward, self.last_backward = fw, bw
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
         exact = simulate.known_exact(saved, plan.recomputed_names())
+        if exact is None and known and known.solver.get("peak_from") == "inductor-code":
+            exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
         searched = fraction and options.peak_memory is None and range_walked(problem, options)
         if exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan()):
             # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
             # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
             # and where Inductor copies convolutions' inputs channels-last, which only its code shows
-            # and where the graph is chunked (or a candidate of the chunk choice, compared by its peak):
-            # the kernel model fuses chunks that the generated code runs apart (2x too high, seen)
+            # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
+            # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen)
             exact = simulate.exact(saved, plan.recomputed_names())
         plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
@@ -306,7 +308,6 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
     taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory)
     if options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory:
         partitioner.known[best.graph] = best  # else planned again, to warn (or raise: strict) as usual
-    partitioner.walk = bool(taken)  # its predicted peak as the candidate's: walked
     return taken, notes, unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
 
 

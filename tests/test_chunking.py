@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import recompile_opt
 from recompile_opt import models
 from recompile_opt.backend import RecompilePartitioner, compile_eager
-from recompile_opt.costs.cost_model import base_of
 from recompile_opt.options import parse_options
 from recompile_opt.passes.chunking import chunk_loss, chunked_linear_cross_entropy, find_loss_regions
 
@@ -44,6 +43,14 @@ def _run(gm, example_inputs):
     return loss.detach(), [a.grad for a in args if a.grad is not None]
 
 
+def _assert_runs_alike(chunked, gm, example_inputs):
+    """The rewritten graph's loss and gradients equal the original's."""
+    (loss, grads), (got_loss, got_grads) = _run(gm, example_inputs), _run(chunked, example_inputs)
+    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
+    for g, ref in zip(got_grads, grads, strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+
+
 # -- the pass on small graphs -----------------------------------------------------------------------
 
 def test_the_benchmark_gpts_head_and_loss_are_one_region():
@@ -58,15 +65,11 @@ def test_the_benchmark_gpts_head_and_loss_are_one_region():
 @pytest.mark.parametrize("chunks", [2, 5, 8])  # 5 does not divide the 32 tokens: chunks of 7, 7, 6, 6, 6
 def test_the_rewritten_graph_gives_the_same_loss_and_gradients(chunks):
     gm, inputs = _dynamo_graph(*tiny_gpt())
-    loss, grads = _run(gm, inputs)
     chunked = copy.deepcopy(gm)
     chunk_loss(chunked, find_loss_regions(chunked)[0], chunks)
     targets = [n.target for n in chunked.graph.nodes if n.op == "call_function"]
     assert F.cross_entropy not in targets and targets.count(chunked_linear_cross_entropy) == 1
-    got_loss, got_grads = _run(chunked, inputs)
-    torch.testing.assert_close(got_loss, loss, rtol=1e-6, atol=1e-6)
-    for g, ref in zip(got_grads, grads, strict=True):
-        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+    _assert_runs_alike(chunked, gm, inputs)
 
 
 @pytest.mark.parametrize("chunks", [3, 4])

@@ -38,7 +38,6 @@ MAX_CHUNKS = {"loss": 256, "mlp": 8}
 class Candidate:
     kind: str  # "loss" or "mlp"
     chunks: int
-    width: int  # the per-token width the region removes (vocabulary, MLP hidden width)
 
 
 def chunks_for(kind: str, width: int, model_width: int, tokens: int) -> int:
@@ -55,7 +54,7 @@ def candidates(loss_regions: list, mlp_regions: list) -> list[Candidate]:
     for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
-            out.append(Candidate(kind, chunks_for(kind, width(r), r.width, r.tokens), width(r)))
+            out.append(Candidate(kind, chunks_for(kind, width(r), r.width, r.tokens)))
     return out
 
 
