@@ -57,6 +57,7 @@ class MLPRegion:
     hidden: int = 0
     why_not: str | None = None
     width: int = 0  # the input's (model) width
+    itemsize: int = 4  # bytes of an element of the input
 
     @property
     def name(self) -> str:
@@ -117,7 +118,7 @@ def _region(down: fx.Node) -> MLPRegion | None:
     if x is None or out is None:
         return _refuse(region, "shapes unknown")
     region.tokens, region.hidden = math.prod(int(s) for s in x.shape[:-1]), int(out.shape[-1])
-    region.width = int(x.shape[-1])
+    region.width, region.itemsize = int(x.shape[-1]), x.element_size()
     for node in region.body + region.ups:
         outside = [u.name for u in node.users if u not in body and u is not down]
         if outside:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.costs.cost_model import register_traffic_formula, tensor_bytes
 
 LINEAR = {F.linear, torch._C._nn.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
@@ -50,6 +51,7 @@ class LossRegion:
     vocab: int
     why_not: str | None = None  # why it cannot be chunked
     width: int = 0  # the head's input width (hidden size)
+    itemsize: int = 4  # bytes of an element of the head's input
 
     @property
     def name(self) -> str:
@@ -183,6 +185,21 @@ def _flops(tokens_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
     return 6 * tokens_shape[0] * tokens_shape[1] * weight_shape[0]
 
 
+@register_traffic_formula(torch.ops.recompile_opt.chunked_head_loss)
+def _traffic(node: fx.Node) -> int:
+    """What makes chunks cost: each chunk reads the head's weight twice (its logits, its tokens'
+    gradient) and reads and writes the weight's gradient (``addmm_``), whatever its rows; besides, the
+    tokens and their gradient once. Measured (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes
+    1.13x its unchunked time at 128 rows a chunk, 1.39x at 64, 8.7x at 4."""
+    tokens, weight = (a.meta["val"] for a in node.args[:2])
+    return chunks_of(node) * 4 * tensor_bytes(weight) + 2 * tensor_bytes(tokens)
+
+
+def chunks_of(node: fx.Node) -> int:
+    """The ``chunks`` argument of a :func:`chunked_head_loss` node."""
+    return int(node.args[4] if len(node.args) > 4 else node.kwargs["chunks"])
+
+
 def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
     """Summed cross-entropy of one chunk and its gradient with respect to the logits, the gradient
     made in the logits' own buffer. Why in place: this runs eagerly inside one op, where each
@@ -191,12 +208,17 @@ def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
     counted = target != ignore_index
     safe = torch.where(counted, target, 0).unsqueeze(1)
     vocab = logits.shape[-1]
-    lse = torch.logsumexp(logits, dim=-1)
-    nll = lse - logits.gather(1, safe).squeeze(1)
+    picked = logits.gather(1, safe).squeeze(1)
+    mean = logits.mean(-1) if label_smoothing else None
+    top = logits.amax(-1, keepdim=True)
+    grad = logits.sub_(top).exp_()  # torch.logsumexp would allocate this chunk-sized buffer besides
+    total = grad.sum(-1, keepdim=True)
+    grad.div_(total)  # the softmax
+    lse = (top + total.log()).squeeze(1)
+    nll = lse - picked
     if label_smoothing:  # the mean over the classes of -log p = lse - mean(logits)
-        nll = (1 - label_smoothing) * nll + label_smoothing * (lse - logits.mean(-1))
+        nll = (1 - label_smoothing) * nll + label_smoothing * (lse - mean)
     loss = torch.where(counted, nll, 0).sum()
-    grad = logits.sub_(lse.unsqueeze(1)).exp_()  # the softmax, over the logits
     grad.scatter_add_(1, safe, grad.new_full(safe.shape, label_smoothing - 1))
     if label_smoothing:
         grad.sub_(label_smoothing / vocab)
@@ -239,7 +261,7 @@ def _region(loss: fx.Node) -> LossRegion:
     x = value_of(_linear_args(node)[0])
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
-    region.width = int(x.shape[-1])
+    region.width, region.itemsize = int(x.shape[-1]), x.element_size()
     return region
 
 

@@ -290,7 +290,9 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
     least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
     if options.policy != "auto" or not (least_peak or options.peak_memory is not None):
         return None, [], None
-    candidates = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm))
+    device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+    roofline = options.roofline_for(options.target_device if device == "meta" else device)
+    candidates = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
     if not candidates:
         return None, [], None
 

@@ -14,6 +14,8 @@
 * Saving a tensor is not free either: it is written in the forward and read in the backward, so the
   planner charges ``2 * bytes / bytes_per_s`` per kept storage (this is why recomputing a cheap
   pointwise op can beat saving its output, as Inductor's own min-cut partitioner also finds).
+* An op that loops inside (our chunked LM-head loss) reads some inputs once per iteration: it registers
+  its traffic (:func:`register_traffic_formula`), as torch's flop counter lets an op register its FLOPs.
 """
 
 from __future__ import annotations
@@ -81,6 +83,19 @@ def _tensors(vals) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
 
 
+# op overload packet -> f(node) -> the bytes one call reads and writes, for ops whose traffic is not
+# their inputs' and outputs' bytes once each
+_TRAFFIC_FORMULAS: dict = {}
+
+
+def register_traffic_formula(op):
+    """Decorator: ``f(node) -> bytes`` is the memory traffic of one call of ``op`` (an OpOverloadPacket)."""
+    def register(formula):
+        _TRAFFIC_FORMULAS[op] = formula
+        return formula
+    return register
+
+
 def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost:
     """FLOPs, memory traffic and roofline time of computing ``node`` once; ``fused``: a pointwise op
     inside a fused kernel (one pass over its output, see the module docstring)."""
@@ -92,7 +107,8 @@ def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost
         return NodeCost(0, sent, roofline["collective_latency_s"] + sent / roofline["link_bytes_per_s"])
     flops = _flops(node, out)
     in_vals = [a.meta.get("val") for a in node.all_input_nodes]
-    traffic = sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
+    own = _TRAFFIC_FORMULAS.get(getattr(node.target, "_overloadpacket", None))
+    traffic = own(node) if own else sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
     seconds = max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
     return NodeCost(int(flops), int(traffic), seconds)
 

@@ -10,9 +10,14 @@ at a time (the loss first: it needs no recompute) and keep it only where the pla
 lower by at least :data:`GAIN` (or, under ``peak_memory``, fits where the other does not, or fits
 with less recompute). At most three plannings of the graph.
 
-The number of chunks follows Liger's rule for the loss (the chunk's logits no larger than the head's
-input: k = V / h, to a power of two) and the same for the MLP (k = hidden / h): with smaller chunks the
-region's working set is below the width-sized buffers around it, and only the chunks' overhead grows.
+The number of chunks follows Liger's rule (the chunk's logits no larger than the head's input: k = V / h,
+to a power of two; the MLP's hidden the same way: k = hidden / h), with a floor on the rows of a chunk
+from the roofline (:func:`min_rows`): each chunk passes over the region's weights whatever its rows, so
+chunks of a few rows are memory-bound (measured: the LM head's loss in 128 chunks of 4 rows took 8.7x
+its unchunked time; at 128 rows, 1.13x). Where the floor lowers Liger's k, a kind is tried at the floor
+first and at Liger's k after every kind's first try: the least-peak plan takes it where it peaks at
+least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met yet (fitting
+first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
 """
 
 from __future__ import annotations
@@ -32,30 +37,48 @@ GAIN = EXACT_TIE
 # the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
 # with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
 MAX_CHUNKS = {"loss": 256, "mlp": 8}
+# the share of a chunk's matmul time its passes over the weights may take at the floor of rows
+OVERHEAD = 1 / 8
 
 
 @dataclass(frozen=True)
 class Candidate:
     kind: str  # "loss" or "mlp"
     chunks: int
+    below_floor: bool = False  # chunks of fewer rows than min_rows: tried only to meet a peak limit
+
+
+def min_rows(itemsize: int, roofline: dict) -> int:
+    """The fewest rows (a power of two) a chunk may have: its passes over the region's weights (4: read
+    for the forward and for the input's gradient, the weight's gradient read and written by ``addmm_``)
+    take at most :data:`OVERHEAD` of its matmuls' time (6 FLOPs per weight element and row). The MLP's
+    ratio is about the same (5 passes, 8 FLOPs). 128 rows for fp32 on the CPU constants."""
+    rows = 4 * itemsize * roofline["flops_per_s"] / (6 * OVERHEAD * roofline["bytes_per_s"])
+    return 2 ** math.ceil(math.log2(rows))
 
 
 def chunks_for(kind: str, width: int, model_width: int, tokens: int) -> int:
-    """A power of two at least ``width / model_width``, at least 2, at most :data:`MAX_CHUNKS` and the
-    tokens."""
+    """Liger's k: a power of two at least ``width / model_width``, at least 2, at most
+    :data:`MAX_CHUNKS` and the tokens."""
     k = 2 ** max(1, math.ceil(math.log2(max(width / max(model_width, 1), 2))))
     return max(2, min(k, MAX_CHUNKS[kind], tokens))
 
 
-def candidates(loss_regions: list, mlp_regions: list) -> list[Candidate]:
-    """One candidate per region kind whose regions can all be chunked, the loss first; its k from the
-    widest region of the kind."""
+def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Candidate]:
+    """Per region kind whose regions can all be chunked (the loss first), Liger's k for its widest
+    region, capped by the floor on rows; where the floor lowered it, Liger's k as a second candidate
+    below the floor (tried under a peak limit only), after every kind's first."""
     out = []
     for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
-            out.append(Candidate(kind, chunks_for(kind, width(r), r.width, r.tokens)))
-    return out
+            liger = chunks_for(kind, width(r), r.width, r.tokens)
+            floored = min(liger, 2 ** int(math.log2(max(r.tokens // min_rows(r.itemsize, roofline), 1))))
+            if floored >= 2:
+                out.append(Candidate(kind, floored))
+            if liger > floored:
+                out.append(Candidate(kind, liger, below_floor=True))
+    return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
 def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None
@@ -66,6 +89,8 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
     unchunked = best = plan_with({})
     notes = []
     for c in candidates:
+        if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
+            continue  # small chunks cost time: under a limit, only to meet it
         trial = plan_with({**taken, c.kind: c.chunks})
         better = _better(trial, best, peak_limit)
         notes.append(f"chunks (auto): {c.kind} in {c.chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
