@@ -41,6 +41,7 @@ STRATEGIES = {  # label -> bench/compare.py strategy
     "activation_memory_budget 0.0": "compile-amb-0.0",
     "ours 0.0 (no chunks)": "ours-0.0",
     "ours 0.0 (chunks auto)": "ours-0.0+chunks",
+    "ours peak_memory=cap (chunks auto)": "ours-peak-CAP+chunks",  # CAP: the --cap given
 }
 MODEL = {"model": "llama", "layers": 2, "heads": 4, "embd": 256, "vocab": 32000, "batch": 1, "dropout": 0.0}
 MiB = 2**20
@@ -178,14 +179,14 @@ def main(argv=None) -> int:
         return 0
     from recompile_opt.options import parse_bytes
 
-    args.cap = parse_bytes("cap", args.cap)
+    args.cap_text, args.cap = args.cap, parse_bytes("cap", args.cap)
     results = {}
     for label in [s.strip() for s in args.strategies.split(",")]:
         def log(r, label=label):
             peak = f"{r['peak_bytes'] / MiB:8.1f} MiB" if "peak_bytes" in r else f"error {r.get('error')}"
             print(f"{label:<36} seq {r['seq']:>6}: {peak}  step {r.get('step_s', float('nan')):.2f} s  "
                   f"compile {r.get('compile_s', float('nan')):.0f} s {r.get('chunks', '')}", flush=True)
-        good, runs = longest(STRATEGIES[label], args, log)
+        good, runs = longest(STRATEGIES[label].replace("CAP", args.cap_text), args, log)
         results[label] = {"longest": good, "runs": runs}
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))

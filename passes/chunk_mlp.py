@@ -8,7 +8,9 @@ one chunk only.
 
 A region is found in the Dynamo graph: a ``linear`` (the down-projection) whose input is computed by
 elementwise ops (:data:`POINTWISE`, at least one of them an activation) from the outputs of one or more
-``linear`` layers that all read the same input ``x`` (GELU MLP: one; SwiGLU: gate and up). Nothing
+``linear`` layers that all read the same input ``x`` (GELU MLP: one; SwiGLU: gate and up). Hugging
+Face's ``Conv1D`` (GPT-2: ``addmm(b, x.view(-1, in), W).view(...)``, ``W`` of shape ``[in, out]``) counts as a
+linear of ``W.t()`` (:class:`Projection`). Nothing
 inside may be read outside it. The region becomes :func:`chunked_mlp`, an autograd Function whose
 forward runs the chunks one after the other and keeps only ``x``, and whose backward recomputes each
 chunk's up-projections and activation and accumulates the weights' gradients with ``addmm`` (an extern
@@ -46,12 +48,50 @@ POINTWISE_METHODS = ACTIVATION_METHODS | {"mul", "add", "sub", "div", "pow", "ex
                                           "neg", "square"}
 
 
+@dataclass(frozen=True)
+class Projection:
+    """A linear layer in a Dynamo graph: ``F.linear(x, weight, bias)``, or Hugging Face's ``Conv1D``,
+    ``addmm(bias, x.view(-1, in), weight).view(...)``, whose weight is transposed (``[in, out]``)."""
+
+    out: fx.Node  # the node of the projection's output
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    transposed: bool = False
+    inner: tuple = ()  # a Conv1D's flattening view and addmm, before ``out``
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return [*self.inner, self.out]
+
+
+def projection(node) -> Projection | None:
+    """``node`` as a :class:`Projection`, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target in LINEAR:
+        kw = arguments(node)
+        return Projection(node, kw["input"], kw["weight"], kw["bias"])
+    mm = node.args[0] if node.op == "call_method" and node.target in ("view", "reshape") and node.args else None
+    if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target is torch.addmm
+            and len(mm.args) == 3 and not mm.kwargs):
+        return None
+    bias, flat, weight = mm.args
+    if not (isinstance(flat, fx.Node) and flat.op == "call_method" and flat.target == "view"
+            and isinstance(flat.args[0], fx.Node)):
+        return None
+    x, w, out = value_of(flat.args[0]), value_of(weight), value_of(node)
+    if x is None or w is None or out is None or w.dim() != 2 or tuple(out.shape[:-1]) != tuple(x.shape[:-1]):
+        return None
+    return Projection(node, flat.args[0], weight, bias, transposed=True, inner=(flat, mm))
+
+
 @dataclass
 class MLPRegion:
     """One MLP found in a Dynamo graph."""
 
-    down: fx.Node  # the down-projection's linear
-    ups: list[fx.Node] = field(default_factory=list)  # the up-projections (gate first, as read by the act)
+    down: Projection
+    ups: list[Projection] = field(default_factory=list)  # the up-projections (gate first, as read by the act)
     body: list[fx.Node] = field(default_factory=list)  # the elementwise ops between, in graph order
     tokens: int = 0
     hidden: int = 0
@@ -61,7 +101,7 @@ class MLPRegion:
 
     @property
     def name(self) -> str:
-        return f"mlp {self.down.name}"
+        return f"mlp {self.down.out.name}"
 
     def describe(self, chunks: int) -> str:
         per = math.ceil(self.tokens / chunks)
@@ -81,25 +121,27 @@ def find_mlp_regions(gm: fx.GraphModule) -> list[MLPRegion]:
     candidate and is not listed."""
     regions = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in LINEAR:
-            region = _region(node)
+        down = projection(node)
+        if down is not None:
+            region = _region(down)
             if region is not None:
                 regions.append(region)
     return regions
 
 
-def _region(down: fx.Node) -> MLPRegion | None:
-    a = arguments(down)["input"]
+def _region(down: Projection) -> MLPRegion | None:
+    a = down.x
     if not (isinstance(a, fx.Node) and _is_activation(a)) and not _feeds_from_activation(a):
         return None
     region = MLPRegion(down)
-    body, ups, stack = set(), [], [a]
+    body, ups, stack = set(), {}, [a]
     while stack:
         node = stack.pop()
         if node in body or node in ups:
             continue
-        if node.op == "call_function" and node.target in LINEAR:
-            ups.append(node)
+        up = projection(node)
+        if up is not None:
+            ups[node] = up
             continue
         if not _is_pointwise(node):
             return _refuse(region, f"{node.name} ({_target_name(node)}) between the projections is not an "
@@ -107,10 +149,10 @@ def _region(down: fx.Node) -> MLPRegion | None:
         body.add(node)
         for arg in node.all_input_nodes:
             stack.append(arg)
-    order = {n: i for i, n in enumerate(down.graph.nodes)}
+    order = {n: i for i, n in enumerate(down.out.graph.nodes)}
     region.body = sorted(body, key=order.__getitem__)
-    region.ups = sorted(ups, key=order.__getitem__)
-    inputs = {arguments(u)["input"] for u in region.ups}
+    region.ups = [ups[n] for n in sorted(ups, key=order.__getitem__)]
+    inputs = {u.x for u in region.ups}
     if len(inputs) != 1:
         return _refuse(region, "the up-projections read different inputs")
     x = value_of(next(iter(inputs)))
@@ -119,10 +161,12 @@ def _region(down: fx.Node) -> MLPRegion | None:
         return _refuse(region, "shapes unknown")
     region.tokens, region.hidden = math.prod(int(s) for s in x.shape[:-1]), int(out.shape[-1])
     region.width, region.itemsize = int(x.shape[-1]), x.element_size()
-    for node in region.body + region.ups:
-        outside = [u.name for u in node.users if u not in body and u is not down]
+    inside = {*body, *down.nodes, *(n for u in region.ups for n in u.nodes)}
+    for node in [*region.body, *(n for u in region.ups for n in u.nodes), *down.inner]:
+        outside = [u.name for u in node.users if u not in inside]
         if outside:
             return _refuse(region, f"{node.name} is also read by {', '.join(outside)}")
+    for node in region.body + [u.out for u in region.ups]:
         val = value_of(node)
         if val is None or tuple(val.shape) != tuple(out.shape):
             return _refuse(region, f"{node.name} is not [tokens, hidden] like the down-projection's input")
@@ -168,19 +212,18 @@ def chunk_mlp(gm: fx.GraphModule, region: MLPRegion, chunks: int) -> fx.Node:
     if region.why_not is not None:
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     act_name = _add_body_module(gm, region)
-    x = arguments(region.ups[0])["input"]
-    weights = tuple(arguments(u)["weight"] for u in region.ups)
-    biases = tuple(arguments(u)["bias"] for u in region.ups)
-    down = arguments(region.down)
-    graph = gm.graph
-    with graph.inserting_before(region.down):
+    graph, down = gm.graph, region.down
+    with graph.inserting_before(down.out):
         act = graph.get_attr(act_name)
-        new = graph.call_function(chunked_mlp, (x, weights, biases, down["weight"], down["bias"], act),
+        # a Conv1D's weight as a linear's: a transposed view, which autograd differentiates
+        weights = tuple(graph.call_function(torch.t, (p.weight,)) if p.transposed else p.weight
+                        for p in (*region.ups, down))
+        biases = tuple(p.bias for p in region.ups)
+        new = graph.call_function(chunked_mlp, (region.ups[0].x, weights[:-1], biases, weights[-1], down.bias, act),
                                   {"chunks": chunks})
-    new.meta = dict(region.down.meta)
-    region.down.replace_all_uses_with(new)
-    graph.erase_node(region.down)
-    for node in [*reversed(region.body), *reversed(region.ups)]:
+    new.meta = dict(down.out.meta)
+    down.out.replace_all_uses_with(new)
+    for node in [*reversed(down.nodes), *reversed(region.body), *(n for u in reversed(region.ups) for n in reversed(u.nodes))]:
         graph.erase_node(node)
     gm.recompile()
     return new
@@ -189,10 +232,10 @@ def chunk_mlp(gm: fx.GraphModule, region: MLPRegion, chunks: int) -> fx.Node:
 def _add_body_module(gm: fx.GraphModule, region: MLPRegion) -> str:
     """The elementwise body as a GraphModule of the up-projections' outputs."""
     body = fx.Graph()
-    env = {up: body.placeholder(f"up_{i}") for i, up in enumerate(region.ups)}
+    env = {up.out: body.placeholder(f"up_{i}") for i, up in enumerate(region.ups)}
     for node in region.body:
         env[node] = body.node_copy(node, env.__getitem__)
-    body.output(env[arguments(region.down)["input"]])
+    body.output(env[region.down.x])
     i = 0
     while hasattr(gm, f"chunked_mlp_act_{i}"):
         i += 1

@@ -6,8 +6,9 @@ keeps; they grow with the vocabulary (Llama 3: 128k). Cut the tokens into k chun
 exists for one chunk at a time.
 
 A region is ``linear(x, W[, b])`` followed only by ops that keep the token order (``view`` / ``reshape``
-to ``[tokens, vocab]``, ``float`` / ``to`` / ``contiguous``) into ``F.cross_entropy(logits, target)``
-with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo graph, before AOTAutograd: the
+to ``[tokens, vocab]``, ``float`` / ``to`` / ``contiguous``) or select tokens before any reshape (a
+causal LM's ``logits[:, :-1]``: moved onto ``x``, since the head is row-wise) into
+``F.cross_entropy(logits, target)`` with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo graph, before AOTAutograd: the
 region becomes :func:`chunked_linear_cross_entropy`, a loop over ``tensor_split`` chunks of the tokens
 (k need not divide them) that sums each chunk's summed loss and divides by the count of counted tokens
 (``mean`` with ``ignore_index`` exactly, up to the order of the float sums). Each chunk computes its
@@ -23,6 +24,7 @@ loss: the head would be computed twice), class weights, a reduction of ``none``,
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,9 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
               "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0)}
     graph = gm.graph
     with graph.inserting_before(region.loss):
+        for node in region.chain:  # the head is row-wise: select the tokens before it
+            if _selects_tokens(node):
+                x = graph.call_function(operator.getitem, (x, node.args[1]))
         new = graph.call_function(chunked_linear_cross_entropy, (x, weight, bias, target), kwargs)
     new.meta = dict(region.loss.meta)
     region.loss.replace_all_uses_with(new)
@@ -244,7 +249,9 @@ def _region(loss: fx.Node) -> LossRegion:
     while not (node.op == "call_function" and node.target in LINEAR):
         if node.op == "placeholder":
             return _refuse(region, f"the logits are an input of this graph ({node.name}): a graph break "
-                                   "lies between the head and the loss")
+                                   "lies between the head and the loss (Hugging Face models without a "
+                                   "loss_type, e.g. GPT2LMHeadModel, break at a logging call there: set "
+                                   "model.loss_type = 'ForCausalLM')")
         if not _keeps_token_order(node, vocab):
             return _refuse(region, f"{node.name} ({node.target}) between the head and the loss is not a "
                                    "reshape or a cast")
@@ -254,11 +261,15 @@ def _region(loss: fx.Node) -> LossRegion:
             return _refuse(region, "no linear layer (the LM head) before the loss")
     chain.reverse()
     region.linear, region.chain = node, chain
+    selects = [i for i, n in enumerate(chain) if _selects_tokens(n)]
+    reshapes = [i for i, n in enumerate(chain) if n.target in _ORDER_KEEPING_METHODS | _ORDER_KEEPING_FUNCTIONS]
+    if selects and reshapes and min(reshapes) < max(selects):
+        return _refuse(region, f"{chain[max(selects)].name} selects tokens after a reshape of the logits")
     for producer, consumer in zip([node, *chain], [*chain, loss]):
         if set(producer.users) != {consumer}:
             return _refuse(region, f"the logits ({producer.name}) are also read elsewhere (returned, or "
                                    "another loss): the head would be computed twice")
-    x = value_of(_linear_args(node)[0])
+    x = value_of(chain[max(selects)] if selects else _linear_args(node)[0])
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
     region.width, region.itemsize = int(x.shape[-1]), x.element_size()
@@ -266,13 +277,26 @@ def _region(loss: fx.Node) -> LossRegion:
 
 
 def _keeps_token_order(node: fx.Node, vocab: int) -> bool:
-    """A cast, or a reshape to ``[tokens, vocab]`` (rows stay tokens, in order)."""
+    """A cast, a reshape to ``[tokens, vocab]`` (rows stay tokens, in order), or a selection of tokens."""
     value = value_of(node)
-    if node.op == "call_method" and node.target in ("float", "to", "contiguous"):
+    if node.op == "call_method" and node.target in ("float", "to", "contiguous") or _selects_tokens(node):
         return True
     reshape = (node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS) or (
         node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS)
     return reshape and value is not None and value.dim() <= 2 and value.shape[-1] == vocab
+
+
+def _selects_tokens(node: fx.Node) -> bool:
+    """``logits[i, j:k]``: slices and integers over the leading (token) dimensions only."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return False
+    index, value = node.args[1], value_of(node.args[0])
+    index = index if isinstance(index, tuple) else (index,)
+    if value is not None and len(index) == value.dim() and index[-1] == slice(None):
+        index = index[:-1]  # logits[:, :-1, :]
+    return (value is not None and len(index) < value.dim()
+            and all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index)
+            and all(not isinstance(v, fx.Node) for i in index if isinstance(i, slice) for v in (i.start, i.stop, i.step)))
 
 
 def _refuse(region: LossRegion, why: str) -> LossRegion:

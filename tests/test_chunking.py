@@ -208,13 +208,57 @@ def test_hugging_face_causal_lm_losses_chunk_with_their_shifted_labels(name):
 
 def test_a_graph_break_between_head_and_loss_is_named():
     """Hugging Face GPT-2 breaks the graph before its loss (tests/test_hf_models.py): the loss's graph
-    gets the logits as an input, so there is no head to chunk with it (not yet handled)."""
+    gets the logits as an input, so there is no head to chunk with it; the error says so and how
+    Hugging Face's break goes away."""
     pytest.importorskip("transformers")
     from test_hf_models import build
 
     model, inputs = build("gpt2")
-    with pytest.raises(recompile_opt.OptionError, match="a graph break lies between the head and the loss"):
+    with pytest.raises(recompile_opt.OptionError, match="a graph break lies between the head and the loss.*loss_type"):
         torch.compile(model, backend="recompile_opt", options={"chunks": {"loss": 3}, **EAGER})(*inputs)
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 8])  # 3 does not divide the 2 x 16 tokens
+def test_hugging_face_gpt2_chunks_its_loss_and_conv1d_mlps_with_dropout(chunks):
+    """GPT-2 in one graph (``loss_type`` set, its own shifted-label loss), dropout on, replayed: the loss
+    and both ``Conv1D`` MLPs (``addmm`` of a ``[in, out]`` weight, tanh GELU) chunked, gradients eager's."""
+    pytest.importorskip("transformers")
+    from test_hf_models import build
+
+    model, inputs = build("gpt2", dropout=0.1)
+    model.model.loss_type = "ForCausalLM"
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(model, inputs, options={"chunks": {"loss": chunks, "mlp": chunks}, **EAGER},
+                                  rtol=1e-4, atol=1e-5)
+    mlps = [n for n in plan.notes if n.startswith("chunk: mlp ")]
+    assert len(mlps) == 2 and all(f"1 up-projection, hidden 256) in {chunks} chunks" in n for n in mlps), plan.notes
+    assert any(n.startswith("chunk: loss ") and f"in {chunks} chunks" in n for n in plan.notes), plan.notes
+
+
+class _SlicedLogitsLoss(torch.nn.Module):
+    """A user's causal-LM loss on the returned logits: ``logits[:, :-1]`` against ``ids[:, 1:]``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        logits = self.model(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1, :].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def test_a_users_cross_entropy_on_sliced_logits_is_chunked():
+    """The slice of the logits moves before the head (row-wise): the head runs on the kept tokens only."""
+    pytest.importorskip("transformers")
+    from test_hf_models import build
+
+    model, inputs = build("gpt2")
+    model = _SlicedLogitsLoss(model.model)
+    gm, example_inputs = _dynamo_graph(model, inputs)
+    (region,) = find_loss_regions(gm)
+    assert region.why_not is None and region.tokens == 2 * 15, region.why_not
+    plan = train_side_by_side(model, inputs, options={"chunks": {"loss": 4}, **EAGER}, rtol=1e-4, atol=1e-5)
+    assert any(n.startswith("chunk: loss ") and "in 4 chunks of <= 8 of 30 tokens" in n for n in plan.notes), plan.notes
 
 
 def test_chunks_false_is_accepted_by_plan_and_changes_nothing():
