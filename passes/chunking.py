@@ -12,7 +12,11 @@ causal LM's ``logits[:, :-1]``: moved onto ``x``, since the head is row-wise) in
 region becomes :func:`chunked_linear_cross_entropy`, a loop over ``tensor_split`` chunks of the tokens
 (k need not divide them) that sums each chunk's summed loss and divides by the count of counted tokens
 (``mean`` with ``ignore_index`` exactly, up to the order of the float sums). Each chunk computes its
-loss and its gradients in the forward (:class:`_ChunkedHeadLoss`), so the backward only scales them.
+loss and its gradients in the forward (:class:`_ChunkedHeadLoss`, Liger's way), so the backward only
+scales them; or (``recompute=True``, MST's way, :class:`_RecomputedHeadLoss`) the forward computes the
+loss only and the backward runs the chunks again for the gradients: twice the head's logits, but no
+gradient held from the forward to the backward, which matters where more of the forward runs after
+the loss (:attr:`LossRegion.last`).
 The chunks' head matmuls are separate extern kernels, so Inductor cannot fuse them back into one
 full-length buffer.
 
@@ -54,21 +58,25 @@ class LossRegion:
     why_not: str | None = None  # why it cannot be chunked
     width: int = 0  # the head's input width (hidden size)
     itemsize: int = 4  # bytes of an element of the head's input
+    last: bool = True  # nothing but scalar ops runs after the loss in the forward
 
     @property
     def name(self) -> str:
         return f"loss {self.loss.name}"
 
-    def describe(self, chunks: int) -> str:
+    def describe(self, chunks: int, recompute: bool = False) -> str:
         per = math.ceil(self.tokens / chunks)
         return (f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
                 f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
-                "at a time")
+                "at a time, " + ("the head recomputed in the backward" if recompute
+                                 else "the gradients made in the forward"))
 
-    def record(self, chunks: int) -> dict:
-        """The plan's entry: the gradients are made in the forward, nothing is recomputed."""
-        return {"region": self.name, "kind": "loss", "chunks": chunks, "tokens": self.tokens,
-                "width": self.vocab, "recompute_flops": 0}
+    def record(self, chunks: int, recompute: bool = False) -> dict:
+        """The plan's entry: the gradients made in the forward (nothing recomputed), or the head's
+        logits recomputed in the backward."""
+        return {"region": self.name, "kind": "loss_recompute" if recompute else "loss", "chunks": chunks,
+                "tokens": self.tokens, "width": self.vocab,
+                "recompute_flops": 2 * self.tokens * self.width * self.vocab if recompute else 0}
 
 
 def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
@@ -76,8 +84,9 @@ def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
     return [_region(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _CROSS_ENTROPY]
 
 
-def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
-    """Rewrite ``region`` of ``gm`` as ``chunks`` serial chunks; returns the new loss node."""
+def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: bool = False) -> fx.Node:
+    """Rewrite ``region`` of ``gm`` as ``chunks`` serial chunks (``recompute``: the head recomputed in
+    the backward); returns the new loss node."""
     if region.why_not is not None:
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     x, weight, bias = _linear_args(region.linear)
@@ -85,7 +94,7 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
     kwargs = {"chunks": chunks, "dtype": value_of(region.chain[-1] if region.chain else region.linear).dtype,
               "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
               "reduction": _ce_arg(region.loss, "reduction", "mean"),
-              "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0)}
+              "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0), "recompute": recompute}
     graph = gm.graph
     with graph.inserting_before(region.loss):
         for node in region.chain:  # the head is row-wise: select the tokens before it
@@ -102,14 +111,16 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int) -> fx.Node:
 
 def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype: torch.dtype,
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 label_smoothing: float = 0.0):
+                                 label_smoothing: float = 0.0, recompute: bool = False):
     """``F.cross_entropy(F.linear(x, weight, bias).to(dtype).view(-1, V), target.view(-1), ...)``
-    computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`)."""
+    computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`, or
+    :class:`_RecomputedHeadLoss` with ``recompute``)."""
     tokens = x.reshape(-1, x.shape[-1])
     flat_target = target.reshape(-1)
     count = (flat_target != ignore_index).sum() if reduction == "mean" else None
-    return _ChunkedHeadLoss.apply(tokens, weight, bias, flat_target, count, chunks, dtype, ignore_index,
-                                  label_smoothing).to(x.dtype if reduction == "mean" else dtype)
+    function = _RecomputedHeadLoss if recompute else _ChunkedHeadLoss
+    return function.apply(tokens, weight, bias, flat_target, count, chunks, dtype, ignore_index,
+                          label_smoothing).to(x.dtype if reduction == "mean" else dtype)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -141,6 +152,34 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         scale, *grads = ctx.saved_tensors
         factor = grad_loss if scale is None else grad_loss * scale
         grads = [None if g is None else g * factor.to(g.dtype) for g in grads]
+        return (*grads, None, None, None, None, None, None)
+
+
+class _RecomputedHeadLoss(torch.autograd.Function):
+    """The loss chunk by chunk in the forward, which keeps only the head's input (MST's way); the
+    backward runs the chunks again (:func:`chunked_head_loss`, gradients asked this time). Why besides
+    :class:`_ChunkedHeadLoss`: its gradients (a ``[vocab, hidden]`` one among them) live from the loss
+    to the backward, through whatever the forward still runs after the loss."""
+
+    @staticmethod
+    def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
+        total = torch.ops.recompile_opt.chunked_head_loss(
+            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, False, False, False)[0]
+        scale = None
+        if count is not None:
+            scale = 1.0 / count.clamp(min=1).to(dtype)
+            total = total / count.to(dtype)
+        ctx.args = chunks, dtype, ignore_index, label_smoothing
+        ctx.save_for_backward(scale, tokens, weight, bias, target)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        scale, tokens, weight, bias, target = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        _, *grads = torch.ops.recompile_opt.chunked_head_loss(tokens, weight, bias, target, *ctx.args, *needs)
+        factor = grad_loss if scale is None else grad_loss * scale
+        grads = [g * factor.to(g.dtype) if need else None for g, need in zip(grads, needs)]
         return (*grads, None, None, None, None, None, None)
 
 
@@ -185,9 +224,10 @@ def _(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing
 
 
 @ti.register_flop_formula(torch.ops.recompile_opt.chunked_head_loss)
-def _flops(tokens_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    """The head's three matmuls: logits, and the gradients of the tokens and the weight."""
-    return 6 * tokens_shape[0] * tokens_shape[1] * weight_shape[0]
+def _flops(tokens_shape, weight_shape, bias_shape, target_shape, chunks, dtype, ignore_index, label_smoothing,
+           need_tokens, need_weight, need_bias, *args, out_shape=None, **kwargs) -> int:
+    """The head's matmuls: the logits, and the gradients of the tokens and of the weight where asked."""
+    return 2 * tokens_shape[0] * tokens_shape[1] * weight_shape[0] * (1 + bool(need_tokens) + bool(need_weight))
 
 
 @register_traffic_formula(torch.ops.recompile_opt.chunked_head_loss)
@@ -197,12 +237,18 @@ def _traffic(node: fx.Node) -> int:
     tokens and their gradient once. Measured (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes
     1.13x its unchunked time at 128 rows a chunk, 1.39x at 64, 8.7x at 4."""
     tokens, weight = (a.meta["val"] for a in node.args[:2])
-    return chunks_of(node) * 4 * tensor_bytes(weight) + 2 * tensor_bytes(tokens)
+    need_tokens, need_weight = (_op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight")))
+    passes = 1 + bool(need_tokens) + 2 * bool(need_weight)
+    return chunks_of(node) * passes * tensor_bytes(weight) + 2 * tensor_bytes(tokens)
 
 
 def chunks_of(node: fx.Node) -> int:
     """The ``chunks`` argument of a :func:`chunked_head_loss` node."""
-    return int(node.args[4] if len(node.args) > 4 else node.kwargs["chunks"])
+    return int(_op_arg(node, 4, "chunks"))
+
+
+def _op_arg(node: fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs[name]
 
 
 def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
@@ -273,7 +319,22 @@ def _region(loss: fx.Node) -> LossRegion:
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
     region.width, region.itemsize = int(x.shape[-1]), x.element_size()
+    region.last = _nothing_after(loss)
     return region
+
+
+def _nothing_after(loss: fx.Node) -> bool:
+    """Whether every computation after ``loss`` in the forward is on scalars (``loss * w + aux``)."""
+    after = False
+    for node in loss.graph.nodes:
+        if node is loss:
+            after = True
+        elif after and node.op in ("call_function", "call_method", "call_module"):
+            values = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("example_value"))
+                      if isinstance(v, torch.Tensor)]
+            if any(v.dim() > 0 for v in values):
+                return False
+    return True
 
 
 def _keeps_token_order(node: fx.Node, vocab: int) -> bool:

@@ -183,8 +183,9 @@ def _collectives(jg: JointGraph) -> list[dict]:
 
 
 def _step_seconds(jg: JointGraph, roofline: dict) -> float:
-    nodes = [n for n in jg.fwd_nodes if n in jg.required_fw] + jg.bwd_nodes
-    return sum(node_cost(n, roofline).seconds for n in nodes)
+    """Every node once: the forward's, the backward's, and those only the backward reads that need no
+    gradient (computed in the backward: an upcast weight, the chunked loss's recomputed head)."""
+    return sum(node_cost(n, roofline).seconds for n in jg.fwd_nodes + jg.bwd_nodes)
 
 
 def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict) -> Value:

@@ -245,8 +245,11 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     return compiled
 
 
-# each region kind of option 'chunks': how its regions are found, and how one is rewritten
-CHUNKERS = {"loss": (find_loss_regions, chunk_loss), "mlp": (find_mlp_regions, chunk_mlp)}
+# each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
+# keywords that rewrite (and the region's description and plan entry) take
+CHUNKERS = {"loss": (find_loss_regions, chunk_loss, {}),
+            "loss_recompute": (find_loss_regions, chunk_loss, {"recompute": True}),
+            "mlp": (find_mlp_regions, chunk_mlp, {})}
 
 
 def chunk_regions(gm: fx.GraphModule, example_inputs, partitioner, *, aten_random: bool) -> Chunked:
@@ -262,15 +265,15 @@ def chunk_regions(gm: fx.GraphModule, example_inputs, partitioner, *, aten_rando
     for kind, k in (chunks or {}).items():
         if k == 1:
             continue
-        find, rewrite = CHUNKERS[kind]
+        find, rewrite, how = CHUNKERS[kind]
         regions = find(gm)
         for region in regions:
             if region.why_not is not None:
                 raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
         for region in regions:
-            done.notes.append("chunk: " + region.describe(k))
-            done.records.append({**region.record(k), "peak_saved_bytes": saved})
-            rewrite(gm, region, k)
+            done.notes.append("chunk: " + region.describe(k, **how))
+            done.records.append({**region.record(k, **how), "peak_saved_bytes": saved})
+            rewrite(gm, region, k, **how)
     return done
 
 

@@ -54,7 +54,8 @@ class Options:
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
     # mini-sequence chunking (passes/chunking.py, chunk_mlp.py): {"loss": k, "mlp": k} forces k chunks on
-    # every LM head + loss / MLP; "auto": the planner chooses (planner/chunk_choice.py); None and False: none
+    # every LM head + loss / MLP ("loss_recompute": the head recomputed in the backward instead of its
+    # gradients made in the forward); "auto": the planner chooses (planner/chunk_choice.py); None, False: none
     chunks: dict | str | None = None
 
     def key(self) -> str:
@@ -156,7 +157,7 @@ def parse_options(raw: dict | Options | None) -> Options:
     return Options(**out)
 
 
-CHUNK_REGIONS = ("loss", "mlp")
+CHUNK_REGIONS = ("loss", "loss_recompute", "mlp")  # loss_recompute: the head recomputed in the backward
 
 
 def _parse_chunks(value) -> dict:
@@ -166,6 +167,9 @@ def _parse_chunks(value) -> dict:
     for region, k in value.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise OptionError(f"option 'chunks': {region}={k!r}; the number of chunks must be an int >= 1")
+    if {"loss", "loss_recompute"} <= set(value):
+        raise OptionError("option 'chunks': 'loss' and 'loss_recompute' are two ways to chunk the same regions; "
+                          "give one")
     return dict(value)
 
 

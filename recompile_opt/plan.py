@@ -55,7 +55,7 @@ class Plan:
     # the step's collectives (tensor/sequence parallelism): name, op, shape, dtype, phase, bytes one rank
     # sends, regathered (a forward all-gather run again in the backward from the kept shard)
     collectives: list[dict] = field(default_factory=list)
-    # mini-sequence chunking: region, kind (loss, mlp), chunks, tokens, width (vocabulary, hidden),
+    # mini-sequence chunking: region, kind (loss, loss_recompute, mlp), chunks, tokens, width (vocabulary, hidden),
     # recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the unchunked
     # plan, where the planner chose the chunks; None where forced)
     chunks: list[dict] = field(default_factory=list)
@@ -151,7 +151,7 @@ class Plan:
         if not self.chunks:
             return []
         parts = []
-        for kind in ("loss", "mlp"):
+        for kind in ("loss", "loss_recompute", "mlp"):
             regions = [c for c in self.chunks if c["kind"] == kind]
             if regions:
                 ks = "/".join(str(k) for k in sorted({c["chunks"] for c in regions}))

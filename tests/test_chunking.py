@@ -108,9 +108,10 @@ def test_the_chunked_op_allocates_one_chunk_of_logits_besides_its_outputs(chunks
     assert peak - made <= 1.1 * chunk_logits, (peak - made, chunk_logits)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["gradients-in-forward", "head-recomputed"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_ignored_tokens_label_smoothing_and_the_sum_are_exact(reduction, label_smoothing):
+def test_ignored_tokens_label_smoothing_and_the_sum_are_exact(reduction, label_smoothing, recompute):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 10, 8, generator=g, requires_grad=True)
     w = torch.randn(50, 8, generator=g, requires_grad=True)
@@ -121,7 +122,7 @@ def test_ignored_tokens_label_smoothing_and_the_sum_are_exact(reduction, label_s
     kw = {"ignore_index": -100, "reduction": reduction, "label_smoothing": label_smoothing}
     ref = F.cross_entropy(F.linear(x, w, b).view(-1, 50), t.view(-1), **kw)
     ref_grads = torch.autograd.grad(ref, (x, w, b))
-    got = chunked_linear_cross_entropy(x, w, b, t, chunks=4, dtype=torch.float32, **kw)
+    got = chunked_linear_cross_entropy(x, w, b, t, chunks=4, dtype=torch.float32, recompute=recompute, **kw)
     torch.testing.assert_close(got, ref)
     for a, r in zip(torch.autograd.grad(got, (x, w, b)), ref_grads):
         torch.testing.assert_close(a, r)
@@ -317,6 +318,7 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
     assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), auto.notes
     assert "chunks" in off.diff(auto) and not off.chunks
     assert recompile_opt.Plan.from_json(auto.to_json()).chunks == auto.chunks
+    assert not any("loss_recompute" in n for n in auto.notes)  # nothing runs after this loss
 
 
 def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
@@ -330,12 +332,12 @@ def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
 
     roofline = parse_options({}).roofline_for("cpu")
     floor = chunk_choice.min_rows(4, roofline)
-    loss = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=4 * floor, itemsize=4)
+    loss = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=4 * floor, itemsize=4, last=True)
     mlp = SimpleNamespace(why_not=None, hidden=1024, width=256, tokens=4 * floor, itemsize=4)
     assert chunk_choice.candidates([loss], [mlp], roofline) == [
         Candidate("loss", 4), Candidate("mlp", 4), Candidate("loss", 128, below_floor=True)]
     assert chunk_choice.min_rows(2, roofline) == floor // 2  # bf16: half the bytes per pass
-    few = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=floor, itemsize=4)
+    few = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=floor, itemsize=4, last=True)
     assert chunk_choice.candidates([few], [], roofline) == [Candidate("loss", 128, below_floor=True)]
 
 
@@ -351,6 +353,61 @@ def test_under_a_peak_limit_the_fewest_chunks_that_meet_it_are_taken():
     auto = recompile_opt.plan(model, inputs, peak_memory=limit, chunks="auto")
     assert [(c["kind"], c["chunks"]) for c in auto.chunks] == [("loss", 2)], auto.notes
     assert auto.predicted_peak_bytes <= limit
+
+
+class _LossThenStatistic(torch.nn.Module):
+    """The forward goes on after the loss: a statistic of the (detached) hidden states with a
+    ``[tokens, tokens]`` temporary, returned beside the loss."""
+
+    def __init__(self, width=64, vocab=8192, dropout=0.0):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(width, width), torch.nn.Linear(width, vocab, bias=False)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, x, t):
+        h = self.drop(torch.relu(self.body(x)))
+        loss = F.cross_entropy(self.head(h), t)
+        e = h.detach()
+        return loss + 0.0 * torch.cdist(e, e).mean()
+
+
+def test_where_the_forward_goes_on_after_the_loss_the_planner_costs_the_head_recomputed_too():
+    """Both ways of the chunked loss are planned; recomputing the head in the backward peaks no higher
+    here and its forward does a third of the work, so it is taken; its gradients are eager's."""
+    torch.manual_seed(0)
+    model = _LossThenStatistic()
+    inputs = (torch.randn(512, 64), torch.randint(0, 8192, (512,)))
+    (region,) = find_loss_regions(_dynamo_graph(model, inputs)[0])
+    assert region.why_not is None and not region.last
+    auto = recompile_opt.plan(model, inputs, memory_budget=0.0, chunks="auto")
+    tried = [n for n in auto.notes if n.startswith("chunks (auto): ")]
+    assert any(n.startswith("chunks (auto): loss in ") for n in tried), tried
+    assert [c["kind"] for c in auto.chunks] == ["loss_recompute"], tried
+    k = auto.chunks[0]["chunks"]
+    liger = recompile_opt.plan(model, inputs, memory_budget=0.0, chunks={"loss": k})
+    assert auto.predicted_peak_bytes <= liger.predicted_peak_bytes
+    assert auto.step_s + auto.recompute_s < liger.step_s + liger.recompute_s
+    assert auto.chunks[0]["recompute_flops"] == 2 * 512 * 64 * 8192  # the head's logits once more
+
+
+@pytest.mark.parametrize("build", [tiny_gpt, _LossThenStatistic], ids=["gpt", "loss-then-statistic"])
+def test_the_head_recomputed_in_the_backward_gives_eagers_gradients_with_dropout(build):
+    inputs = None
+    if build is _LossThenStatistic:
+        torch.manual_seed(0)
+        model, inputs = build(width=32, vocab=256, dropout=0.1), (torch.randn(40, 32), torch.randint(0, 256, (40,)))
+    else:
+        model, inputs = build(dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(model, inputs, options={"chunks": {"loss_recompute": 3}, "memory_budget": 0.0,
+                                                          **EAGER}, rtol=1e-4, atol=1e-5)
+    assert any(n.startswith("chunk: loss ") and "the head recomputed in the backward" in n for n in plan.notes)
+    assert "1 loss_recompute region in 3 chunks" in str(plan), str(plan)
+
+
+def test_the_two_ways_of_chunking_the_loss_exclude_each_other():
+    with pytest.raises(recompile_opt.OptionError, match="'loss' and 'loss_recompute'"):
+        parse_options({"chunks": {"loss": 4, "loss_recompute": 4}})
 
 
 def test_auto_chunks_nothing_where_the_goal_is_not_memory():

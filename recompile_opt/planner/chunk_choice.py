@@ -7,8 +7,12 @@ the plan it finds (walked in Inductor's generated code where the search walked i
 memory only where the step peaks in or around the region; elsewhere it costs smaller matmuls and,
 for the MLP, the recompute of its up-projections. So: plan without chunks, then add one region kind
 at a time (the loss first: it needs no recompute) and keep it only where the plan it gives peaks
-lower by at least :data:`GAIN` (or, under ``peak_memory``, fits where the other does not, or fits
-with less recompute). At most three plannings of the graph.
+lower by at least :data:`GAIN` (against a chunked plan already taken: or no higher with a shorter
+estimated step; under ``peak_memory``: fits where the other does not, or fits with less recompute).
+
+Where the forward goes on after the loss (more than scalar ops), the loss is tried two ways: its
+gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in the backward (MST's,
+``loss_recompute``), whose forward does a third of the head's work and holds no gradient.
 
 The number of chunks follows Liger's rule (the chunk's logits no larger than the head's input: k = V / h,
 to a power of two; the MLP's hidden the same way: k = hidden / h), with a floor on the rows of a chunk
@@ -36,7 +40,9 @@ from recompile_opt.planner.least_peak import EXACT_TIE
 GAIN = EXACT_TIE
 # the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
 # with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
-MAX_CHUNKS = {"loss": 256, "mlp": 8}
+MAX_CHUNKS = {"loss": 256, "loss_recompute": 256, "mlp": 8}
+# the region each kind chunks: the loss's two ways exclude each other
+FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp"}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
 
@@ -65,19 +71,24 @@ def chunks_for(kind: str, width: int, model_width: int, tokens: int) -> int:
 
 
 def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Candidate]:
-    """Per region kind whose regions can all be chunked (the loss first), Liger's k for its widest
+    """Per region kind whose regions can all be chunked (the loss first; both its ways where the forward
+    goes on after it), Liger's k for its widest
     region, capped by the floor on rows; where the floor lowered it, Liger's k as a second candidate
-    below the floor (tried under a peak limit only), after every kind's first."""
+    below the floor, after every kind's first."""
     out = []
     for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
             liger = chunks_for(kind, width(r), r.width, r.tokens)
             floored = min(liger, 2 ** int(math.log2(max(r.tokens // min_rows(r.itemsize, roofline), 1))))
-            if floored >= 2:
-                out.append(Candidate(kind, floored))
-            if liger > floored:
-                out.append(Candidate(kind, liger, below_floor=True))
+            # where more of the forward runs after the loss, its gradients made in the forward wait
+            # through it: the head recomputed in the backward is costed too
+            kinds = [kind] if kind == "mlp" or all(r.last for r in regions) else [kind, "loss_recompute"]
+            for way in kinds:
+                if floored >= 2:
+                    out.append(Candidate(way, floored))
+                if liger > floored:
+                    out.append(Candidate(way, liger, below_floor=True))
     return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
@@ -91,13 +102,14 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
     for c in candidates:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
-        trial = plan_with({**taken, c.kind: c.chunks})
+        others = {kind: k for kind, k in taken.items() if FAMILY[kind] != FAMILY[c.kind]}
+        trial = plan_with({**others, c.kind: c.chunks})
         better = _better(trial, best, peak_limit)
         notes.append(f"chunks (auto): {c.kind} in {c.chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
                      f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
                      f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
         if better:
-            taken[c.kind], best = c.chunks, trial
+            taken, best = {**others, c.kind: c.chunks}, trial
     return taken, unchunked, best, notes
 
 
@@ -113,4 +125,7 @@ def _better(trial: Plan, best: Plan, peak_limit: int | None) -> bool:
             return _time(trial) < _time(best)
         if fits != (False, False):
             return fits[0]
-    return trial.predicted_peak_bytes < (1 - GAIN) * best.predicted_peak_bytes
+    if trial.predicted_peak_bytes < (1 - GAIN) * best.predicted_peak_bytes:
+        return True
+    # one chunked plan for another: no higher peak and a shorter step
+    return bool(best.chunks) and trial.predicted_peak_bytes <= best.predicted_peak_bytes and _time(trial) < _time(best)
