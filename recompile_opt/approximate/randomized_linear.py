@@ -1,0 +1,88 @@
+"""Randomized backward of a linear layer (Bershatsky et al. 2022): the forward keeps ``S^T X`` (a
+random projection of the layer's input along its rows, ``ratio`` of them) instead of ``X``, and the
+backward computes the weight's gradient as ``(dY^T S)(S^T X)``: unbiased, since ``E[S S^T] = I``. The
+input's gradient (``dY W``) stays exact.
+
+``S`` is never stored: its entries are ``+-1/sqrt(r)`` (Rademacher) from an integer hash of (seed,
+row, column), so the backward makes the same ``S`` from the seed alone, in eager and in Inductor's
+code alike (integer shifts, xors and multiplies, no generator state). The seed is one draw of torch's
+RNG per forward, so an RNG replay (``fallback_random``) draws the same one and each step's projection
+is independent of the last. ``S`` is made ``BLOCK`` rows at a time, so its memory stays
+``BLOCK x r`` while ``S^T X`` and ``dY^T S`` accumulate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 1024  # rows of S made at once
+_MASK = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # a 32-bit integer hash's multiplier (below 2**31: products fit in int64)
+
+
+def projected_rows(rows: int, ratio: float) -> int:
+    """``r``: the rows ``S^T X`` keeps, at least one."""
+    return max(1, min(rows, round(ratio * rows)))
+
+
+def projection_block(seed: torch.Tensor, start: int, rows: int, r: int, dtype, device) -> torch.Tensor:
+    """Rows ``start : start + rows`` of the ``[n, r]`` projection ``S`` of ``seed`` (a 0-dim int64)."""
+    i = torch.arange(start, start + rows, device=device, dtype=torch.int64)[:, None]
+    j = torch.arange(r, device=device, dtype=torch.int64)[None, :]
+    # hash the entry's index, then again with the hashed seed: a seed only xor-ed into the index would
+    # permute one S's entries (seeds below r: its columns), and S S^T would not change with it
+    h = _hash(_hash((i * r + j) & _MASK) ^ _hash(seed & _MASK))
+    return ((h & 1) * 2 - 1).to(dtype) / math.sqrt(r)
+
+
+def _hash(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) in int64 arithmetic."""
+    for _ in range(2):
+        h = (((h >> 16) ^ h) * _MIX) & _MASK
+    return (h >> 16) ^ h
+
+
+def project(seed: torch.Tensor, rows: torch.Tensor, r: int, *, transpose_first: bool = True) -> torch.Tensor:
+    """``S^T @ rows`` for ``rows`` of shape ``[n, d]``, S made block by block: ``[r, d]``."""
+    out = None
+    for start in range(0, rows.shape[0], BLOCK):
+        block = rows[start:start + BLOCK]
+        s = projection_block(seed, start, block.shape[0], r, rows.dtype, rows.device)
+        part = s.t() @ block
+        out = part if out is None else out + part
+    return out
+
+
+class RandomizedLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward makes the weight's gradient from ``S^T X``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ratio: float, seed):
+        rows = x.reshape(-1, x.shape[-1])
+        r = projected_rows(rows.shape[0], ratio)
+        ctx.r, ctx.has_bias = r, bias is not None
+        ctx.save_for_backward(project(seed, rows.detach(), r), weight, seed)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_proj, weight, seed = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = project(seed, grad_rows, ctx.r).t() @ x_proj if ctx.needs_input_grad[1] else None
+        grad_b = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def randomized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ratio: float,
+                      seed: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer whose backward keeps ``ratio`` of its input's rows as a random projection.
+    ``seed``: a 0-dim int64 tensor (drawn from torch's RNG when None)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"randomized linear: ratio {ratio!r}; accepted: a number in (0, 1]")
+    if seed is None:
+        seed = torch.randint(0, 2 ** 31 - 1, (), device=x.device)
+    return RandomizedLinear.apply(x, weight, bias, float(ratio), seed)

@@ -1,0 +1,100 @@
+"""Randomized backward of a linear layer (issue 24, the op only): the input's gradient exact, the
+weight's unbiased from a projection that is regenerated, never stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recompile_opt.approximate import randomized_linear as rl
+
+
+def _layer(rows=512, d_in=64, d_out=32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, d_in, generator=g, requires_grad=True)
+    w = torch.randn(d_out, d_in, generator=g, requires_grad=True)
+    b = torch.randn(d_out, generator=g, requires_grad=True)
+    return x, w, b, torch.randn(rows, d_out, generator=g)
+
+
+def test_the_output_and_the_inputs_gradient_are_exact():
+    x, w, b, grad_out = _layer()
+    y = rl.randomized_linear(x, w, b, 0.5, torch.tensor(7))
+    assert torch.equal(y, F.linear(x, w, b))
+    got, ref = (torch.autograd.grad(out, (x, w, b), grad_out) for out in (y, F.linear(x, w, b)))
+    assert torch.equal(got[0], ref[0])
+    torch.testing.assert_close(got[2], ref[2])
+    assert not torch.allclose(got[1], ref[1])  # the weight's is the approximate one
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 1.0])
+def test_the_weights_gradient_is_unbiased(ratio):
+    """Averaged over seeds the weight's gradient tends to the exact one (its error falls like
+    1/sqrt(draws)), which a projection that ignored the seed, or a biased one, would not."""
+    x, w, b, grad_out = _layer()
+    (exact,) = torch.autograd.grad(F.linear(x, w, b), w, grad_out)
+    draws = [torch.autograd.grad(rl.randomized_linear(x, w, b, ratio, torch.tensor(s)), w, grad_out)[0]
+             for s in range(400)]
+
+    def error(g):
+        return float((g - exact).norm() / exact.norm())
+
+    single = sum(error(d) for d in draws) / len(draws)
+    assert error(torch.stack(draws).mean(0)) < 2.0 * single / 400 ** 0.5
+
+
+def test_the_projection_is_kept_not_the_input_nor_s():
+    """What the backward keeps: ``S^T X`` (``r`` rows), the weight and the seed; the same seed gives
+    the same gradient, another seed another."""
+    x, w, b, grad_out = _layer()
+    y = rl.randomized_linear(x, w, b, 0.25, torch.tensor(3))
+    kept = sorted(tuple(t.shape) for t in y.grad_fn.saved_tensors)
+    assert kept == sorted([(128, 64), (32, 64), ()]), kept
+    same, other = (torch.autograd.grad(rl.randomized_linear(x, w, b, 0.25, torch.tensor(s)), w, grad_out)[0]
+                   for s in (3, 4))
+    assert torch.equal(torch.autograd.grad(y, w, grad_out)[0], same) and not torch.equal(same, other)
+
+
+def test_s_is_made_in_blocks_alike_and_has_rademacher_entries():
+    seed = torch.tensor(11)
+    whole = rl.projection_block(seed, 0, 3000, 40, torch.float64, "cpu")
+    assert set(whole.unique().tolist()) == {-40 ** -0.5, 40 ** -0.5}
+    assert torch.equal(rl.projection_block(seed, 1024, 1000, 40, torch.float64, "cpu"), whole[1024:2024])
+    rows = torch.randn(3000, 5, dtype=torch.float64)
+    torch.testing.assert_close(rl.project(seed, rows, 40), whole.t() @ rows)  # BLOCK = 1024: three blocks
+
+
+def test_the_seed_comes_from_torchs_rng_so_a_replay_draws_it_again():
+    x, w, b, grad_out = _layer()
+    grads = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        grads.append(torch.autograd.grad(rl.randomized_linear(x, w, b, 0.5), w, grad_out)[0])
+    assert torch.equal(*grads)
+
+
+@pytest.mark.parametrize("ratio", [0, 1.5, True, "half"])
+def test_a_bad_ratio_names_the_accepted_values(ratio):
+    x, w, b, _ = _layer()
+    with pytest.raises(ValueError, match=r"accepted: a number in \(0, 1\]"):
+        rl.randomized_linear(x, w, b, ratio)
+
+
+@pytest.mark.slow
+def test_through_inductor_the_randomized_backward_is_the_eager_one():
+    """The hash that makes S compiled by Inductor gives the eager S bit for bit; the gradients are the
+    eager ones up to the order of fp32 sums (Inductor fuses the blocks' products differently)."""
+    torch._dynamo.reset()
+    x, w, b, grad_out = _layer(rows=1500)
+    seed = torch.tensor(9)
+
+    def f(x, w, b):
+        return rl.randomized_linear(x, w, b, 0.5, seed)
+
+    eager = torch.autograd.grad(f(x, w, b), (x, w, b), grad_out)
+    compiled = torch.autograd.grad(torch.compile(f)(x, w, b), (x, w, b), grad_out)
+    for got, ref in zip(compiled, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    make = torch.compile(lambda s: rl.projection_block(s, 1024, 476, 750, torch.float32, "cpu"))
+    assert torch.equal(make(seed), rl.projection_block(seed, 1024, 476, 750, torch.float32, "cpu"))
