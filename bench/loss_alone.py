@@ -167,9 +167,27 @@ def worker(name: str, n: int, v: int, d: int, steps: int) -> dict:
         out["peak_bytes"], out["end_bytes"] = report.peak_bytes, report.end_bytes
         out["step_s"] = statistics.median(measure.step_time(step, steps=steps, warmup=1))
     except Exception as e:  # noqa: BLE001 -- a failing third-party strategy is a row, not a crash
-        last = str(e).strip().splitlines()[-1:] or [""]
-        out["error"] = f"{type(e).__name__}: {last[0]}"[:300]
+        out["error"] = describe_error(e)
     return out
+
+
+def describe_error(e: BaseException) -> str:
+    """The root cause of ``e`` (Triton's interpreter wraps it twice) and the last frame outside torch and
+    triton that raised it: where a third-party package fails, which line of it."""
+    import traceback
+
+    chain = [e]
+    while chain[-1].__cause__ is not None and len(chain) < 10:
+        chain.append(chain[-1].__cause__)
+    frames = [f for exc in chain for f in traceback.extract_tb(exc.__traceback__)
+              if not any(f"/{lib}/" in f.filename for lib in ("torch", "triton"))]
+    root = chain[-1]
+    last = str(root).strip().splitlines()[-1:] or [""]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" (in {'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} {f.name})"
+    return f"{type(root).__name__}: {last[0]}"[:240] + where
 
 
 # --------------------------------------------------------------------------
@@ -204,19 +222,21 @@ def table(rows: list[dict], args) -> str:
     lines = [header_line(), "",
              f"N={n} tokens, V={v}, D={d}, fp32, one thread. For scale: the logits [N, V] are "
              f"{n * v * 4 / MiB:.1f} MiB; x.grad + W.grad (counted in every peak) {(n + v) * d * 4 / MiB:.1f} MiB.",
-             "", "| strategy | peak MiB (measured) | step ms (median) | matches plain | note |", "|---|---|---|---|---|"]
+             "", "| strategy | peak MiB (measured) | step ms (median) | matches plain | note |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        peak = f"{r['peak_bytes'] / MiB:.1f}" if "peak_bytes" in r else "-"
+        peak = f"{r['peak_bytes'] / MiB:.2f}" if "peak_bytes" in r else "-"
         ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
         if r["strategy"] in INTERPRETED and "step_s" in r:
             ms += " (interpreter)"
-        matches = r.get("matches") or ("skipped: " + r["skipped"] if "skipped" in r else "error: " + r.get("error", "?"))
+        matches = r.get("matches") or (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error')}")
         if "error" in r and "matches" in r:
             matches += f"; then error: {r['error']}"
         note = r.get("note", "")
         if "first_s" in r and r["strategy"] in ("compile", "cce"):
             note += f"; first step (compile) {r['first_s']:.1f} s"
-        lines.append(f"| {r['strategy']} | {peak} | {ms} | {matches.replace('|', '/')} | {note.replace('|', '/')} |")
+        cells = [r["strategy"], peak, ms, matches, note]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
 
