@@ -236,6 +236,25 @@ def test_hugging_face_gpt2_chunks_its_loss_and_conv1d_mlps_with_dropout(chunks):
     assert any(n.startswith("chunk: loss ") and f"in {chunks} chunks" in n for n in plan.notes), plan.notes
 
 
+@pytest.mark.slow
+def test_through_inductor_hugging_face_gpt2_chunks_with_eagers_gradients():
+    """The Conv1D MLPs (their weights handed to the chunks transposed) and the loss through Inductor."""
+    pytest.importorskip("transformers")
+    from helpers import max_grad_diff
+    from test_hf_models import build
+
+    torch._dynamo.reset()
+    model, inputs = build("gpt2")
+    model.model.loss_type = "ForCausalLM"
+    ref = copy.deepcopy(model)
+    ref(*inputs).backward()
+    step = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": {"loss": 3, "mlp": 3}})
+    step(*inputs).backward()
+    assert max_grad_diff(model, ref) < 1e-5
+    notes = recompile_opt.last_plans()[-1].notes
+    assert sum(n.startswith("chunk: mlp ") for n in notes) == 2 and any(n.startswith("chunk: loss ") for n in notes)
+
+
 class _SlicedLogitsLoss(torch.nn.Module):
     """A user's causal-LM loss on the returned logits: ``logits[:, :-1]`` against ``ids[:, 1:]``."""
 
