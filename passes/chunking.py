@@ -235,7 +235,7 @@ def _traffic(node: fx.Node) -> int:
     """What makes chunks cost: each chunk reads the head's weight twice (its logits, its tokens'
     gradient) and reads and writes the weight's gradient (``addmm_``), whatever its rows; besides, the
     tokens and their gradient once. Measured (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes
-    1.13x its unchunked time at 128 rows a chunk, 1.39x at 64, 8.7x at 4."""
+    about 1.1x its unchunked time at 128 rows a chunk, 1.3-1.4x at 64, 9x at 4 (``bench/chunk_rows.py``)."""
     tokens, weight = (a.meta["val"] for a in node.args[:2])
     need_tokens, need_weight = (_op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight")))
     passes = 1 + bool(need_tokens) + 2 * bool(need_weight)

@@ -17,8 +17,8 @@ gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in
 The number of chunks follows Liger's rule (the chunk's logits no larger than the head's input: k = V / h,
 to a power of two; the MLP's hidden the same way: k = hidden / h), with a floor on the rows of a chunk
 from the roofline (:func:`min_rows`): each chunk passes over the region's weights whatever its rows, so
-chunks of a few rows are memory-bound (measured: the LM head's loss in 128 chunks of 4 rows took 8.7x
-its unchunked time; at 128 rows, 1.13x). Where the floor lowers Liger's k, a kind is tried at the floor
+chunks of a few rows are memory-bound (measured, ``bench/chunk_rows.py``: the LM head's loss in 128
+chunks of 4 rows took about 9x its unchunked time; at 128 rows, about 1.1x). Where the floor lowers Liger's k, a kind is tried at the floor
 first and at Liger's k after every kind's first try: the least-peak plan takes it where it peaks at
 least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met yet (fitting
 first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
