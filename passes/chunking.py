@@ -140,18 +140,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
         total, *grads = torch.ops.recompile_opt.chunked_head_loss(
             tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, *needs)
-        scale = None
-        if count is not None:
-            scale = 1.0 / count.clamp(min=1).to(dtype)
-            total = total / count.to(dtype)  # 0 / 0 = nan where every token is ignored, as torch's mean
+        total, scale = _mean(total, count, dtype)
         ctx.save_for_backward(scale, *(g if need else None for g, need in zip(grads, needs)))
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
         scale, *grads = ctx.saved_tensors
-        factor = grad_loss if scale is None else grad_loss * scale
-        grads = [None if g is None else g * factor.to(g.dtype) for g in grads]
+        grads = _scaled(grads, grad_loss, scale)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -165,10 +161,7 @@ class _RecomputedHeadLoss(torch.autograd.Function):
     def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
         total = torch.ops.recompile_opt.chunked_head_loss(
             tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, False, False, False)[0]
-        scale = None
-        if count is not None:
-            scale = 1.0 / count.clamp(min=1).to(dtype)
-            total = total / count.to(dtype)
+        total, scale = _mean(total, count, dtype)
         ctx.args = chunks, dtype, ignore_index, label_smoothing
         ctx.save_for_backward(scale, tokens, weight, bias, target)
         return total
@@ -178,9 +171,22 @@ class _RecomputedHeadLoss(torch.autograd.Function):
         scale, tokens, weight, bias, target = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         _, *grads = torch.ops.recompile_opt.chunked_head_loss(tokens, weight, bias, target, *ctx.args, *needs)
-        factor = grad_loss if scale is None else grad_loss * scale
-        grads = [g * factor.to(g.dtype) if need else None for g, need in zip(grads, needs)]
+        grads = _scaled([g if need else None for g, need in zip(grads, needs)], grad_loss, scale)
         return (*grads, None, None, None, None, None, None)
+
+
+def _mean(total, count, dtype):
+    """``(loss, scale)``: a ``mean`` reduction's loss and its gradients' scale (``1 / count``); the sum
+    and no scale where ``count`` is None (``sum``). 0 / 0 = nan where every token is ignored, as torch's."""
+    if count is None:
+        return total, None
+    return total / count.to(dtype), 1.0 / count.clamp(min=1).to(dtype)
+
+
+def _scaled(grads, grad_loss, scale):
+    """The kept (or recomputed) gradients of the summed loss, times the loss's incoming gradient."""
+    factor = grad_loss if scale is None else grad_loss * scale
+    return [None if g is None else g * factor.to(g.dtype) for g in grads]
 
 
 @torch.library.custom_op("recompile_opt::chunked_head_loss", mutates_args=())

@@ -45,7 +45,7 @@ def _hash(h: torch.Tensor) -> torch.Tensor:
     return (h >> 16) ^ h
 
 
-def project(seed: torch.Tensor, rows: torch.Tensor, r: int, *, transpose_first: bool = True) -> torch.Tensor:
+def project(seed: torch.Tensor, rows: torch.Tensor, r: int) -> torch.Tensor:
     """``S^T @ rows`` for ``rows`` of shape ``[n, d]``, S made block by block: ``[r, d]``."""
     out = None
     for start in range(0, rows.shape[0], BLOCK):

@@ -40,7 +40,7 @@ from recompile_opt.planner.least_peak import EXACT_TIE
 GAIN = EXACT_TIE
 # the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
 # with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
-MAX_CHUNKS = {"loss": 256, "loss_recompute": 256, "mlp": 8}
+MAX_CHUNKS = {"loss": 256, "mlp": 8}
 # the region each kind chunks: the loss's two ways exclude each other
 FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp"}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
