@@ -19,7 +19,8 @@ from recompile_opt.costs.cost_model import (base_of, collective_bytes, is_fusibl
                                             storage_bytes, tensor_bytes)
 from recompile_opt.costs.kernels import consumers
 from recompile_opt.planner.policies import block_of
-from recompile_opt.planner.problem import Problem, Value
+from recompile_opt.approximate.actions import MARKERS
+from recompile_opt.planner.problem import Problem, Site, Value
 
 
 class JointGraph:
@@ -168,10 +169,82 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True)
     _propagate_last_use(jg, values, first_use)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
+    sites, approximation_s = approximation_sites(jg, values, roofline)
     return Problem(values=values, storage_bytes=storage_bytes_, save_s=save_s,
                    rng_state_bytes=ti.rng_state_bytes(device),
                    bwd_steps=len(jg.bwd_nodes), bwd_byte_steps=sum(_bwd_live_bytes(jg)),
-                   step_s=_step_seconds(jg, roofline), device=device.type, collectives=_collectives(jg))
+                   step_s=_step_seconds(jg, roofline) - approximation_s, device=device.type,
+                   collectives=_collectives(jg), sites=sites)
+
+
+def _is_marker(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in MARKERS
+
+
+def approximation_sites(jg: JointGraph, values: dict[str, Value], roofline: dict) -> tuple[list[Site], float]:
+    """One :class:`Site` per marker of ``passes/approximate.py`` whose inputs are forward values, and the
+    forward time all their approximations take (the step estimate leaves it out: a site kept exact
+    computes none of it once settled)."""
+    sites, total = [], 0.0
+    for node in jg.bwd_nodes:
+        if not _is_marker(node):
+            continue
+        grad, x, approx, *rest = node.args
+        few_bit = node.target == MARKERS[0]
+        reads = [x, approx] + ([] if few_bit else [rest[0]])  # a linear's seed too
+        if any(not isinstance(n, fx.Node) or n.name not in values for n in reads):
+            continue  # left exact when settled
+        forward_s = _fused_seconds(_made_only_for(jg, reads[1:]), reads[1:], roofline)
+        total += forward_s
+        if few_bit:
+            detail, cost = {"activation": rest[0], "bits": rest[1]}, forward_s
+        else:
+            detail, cost = {"ratio": rest[1]}, _randomized_cost(x, approx, grad, forward_s, roofline)
+        sites.append(Site(choice=f"approximate:{node.name}", marker=node.name,
+                          kind="few-bit" if few_bit else "randomized", exact=(x.name,),
+                          approx=tuple(n.name for n in reads[1:]), replaced=x.name, detail=detail, cost_s=cost))
+    return sites, total
+
+
+def _made_only_for(jg: JointGraph, roots: list[fx.Node]) -> set[fx.Node]:
+    """The forward nodes that exist only to make ``roots`` (a site's codes, or its projection and
+    seed): those whose every user is one of them or a marker."""
+    ancestors, todo = set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if node not in ancestors and node not in jg.bwd_set:
+            ancestors.add(node)
+            todo.extend(node.all_input_nodes)
+    own = set(roots)
+    for node in reversed(jg.fwd_nodes):
+        if node in ancestors and node not in own and node.op == "call_function" and \
+                all(u in own or _is_marker(u) for u in node.users):
+            own.add(node)
+    return own
+
+
+def _fused_seconds(own: set[fx.Node], roots: list[fx.Node], roofline: dict) -> float:
+    """Time of the nodes ``own`` as Inductor runs them: matmuls on their own, the elementwise rest fused
+    into kernels that read what comes from outside once and write ``roots`` once. Why: priced node by
+    node, a 3-bit code's thirty comparisons, shifts and sums each wrote a tensor as large as the
+    activation (8.5 ms for a GPT MLP's, where its one kernel reads 4 MiB and writes 0.4 MiB)."""
+    pointwise = {n for n in own if is_fusible_pointwise(n) or is_view_node(n)}
+    seconds = sum(node_cost(n, roofline).seconds for n in own - pointwise)
+    flops = sum(node_cost(n, roofline, fused=True).flops for n in pointwise)
+    outside = {a for n in pointwise for a in n.all_input_nodes if a not in pointwise}
+    traffic = sum(tensor_bytes(a.meta["val"]) for a in outside | set(roots)
+                  if isinstance(a.meta.get("val"), torch.Tensor))
+    return seconds + max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
+
+
+def _randomized_cost(x: fx.Node, projected: fx.Node, grad: fx.Node, forward_s: float, roofline: dict) -> float:
+    """A randomized linear's added time: the forward's projection of its input, the backward's of the
+    output gradient (as many rows, the output's width), less the weight gradient's shorter matmul."""
+    rows, width = x.meta["val"].numel() // x.meta["val"].shape[-1], x.meta["val"].shape[-1]
+    out = grad.meta["val"].shape[-1]
+    kept_rows = projected.meta["val"].shape[0]
+    shorter = 2 * (rows - kept_rows) * width * out / roofline["flops_per_s"]
+    return max(0.0, forward_s * (1 + out / width) - shorter)
 
 
 def _collectives(jg: JointGraph) -> list[dict]:
@@ -206,7 +279,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
     return Value(
         name=node.name, storage=storage,
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
-        needed=bool(bwd_uses),
+        needed=any(u in pos and not _is_marker(u) for u in node.users),  # a marker: see Site
         can_save=is_tensor and not _unwaited(node),
         can_recompute=not (is_primal or node.op == "get_attr" or impure or _unrepeatable_collective(node)
                            or _upcasts_low_precision(node)),

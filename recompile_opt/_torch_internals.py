@@ -83,7 +83,7 @@ from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
@@ -95,7 +95,7 @@ __all__ = [
     "dce_impure_random",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
     "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
-    "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func",
+    "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func", "make_fx",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",

@@ -38,6 +38,7 @@ from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.passes.approximate import offer_approximations
 from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.passes.meta_attention import fuse_attention_for
@@ -90,6 +91,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
                                 replay_random=self.replay_random())
         simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                                  info=jg.info)
+        simulate.offer(problem.sites)
 
         used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
         gid = graph_id(gm)
@@ -104,7 +106,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         self.plans.append(plan)
         check_same_plan(plan, gid)
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
-        fw, bw = partition(gm, saved=saved, recomputed=plan.recomputed_names(),
+        settled, _ = simulate.graph_for(plan.recomputed_names())  # markers replaced (approximate backward)
+        fw, bw = partition(settled, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         self.last_forward, self.last_backward = fw, bw
         plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
@@ -200,9 +203,11 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
         compiled = compile_eager(gm, example_inputs, partitioner)
     else:
         chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
+        offered = offer_approximations_of(gm, opts)
         compiled = ti.compile_fx(gm, example_inputs,
                                  config_patches={"custom_partitioner_fn": partitioner})
         _note(partitioner, chunked)
+        _note(partitioner, offered)
     _record(partitioner, key, opts)
     return compiled
 
@@ -225,6 +230,7 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     # every caller's partitioner has options but torch's own (frontier's comparison)
     target = getattr(getattr(partitioner, "options", None), "target_device", Options.target_device)
     chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=aten_random)
+    offered = offer_approximations_of(gm, getattr(partitioner, "options", Options()))
     fused = 0
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
         # Inductor's joint-graph constant folding treats every meta tensor as foldable and would
@@ -242,7 +248,16 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
         _note(partitioner, [f"meta device: {fused} attention call(s) planned as the fused kernel "
                             f"target_device={target!r} runs (its output and logsumexp, no s x s tensor)"])
     _note(partitioner, chunked)
+    _note(partitioner, offered)
     return compiled
+
+
+def offer_approximations_of(gm: fx.GraphModule, options: Options) -> list[str]:
+    """Option ``approximate``: the Dynamo graph's activations and linears become sites the planner may
+    approximate (:mod:`recompile_opt.passes.approximate`); the note lines say how many."""
+    if not options.approximate:
+        return []
+    return [offer_approximations(gm, options.approximate).note(options.approximate)]
 
 
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the

@@ -224,7 +224,8 @@ def _torch_figures(gm: fx.GraphModule, joint_inputs, jg: JointGraph, problem, bu
     if problems:
         note = "mapping check failed: " + "; ".join(problems)
         warnings.warn(f"recompile_opt.frontier: PyTorch knapsack at {budget:g}: {note}")
-    flops = sum(problem.values[n].flops for n in recomputed if problem.values[n].in_forward)
+    flops = sum(problem.values[n].flops for n in recomputed
+                if n in problem.values and problem.values[n].in_forward)
     return _Figures((frozenset(saved), frozenset(recomputed)), kept, predict_peak(fw, bw), flops,
                     problem.recompute_seconds(recomputed), problem.step_s, note)
 

@@ -57,6 +57,10 @@ class Options:
     # every LM head + loss / MLP ("loss_recompute": the head recomputed in the backward instead of its
     # gradients made in the forward); "auto": the planner chooses (planner/chunk_choice.py); None, False: none
     chunks: dict | str | None = None
+    # approximate backward (passes/approximate.py), off by default: {"activations": bits (1-4) allowed for
+    # GELU/SiLU codes, "linear": ratio in (0, 1] allowed for randomized linear backward}; the ILP chooses
+    # per value where to use them. None (False): exact plans only
+    approximate: dict | None = None
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -154,7 +158,26 @@ def parse_options(raw: dict | Options | None) -> Options:
         out["roofline"] = _parse_roofline(raw["roofline"])
     if raw.get("chunks") not in (None, False):
         out["chunks"] = "auto" if raw["chunks"] == "auto" else _parse_chunks(raw["chunks"])
+    if raw.get("approximate") not in (None, False):
+        out["approximate"] = _parse_approximate(raw["approximate"])
     return Options(**out)
+
+
+APPROXIMATE_KEYS = ("activations", "linear")
+
+
+def _parse_approximate(value) -> dict | None:
+    accepted = ("accepted values: False, None, or a dict with 'activations': a bit width 1-4 (or False) and "
+                "'linear': a projection ratio in (0, 1] (or False), e.g. {'activations': 3, 'linear': 0.5}")
+    if not isinstance(value, dict) or not value or set(value) - set(APPROXIMATE_KEYS):
+        raise OptionError(f"option 'approximate': got {value!r}; {accepted}")
+    bits, ratio = value.get("activations", False), value.get("linear", False)
+    if bits is not False and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in (1, 2, 3, 4)):
+        raise OptionError(f"option 'approximate': activations={bits!r}; accepted: a bit width 1, 2, 3 or 4, or False")
+    if ratio is not False and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+        raise OptionError(f"option 'approximate': linear={ratio!r}; accepted: a ratio in (0, 1], or False")
+    out = {k: v for k, v in (("activations", bits), ("linear", float(ratio) if ratio is not False else False)) if v}
+    return out or None
 
 
 CHUNK_REGIONS = ("loss", "loss_recompute", "mlp")  # loss_recompute: the head recomputed in the backward

@@ -59,6 +59,11 @@ class Plan:
     # recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the unchunked
     # plan, where the planner chose the chunks; None where forced)
     chunks: list[dict] = field(default_factory=list)
+    # approximate backward (option ``approximate``): one entry per value the backward reads approximately:
+    # value, kind (few-bit, randomized), bits and activation or ratio, shape, dtype, bytes (the exact
+    # value's), kept_as (the values read instead) and kept_as_bytes, choice (its name in the plan's
+    # recomputed set), marker, cost_s (the time it adds), module, source
+    approximated: list[dict] = field(default_factory=list)
 
     @property
     def recompute_share(self) -> float:
@@ -69,7 +74,9 @@ class Plan:
         return {e.name for e in self.saved}
 
     def recomputed_names(self) -> set[str]:
-        return {e.name for e in self.recomputed}
+        """The recomputed values, and the choice of each approximated site (its name, as the planner's
+        sets hold it: :class:`recompile_opt.planner.problem.Site`)."""
+        return {e.name for e in self.recomputed} | {a["choice"] for a in self.approximated}
 
     # -- JSON -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -109,6 +116,7 @@ class Plan:
             *self._peak_lines(),
             *self._communication_lines(),
             *self._chunk_lines(),
+            *self._approximation_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
@@ -163,6 +171,23 @@ class Plan:
                else f"chosen by the planner: predicted peak {fmt_bytes(saved)} below the unchunked plan's")
         return [f"  chunked           : {', '.join(parts)}; {how}"]
 
+    def _approximation_lines(self) -> list[str]:
+        """One line: how many values the backward reads approximately, and the bytes that saves."""
+        if not self.approximated:
+            return []
+        parts = []
+        for kind, what in (("few-bit", "activation inputs as {}-bit codes"),
+                           ("randomized", "linear inputs as projections of ratio {}")):
+            mine = [a for a in self.approximated if a["kind"] == kind]
+            if mine:
+                detail = "/".join(sorted({f"{a.get('bits', a.get('ratio'))}" for a in mine}))
+                parts.append(f"{len(mine)} {what.format(detail)}")
+        exact = sum(a["bytes"] for a in self.approximated)
+        kept = sum(a["kept_as_bytes"] for a in self.approximated)
+        cost = sum(a.get("cost_s", 0.0) for a in self.approximated)
+        return [f"  approximated      : {', '.join(parts)}: {fmt_bytes(kept)} read by the backward instead of "
+                f"{fmt_bytes(exact)} (est. +{cost * 1e3:.3f} ms)"]
+
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
         budget could still remove: kept and recomputed; the rest is the floor any plan pays there)."""
@@ -187,6 +212,12 @@ class Plan:
             rows = [(fmt_type(e.dtype, e.shape), fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops),
                      e.op, e.name, e.reason, e.module, e.source) for e in entries if e.reason != "param"]
             sections.append((header, rows))
+        if self.approximated:
+            sections.append((f"approximated ({len(self.approximated)}; bytes: what the backward reads instead):", [
+                (fmt_type(a["dtype"], a["shape"]), fmt_bytes(a["kept_as_bytes"]),
+                 f"{a['bits']}-bit {a['activation']}" if a["kind"] == "few-bit" else f"ratio {a['ratio']:g} linear",
+                 a["value"], f"of {fmt_bytes(a['bytes'])}", a.get("module", ""), a.get("source", ""))
+                for a in self.approximated]))
         forward = [c for c in self.collectives if c["phase"] == "forward"]
         if forward:
             sections.append((f"collectives in the forward ({len(forward)}; bytes: sent by each rank):", [
@@ -240,6 +271,12 @@ class Plan:
         for region in sorted(set(mine_k) | set(theirs_k)):
             if mine_k.get(region, 1) != theirs_k.get(region, 1):
                 lines.append(f"  {region:<24} {mine_k.get(region, 1):>3} chunks -> {theirs_k.get(region, 1)} chunks")
+        mine_a, theirs_a = ({a["value"]: a for a in p.approximated} for p in (self, other))
+        for value in sorted(set(mine_a) ^ set(theirs_a), key=_node_order):
+            a = mine_a.get(value) or theirs_a[value]
+            how = f"{a['bits']}-bit" if a["kind"] == "few-bit" else f"ratio {a['ratio']:g}"
+            before, after = ("approx", "exact") if value in mine_a else ("exact", "approx")
+            lines.append(f"  {value:<24} {before:>9} -> {after:<9} {how:<20} {fmt_bytes(a['bytes']):>10} {a.get('module', '')}")
         if len(lines) == header:
             lines.append("  (same decisions)")
         return "\n".join(lines)

@@ -50,7 +50,8 @@ def test_the_projection_is_kept_not_the_input_nor_s():
     x, w, b, grad_out = _layer()
     y = rl.randomized_linear(x, w, b, 0.25, torch.tensor(3))
     kept = sorted(tuple(t.shape) for t in y.grad_fn.saved_tensors)
-    assert kept == sorted([(128, 64), (32, 64), ()]), kept
+    assert kept == sorted([(rl.kept_rows(512, 0.25), 64), (32, 64), ()]), kept
+    assert rl.kept_rows(512, 0.25) == 128
     same, other = (torch.autograd.grad(rl.randomized_linear(x, w, b, 0.25, torch.tensor(s)), w, grad_out)[0]
                    for s in (3, 4))
     assert torch.equal(torch.autograd.grad(y, w, grad_out)[0], same) and not torch.equal(same, other)
@@ -61,8 +62,21 @@ def test_s_is_made_in_blocks_alike_and_has_rademacher_entries():
     whole = rl.projection_block(seed, 0, 3000, 40, torch.float64, "cpu")
     assert set(whole.unique().tolist()) == {-40 ** -0.5, 40 ** -0.5}
     assert torch.equal(rl.projection_block(seed, 1024, 1000, 40, torch.float64, "cpu"), whole[1024:2024])
-    rows = torch.randn(3000, 5, dtype=torch.float64)
-    torch.testing.assert_close(rl.project(seed, rows, 40), whole.t() @ rows)  # BLOCK = 1024: three blocks
+
+
+def test_s_is_block_diagonal_each_block_projected_on_its_own():
+    """``project`` is ``S^T X`` for the block-diagonal S of :func:`projection_block`'s rows: blocks of
+    ``BLOCK`` rows to ``ratio * BLOCK`` rows each, and a last, shorter block to its own share."""
+    seed, ratio, n = torch.tensor(11), 0.25, 3 * rl.BLOCK + 20
+    rows = torch.randn(n, 5, dtype=torch.float64)
+    r, last = rl.projected_rows(rl.BLOCK, ratio), rl.projected_rows(20, ratio)
+    dense = torch.zeros(n, 3 * r + last, dtype=torch.float64)
+    full = rl.projection_block(seed, 0, 3 * rl.BLOCK, r, torch.float64, "cpu")
+    for b in range(3):
+        dense[b * rl.BLOCK:(b + 1) * rl.BLOCK, b * r:(b + 1) * r] = full[b * rl.BLOCK:(b + 1) * rl.BLOCK]
+    dense[3 * rl.BLOCK:, 3 * r:] = rl.projection_block(seed, 3 * rl.BLOCK, 20, last, torch.float64, "cpu")
+    torch.testing.assert_close(rl.project(seed, rows, ratio), dense.t() @ rows)
+    assert rl.kept_rows(n, ratio) == 3 * r + last
 
 
 def test_the_seed_comes_from_torchs_rng_so_a_replay_draws_it_again():

@@ -36,16 +36,26 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, name: str, bits: int) -> torch.Tensor:
-    """The packed codes of ``x`` for ``name``'s derivative table at ``bits`` bits."""
+    """The packed codes of ``x`` for ``name``'s derivative table at ``bits`` bits: each element's piece
+    is the number of breakpoints below it (``torch.bucketize``'s index), counted with comparisons to
+    scalars so that no tensor constant enters a traced graph (the backend inlines these functions
+    into the joint graph, passes/approximate.py) and Inductor fuses them into one kernel."""
     breakpoints, _ = table(name, bits)
-    return pack_codes(torch.bucketize(x, torch.tensor(breakpoints, dtype=x.dtype, device=x.device)), bits)
+    codes = torch.zeros_like(x, dtype=torch.int32)
+    for b in breakpoints:
+        codes = codes + (x > b).to(torch.int32)
+    return pack_codes(codes, bits)
 
 
 def decode_derivative(packed: torch.Tensor, name: str, bits: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    """The approximate derivative at each element of an input of ``shape`` and ``dtype``."""
+    """The approximate derivative at each element of an input of ``shape`` and ``dtype``: the table's
+    value of each code, chosen with ``where`` against scalars (no tensor constant, as in :func:`encode`)."""
     _, values = table(name, bits)
     codes = unpack_codes(packed, bits, torch.Size(shape).numel()).view(shape)
-    return torch.tensor(values, dtype=dtype, device=packed.device)[codes]
+    out = torch.full(tuple(shape), values[0], dtype=dtype, device=packed.device)
+    for code, value in enumerate(values[1:], start=1):
+        out = torch.where(codes == code, value, out)
+    return out
 
 
 class FewBitActivation(torch.autograd.Function):

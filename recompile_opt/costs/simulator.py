@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.inductor_peak import exact_peak, supported
+from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
 from recompile_opt.costs.peak import peak_and_recomputed_at_peak
 
@@ -120,6 +121,27 @@ class PeakSimulator:
         # described (which lists every recomputed value) finds the candidate it was checked as
         self.partition_reads = {n.name for n in gm.graph.nodes if ti.is_random_op(n)} | {
             u.name for n in gm.graph.nodes if ti.is_sym_node(n) for u in n.users}
+        # approximate backward: a plan's graph is the joint graph with its markers settled
+        # (passes/approximate.py), one graph per set of approximated sites
+        self.has_markers = bool(approximate.markers(gm))
+        self.choices: dict[str, str] = {}  # a site's choice -> its marker (set by the partitioner)
+        self._settled: dict[frozenset, tuple] = {}
+
+    def offer(self, sites) -> None:
+        """The sites (:class:`recompile_opt.planner.problem.Site`) whose choices plans may hold."""
+        self.choices = {site.choice: site.marker for site in sites}
+        self.partition_reads |= set(self.choices)
+
+    def graph_for(self, recomputed: set) -> tuple[fx.GraphModule, object]:
+        """The joint graph a plan partitions (with ``recomputed``'s approximations settled), and its
+        ``classify_nodes``."""
+        if not self.has_markers:
+            return self.gm, self.info
+        chosen = frozenset(c for c in recomputed if c in self.choices)
+        if chosen not in self._settled:
+            gm = approximate.settle(self.gm, {self.choices[c] for c in chosen})
+            self._settled[chosen] = gm, ti.classify_nodes(gm, list(self.static or []), self.num_fwd_outputs)
+        return self._settled[chosen]
 
     def __call__(self, saved: set, recomputed: set) -> int:
         return self._simulate(saved, recomputed)[0]
@@ -134,9 +156,10 @@ class PeakSimulator:
         key = (frozenset(saved), frozenset(recomputed))
         if key not in self.results:
             start = time.perf_counter()
-            graphs = partition(self.gm, saved=saved, recomputed=recomputed,
+            gm, info = self.graph_for(recomputed)
+            graphs = partition(gm, saved=saved, recomputed=recomputed,
                                num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
-                               info=self.info, for_simulation=True)
+                               info=info, for_simulation=True)
             self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
             self.seconds += time.perf_counter() - start
         return self.results[key]
@@ -150,8 +173,9 @@ class PeakSimulator:
         self.exact_asked += 1
         if key not in self.exact_results:
             start = time.perf_counter()
-            fw, bw = partition(self.gm, saved=saved, recomputed=recomputed, num_fwd_outputs=self.num_fwd_outputs,
-                               static_lifetime_input_indices=self.static, info=self.info)
+            gm, info = self.graph_for(recomputed)
+            fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=self.num_fwd_outputs,
+                               static_lifetime_input_indices=self.static, info=info)
             result = None
             if supported(fw, bw):
                 try:

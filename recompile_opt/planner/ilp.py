@@ -9,11 +9,14 @@ Variables
     s_v ∈ {0,1}   v is kept from the forward for the backward          (only if can_save)
     r_v ∈ {0,1}   v is recomputed in the backward                       (only if can_recompute)
     z_S ∈ {0,1}   storage S stays alive between forward and backward    (only if b_S > 0)
+    a_k ∈ {0,1}   site k's backward reads its approximation (codes, projection), not the exact values
 
 Objective (lexicographic, by weights)
     min  Σ_v c_v r_v + Σ_S w_S z_S                 recompute and saving time (µs)
        + W · Σ_{v: prefer tag violated} 1           user PREFER_* tags, W > any time total
+       + Σ_k (d_k + δ) a_k                          an approximation's own time d_k, and δ
        + ε · Σ_S b_S z_S                             then the fewest kept bytes
+    (δ > ε · Σ_S b_S: an approximation is never taken for bytes the budget does not ask for)
     → implemented in set_objective()
 
 Constraints
@@ -23,6 +26,8 @@ Constraints
     Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → add_budget()
         (ρ: the RNG state a replayed random op keeps)
     s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → add_user_tags()
+    s_u + r_u ≥ 1 - a_k           for u read by site k's exact gradient     → add_sites()
+    s_c + r_c ≥ a_k               for c read by its approximate gradient
 
 There is no peak row. A step's peak depends on the kernels Inductor makes and the order it frees
 buffers in, which no linear row over values can see (the node-by-node rows this model once had
@@ -52,6 +57,9 @@ from recompile_opt.planner.problem import Problem
 # HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps
 # this many going).
 ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
+# δ, what an approximation costs besides its own time: above the whole kept-bytes tie-break (1e-3), so a
+# budget met exactly is never met by approximating instead
+APPROXIMATION_PRICE = 2e-3
 
 
 @dataclass
@@ -99,6 +107,7 @@ def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory
     m.add_dependencies()
     m.add_storages()
     m.add_user_tags()
+    m.add_sites()
     if budget is not None:
         m.add_budget(budget)
     m.set_objective(minimize_memory=minimize_memory)
@@ -110,7 +119,7 @@ def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory
         # property test): ask CBC before calling it a solver failure
         status, gap = _run(m.lp, "cbc", *limits)
     ok = status in ("optimal", "feasible")
-    return Solution(m.chosen(m.r) - m.chosen(m.s) if ok else set(), m.chosen(m.s) if ok else set(),
+    return Solution((m.chosen(m.r) - m.chosen(m.s)) | m.chosen(m.a) if ok else set(), m.chosen(m.s) if ok else set(),
                     status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())
 
 
@@ -123,6 +132,7 @@ class _Model:
         self.s = {v.name: binary(f"s_{i}") for i, v in enumerate(vals) if v.can_save}
         self.r = {v.name: binary(f"r_{i}") for i, v in enumerate(vals) if v.can_recompute}
         self.z = {s: binary(f"z_{i}") for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
+        self.a = {site.choice: binary(f"a_{i}") for i, site in enumerate(problem.sites)}
         self.penalties = []
         self._rows = itertools.count()
 
@@ -148,6 +158,14 @@ class _Model:
         for v in self.p.values.values():
             if v.name in self.s and v.storage in self.z:
                 self.lp += self.z[v.storage] >= self.s[v.name], self.row("sto")
+
+    def add_sites(self):
+        for site in self.p.sites:
+            a = self.a[site.choice]
+            for name in site.exact:
+                self.lp += self.avail(name) >= 1 - a, self.row("exact")
+            for name in site.approx:
+                self.lp += self.avail(name) >= a, self.row("approx")
 
     def kept_bytes_expr(self):
         rng = [v.copies * self.r[v.name] for v in self.p.values.values()
@@ -180,10 +198,12 @@ class _Model:
         # passes/joint_graph._bwd_live_bytes)
         total_bytes = sum(self.p.storage_bytes.values()) + self.p.bwd_byte_steps + 1
         pref = (total_time + 1.0) * pulp.lpSum(self.penalties)
+        by_site = {site.choice: site for site in self.p.sites}
+        approx = pulp.lpSum((us * by_site[c].cost_s + APPROXIMATION_PRICE) * a for c, a in self.a.items())
         if minimize_memory:  # the caller re-solves under the bytes found, for the least time
             self.lp += self.kept_bytes_expr() * (1.0 / total_bytes)
         else:
-            self.lp += time_cost + pref + 1e-3 * self.kept_bytes_expr() / total_bytes
+            self.lp += time_cost + pref + approx + 1e-3 * self.kept_bytes_expr() / total_bytes
 
     @staticmethod
     def chosen(variables: dict) -> set[str]:

@@ -346,7 +346,7 @@ def _fingerprint(problem: Problem, options: Options) -> str:
     blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_steps, problem.bwd_byte_steps,
                  problem.rng_state_bytes,
                  [(dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
-                  for v in problem.values.values()], rest.key()))
+                  for v in problem.values.values()], problem.sites, rest.key()))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

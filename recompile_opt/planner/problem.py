@@ -31,6 +31,22 @@ class Value:
 
 
 @dataclass
+class Site:
+    """A place where the backward may read an approximation instead of exact values (issue 24): a
+    third and fourth action next to keep and recompute. The plan approximates it when its ``choice``
+    is in the plan's recomputed set (so every search that passes sets of names around carries it)."""
+
+    choice: str  # "approximate:<marker>": the name the plan's recomputed set holds when approximated
+    marker: str  # the joint graph's marker node (passes/approximate.py)
+    kind: str  # "few-bit" (an activation's codes) or "randomized" (a linear input's projection)
+    exact: tuple[str, ...]  # the values the exact gradient reads
+    approx: tuple[str, ...]  # the values the approximate gradient reads
+    replaced: str  # the value the approximation stands for (the activation's / the linear's input)
+    detail: dict = field(default_factory=dict)  # bits and activation, or ratio
+    cost_s: float = 0.0  # what approximating adds to the step (codes, projections): its price in the ILP
+
+
+@dataclass
 class Problem:
     values: dict[str, Value]  # in topological order
     storage_bytes: dict[str, int]  # 0 for parameters and buffers (they live anyway)
@@ -43,6 +59,7 @@ class Problem:
     # the step's collectives (tensor/sequence parallelism), for the Plan: name, op, shape, dtype, phase
     # (forward/backward), bytes (what one rank sends); a forward all-gather may be recomputed (a re-gather)
     collectives: list[dict] = field(default_factory=list)
+    sites: list[Site] = field(default_factory=list)  # approximate actions offered (option ``approximate``)
 
     def needed_closure(self, recompute: set[str], keep: set[str] = frozenset(), *,
                        feasible: set[str] | None = None) -> tuple[set[str], set[str]]:
@@ -53,6 +70,12 @@ class Problem:
         ``feasible``: :meth:`recomputable`, passed in by callers that ask many times.
         """
         saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
+        for site in self.sites:  # an approximated site reads its codes or projection instead
+            if site.choice in recompute:
+                recomputed.add(site.choice)
+                todo.extend(site.approx)
+            else:
+                todo.extend(site.exact)
         feasible = self.recomputable() if feasible is None else feasible
         while todo:
             name = todo.pop()
@@ -78,8 +101,8 @@ class Problem:
 
     def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
         storages = {self.values[n].storage for n in saved} - {""}
-        rng = sum(self.values[n].copies for n in recomputed
-                  if self.values[n].random and self.values[n].in_forward)
+        rng = sum(self.values[n].copies for n in recomputed  # (a site's choice is no value)
+                  if n in self.values and self.values[n].random and self.values[n].in_forward)
         return sum(self.storage_bytes[s] for s in storages) + rng * self.rng_state_bytes
 
     def recompute_seconds(self, recomputed: set[str]) -> float:

@@ -53,6 +53,7 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
                      min_bytes=min_bytes, solver_info=solver_info, notes=notes)
+    plan.approximated = _approximated(problem, recomputed)
     log.info("recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
              graph, fmt_bytes(plan.saved_bytes), fmt_bytes(baseline), options.policy, len(recomputed))
     return plan
@@ -194,7 +195,7 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
                 kept_entries.append(PlanEntry(name=f"{name}.rng_state", op="rng_state", action=KEEP,
                                               reason="rng", bytes=problem.rng_state_bytes,
                                               dtype="uint8", shape=[problem.rng_state_bytes]))
-    forward_recomputed = {n for n in recomputed if problem.values[n].in_forward}
+    forward_recomputed = {n for n in recomputed if n in problem.values and problem.values[n].in_forward}
     kept = problem.kept_bytes(saved, recomputed)
     return Plan(
         graph=graph, policy=options.policy, saved=kept_entries, recomputed=rec_entries,
@@ -206,6 +207,24 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
         options={k: v for k, v in vars(options).items() if v not in (None, {}, "")},
         collectives=[{**c, "regathered": c["name"] in forward_recomputed} for c in problem.collectives],
     )
+
+
+def _approximated(problem: Problem, recomputed: set[str]) -> list[dict]:
+    """The plan's entries of the sites it approximates (``Plan.approximated``)."""
+    out = []
+    for site in problem.sites:
+        if site.choice not in recomputed:
+            continue
+        v = problem.values[site.replaced]
+        kept_as = [problem.values[n] for n in site.approx]
+        out.append({"value": site.replaced, "kind": site.kind, **site.detail, "shape": list(v.info.get("shape", [])),
+                    "dtype": v.info.get("dtype", ""), "bytes": problem.storage_bytes.get(v.storage, 0),
+                    "kept_as": [u.name for u in kept_as],
+                    "kept_as_bytes": sum(problem.storage_bytes.get(u.storage, 0) for u in kept_as),
+                    "choice": site.choice, "marker": site.marker, "cost_s": site.cost_s,
+                    # where the approximation is made: the activation's or the linear layer's module
+                    "module": kept_as[0].info.get("module", ""), "source": kept_as[0].info.get("source", "")})
+    return out
 
 
 def _entry(v, action: str, reason: str, nbytes: int) -> PlanEntry:

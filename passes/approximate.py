@@ -1,0 +1,143 @@
+"""Approximate backward as graph rewrites (issue 24): offer it in the Dynamo graph, settle it in the joint.
+
+:func:`offer_approximations` rewrites the Dynamo graph before AOTAutograd: each GELU / SiLU becomes
+:class:`~recompile_opt.approximate.actions.ApproximableActivation` (``approximate={"activations": bits}``)
+and each linear layer with a trained weight :class:`~recompile_opt.approximate.actions.ApproximableLinear`
+(``"linear": ratio``). Their joint graph holds a *site* per call: a marker op in the backward that reads
+both the exact input and its codes or projection. The planner chooses per site
+(:mod:`recompile_opt.planner.ilp`), and :func:`settle` replaces every marker by the exact or the
+approximate formula, traced with Inductor's decompositions so Inductor fuses it, before the graph is
+partitioned and simulated. The side a plan does not read is dead and removed, so an exact site costs
+nothing at run time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from recompile_opt import _torch_internals as ti
+from recompile_opt.approximate import actions
+from recompile_opt.passes.chunking import LINEAR, arguments, value_of
+
+ACTIVATION_NAMES = {F.silu: "silu"}  # F.gelu: "gelu" or "gelu_tanh" by its ``approximate`` argument
+
+
+@dataclass
+class Offered:
+    """What :func:`offer_approximations` rewrote: one entry per call, for the plan's notes."""
+    activations: int = 0
+    linears: int = 0
+    skipped: tuple = ()  # (call, why) of activations and linears left exact
+
+    def note(self, allowed: dict) -> str:
+        parts = []
+        if allowed.get("activations"):
+            parts.append(f"{self.activations} activation(s) may keep {allowed['activations']}-bit codes")
+        if allowed.get("linear"):
+            parts.append(f"{self.linears} linear layer(s) may keep a random projection of ratio {allowed['linear']:g}")
+        skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped[:3])
+        return "approximate: " + ", ".join(parts) + (f" (left exact: {skipped})" if skipped else "")
+
+
+def offer_approximations(gm: fx.GraphModule, allowed: dict) -> Offered:
+    """Rewrite ``gm`` (a Dynamo graph) in place so its activations / linears can be approximated."""
+    done = Offered()
+    skipped = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if allowed.get("activations") and (name := _activation_name(node)):
+            why = _why_not(node, arguments(node)["input"])
+            if why:
+                skipped.append((node.name, why))
+                continue
+            _replace(gm, node, actions.approximable_activation, (arguments(node)["input"], name, allowed["activations"]))
+            done.activations += 1
+        elif allowed.get("linear") and node.target in LINEAR:
+            kw = arguments(node)
+            why = _why_not(node, kw["input"]) or _untrained(kw["weight"])
+            if why:
+                skipped.append((node.name, why))
+                continue
+            _replace(gm, node, actions.approximable_linear, (kw["input"], kw["weight"], kw["bias"], allowed["linear"]))
+            done.linears += 1
+    done.skipped = tuple(skipped)
+    if done.activations or done.linears:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _activation_name(node: fx.Node) -> str | None:
+    if node.target is F.gelu:
+        return "gelu_tanh" if arguments(node).get("approximate") == "tanh" else "gelu"
+    return ACTIVATION_NAMES.get(node.target)
+
+
+def _why_not(node: fx.Node, x) -> str | None:
+    val = value_of(x)
+    if val is None or not val.is_floating_point():
+        return "its input is not a floating-point tensor"
+    if any(isinstance(d, torch.SymInt) for d in val.shape):
+        return "dynamic shapes (the codes' and projection's sizes must be static)"
+    if val.dim() < 2 and node.target in LINEAR:
+        return "a 1-d input (no rows to project)"
+    return None
+
+
+def _untrained(weight) -> str | None:
+    val = value_of(weight)
+    return None if val is not None and val.requires_grad else "its weight has no gradient"
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, fn, args: tuple) -> None:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(fn, args)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+
+
+def markers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in actions.MARKERS]
+
+
+def settle(gm: fx.GraphModule, approximated: set[str]) -> fx.GraphModule:
+    """A copy of the joint graph ``gm`` with each marker replaced: the approximate formula for the
+    markers named in ``approximated``, the exact one for the rest; then what no one reads is dropped.
+    Node names stay as they were (plans name them)."""
+    out = fx.GraphModule(gm, _copy(gm.graph))
+    for node in markers(out):
+        make = actions.approximate_backward if node.name in approximated else actions.exact_backward
+        fn, args = make(node.target, tuple(node.args))
+        _inline(out.graph, node, fn, args)
+    out.graph.eliminate_dead_code()
+    out.recompile()
+    return out
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """Node by node, metadata shared (fx's own ``Graph.__deepcopy__``: no fake tensor is copied)."""
+    return copy.deepcopy(graph)
+
+
+def _inline(graph: fx.Graph, node: fx.Node, fn, args: tuple) -> None:
+    """Replace ``node`` by ``fn(*args)`` traced into aten ops (Inductor's decompositions), in place."""
+    fakes = [a.meta["val"] for a in args]
+    with ti.detect_fake_mode(fakes) or contextlib.nullcontext():
+        traced = ti.make_fx(fn, decomposition_table=ti.select_decomp_table())(*fakes)
+    value_map = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
+    with graph.inserting_before(node):
+        result = graph.graph_copy(traced.graph, value_map)
+    for new in value_map.values():
+        if isinstance(new, fx.Node) and new not in args:
+            new.meta.setdefault("nn_module_stack", node.meta.get("nn_module_stack", {}))
+            new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)

@@ -1,0 +1,131 @@
+"""The approximate actions as the planner sees them: each site's backward reads a *marker*, one custom op
+that takes both what the exact gradient reads and what the approximate one reads.
+
+Why a marker: whether a value is kept exactly, recomputed, or kept approximately is the ILP's choice
+(:mod:`recompile_opt.planner.ilp`), made on the joint graph, so the joint graph must offer both ways
+until the plan is made. The Dynamo graph's activations and linear layers become the autograd Functions
+below (``passes/approximate.py``): their forward makes the codes or the projection besides the output,
+and their backward reads both the exact input and the approximation through the marker. Once the plan
+is chosen, :func:`exact_backward` or :func:`approximate_backward` (plain torch ops, which Inductor
+fuses) replaces each marker, and the side the plan does not read is dead code.
+
+A marker that is never resolved (a graph compiled by another backend) computes the exact gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recompile_opt.approximate.few_bit import decode_derivative, encode
+from recompile_opt.approximate.randomized_linear import project
+from recompile_opt.approximate.tables import ACTIVATIONS, table
+
+
+def exact_activation_grad(grad: Tensor, x: Tensor, name: str) -> Tensor:
+    if name == "silu":
+        return torch.ops.aten.silu_backward(grad, x)
+    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if name == "gelu_tanh" else "none")
+
+
+def few_bit_grad(grad: Tensor, codes: Tensor, name: str, bits: int) -> Tensor:
+    return grad * decode_derivative(codes, name, bits, grad.shape, grad.dtype)
+
+
+def exact_weight_grad(grad: Tensor, x: Tensor) -> Tensor:
+    return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def randomized_weight_grad(grad: Tensor, projected: Tensor, seed: Tensor, ratio: float) -> Tensor:
+    rows = grad.reshape(-1, grad.shape[-1])
+    return project(seed, rows, ratio).t() @ projected
+
+
+@torch.library.custom_op("recompile_opt::activation_grad", mutates_args=())
+def activation_grad(grad: Tensor, x: Tensor, codes: Tensor, name: str, bits: int) -> Tensor:
+    """Marker: the gradient of ``ACTIVATIONS[name]`` at ``x``, or from ``codes`` at ``bits`` bits."""
+    return exact_activation_grad(grad, x, name)
+
+
+@activation_grad.register_fake
+def _(grad, x, codes, name, bits):
+    return torch.empty_like(grad)
+
+
+@torch.library.custom_op("recompile_opt::weight_grad", mutates_args=())
+def weight_grad(grad: Tensor, x: Tensor, projected: Tensor, seed: Tensor, ratio: float) -> Tensor:
+    """Marker: a linear layer's weight gradient from its input ``x``, or from ``projected`` (S^T x)."""
+    return exact_weight_grad(grad, x)
+
+
+@weight_grad.register_fake
+def _(grad, x, projected, seed, ratio):
+    return grad.new_empty((grad.shape[-1], x.shape[-1]))
+
+
+MARKERS = (torch.ops.recompile_opt.activation_grad.default, torch.ops.recompile_opt.weight_grad.default)
+
+
+def exact_backward(target, args: tuple) -> tuple:
+    """The function that replaces a marker when the plan keeps its site exact, and the arguments it reads."""
+    if target == MARKERS[0]:
+        grad, x, _codes, name, _bits = args
+        return (lambda g, v: exact_activation_grad(g, v, name)), (grad, x)
+    grad, x, _projected, _seed, _ratio = args
+    return exact_weight_grad, (grad, x)
+
+
+def approximate_backward(target, args: tuple) -> tuple:
+    """As :func:`exact_backward`, where the plan approximates the site."""
+    if target == MARKERS[0]:
+        grad, _x, codes, name, bits = args
+        return (lambda g, c: few_bit_grad(g, c, name, bits)), (grad, codes)
+    grad, _x, projected, seed, ratio = args
+    return (lambda g, p, s: randomized_weight_grad(g, p, s, ratio)), (grad, projected, seed)
+
+
+class ApproximableActivation(torch.autograd.Function):
+    """``ACTIVATIONS[name](x)``, whose backward is exact or few-bit as the plan chooses."""
+
+    @staticmethod
+    def forward(ctx, x, name: str, bits: int):
+        ctx.name, ctx.bits = name, bits
+        ctx.save_for_backward(x, encode(x, name, bits))
+        return ACTIVATIONS[name](x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, codes = ctx.saved_tensors
+        return activation_grad(grad, x, codes, ctx.name, ctx.bits), None, None
+
+
+class ApproximableLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``, whose weight gradient is exact or randomized as the plan chooses;
+    the input's gradient is exact either way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ratio: float, seed):
+        rows = x.reshape(-1, x.shape[-1])
+        projected = project(seed, rows, ratio)
+        ctx.ratio, ctx.has_bias = ratio, bias is not None
+        ctx.save_for_backward(x, projected, seed, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, projected, seed, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(grad, x, projected, seed, ctx.ratio) if ctx.needs_input_grad[1] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def approximable_activation(x: Tensor, name: str, bits: int) -> Tensor:
+    table(name, bits)  # a clear error for an unknown activation or width
+    return ApproximableActivation.apply(x, name, bits)
+
+
+def approximable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, ratio: float) -> Tensor:
+    seed = torch.randint(0, 2 ** 31 - 1, (), device=x.device)
+    return ApproximableLinear.apply(x, weight, bias, float(ratio), seed)

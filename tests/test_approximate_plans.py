@@ -1,0 +1,198 @@
+"""Approximate backward as plan actions (issue 24): the ILP chooses per site between the exact values and
+their codes or projection; the plan lists each approximated value; compiled gradients are those of the
+approximate ops the plan names; ``approximate`` off changes nothing."""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import recompile_opt
+from recompile_opt import models
+from recompile_opt.approximate import actions
+from recompile_opt.approximate.few_bit import few_bit_activation
+from recompile_opt.approximate.randomized_linear import randomized_linear
+from recompile_opt.options import OptionError, parse_options
+from recompile_opt.planner import ilp
+from recompile_opt.planner.problem import Problem, Site, Value
+
+from helpers import tiny_gpt
+
+MiB = 1 << 20
+US = 1e-6
+BOTH = {"activations": 3, "linear": 0.5}
+
+
+# -- the ILP on a hand-built site ------------------------------------------------------------------
+
+def _site_problem(code_mib=1, cost_us=0.0):
+    """x (8 MiB, recompute 100 us from the input) read by the backward through one site whose
+    approximation reads ``codes`` (``code_mib``, recomputed from x)."""
+    values = {
+        "inp": Value("inp", "inp", can_recompute=False),
+        "x": Value("x", "x", inputs=("inp",), recompute_s=100 * US),
+        "codes": Value("codes", "codes", inputs=("x",), recompute_s=1 * US),
+    }
+    site = Site(choice="approximate:m", marker="m", kind="few-bit", exact=("x",), approx=("codes",),
+                replaced="x", detail={"bits": 3, "activation": "gelu"}, cost_s=cost_us * US)
+    return Problem(values=values, storage_bytes={"inp": 0, "x": 8 * MiB, "codes": code_mib * MiB},
+                   save_s={"inp": 0.0, "x": 0.0, "codes": 0.0}, bwd_steps=4, sites=[site])
+
+
+def _kept(p: Problem, sol: ilp.Solution) -> int:
+    return p.kept_bytes(*p.needed_closure(sol.recompute, sol.keep))
+
+
+def test_a_budget_met_exactly_is_never_met_by_approximating():
+    p = _site_problem()
+    sol = ilp.solve(p, budget=8 * MiB)
+    assert "approximate:m" not in sol.recompute and _kept(p, sol) == 8 * MiB
+
+
+def test_under_a_tight_budget_the_codes_replace_the_recompute():
+    """1 MiB: x cannot be kept; recomputing it costs 100 us, keeping its codes nothing."""
+    p = _site_problem()
+    sol = ilp.solve(p, budget=1 * MiB)
+    saved, recomputed = p.needed_closure(sol.recompute, sol.keep)
+    assert "approximate:m" in recomputed and saved == {"codes"} and "x" not in recomputed
+
+
+def test_an_approximation_dearer_than_the_recompute_is_not_taken():
+    p = _site_problem(cost_us=150)
+    sol = ilp.solve(p, budget=1 * MiB)
+    assert "approximate:m" not in sol.recompute and "x" in sol.recompute
+
+
+# -- options -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,match", [
+    ({"activations": 5}, r"'approximate': activations=5; accepted: a bit width 1, 2, 3 or 4"),
+    ({"activations": 3.0}, r"activations=3.0"),
+    ({"linear": 0}, r"'approximate': linear=0; accepted: a ratio in \(0, 1\]"),
+    ({"linear": True}, r"linear=True"),
+    ({"bits": 3}, r"'approximate'.*accepted values: False, None, or a dict with 'activations'"),
+    (3, r"'approximate': got 3"),
+])
+def test_a_bad_approximate_option_names_the_accepted_values(value, match):
+    with pytest.raises(OptionError, match=match):
+        parse_options({"approximate": value})
+
+
+def test_false_and_none_are_off():
+    assert parse_options({"approximate": False}).approximate is None
+    assert parse_options({"approximate": {"activations": False, "linear": False}}).approximate is None
+    assert parse_options({"approximate": {"activations": 2}}).approximate == {"activations": 2}
+
+
+# -- plans of a model ---------------------------------------------------------------------------------
+
+def _plan(model, inputs, budget, **options):
+    torch._dynamo.reset()
+    return recompile_opt.plan(model, inputs, memory_budget=budget, compiler="eager", **options)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.5])
+def test_approximate_off_plans_exactly_as_without_the_option(budget):
+    model, inputs = tiny_gpt()
+    plain = _plan(model, inputs, budget).to_dict()
+    off = _plan(model, inputs, budget, approximate=False).to_dict()
+    for plan in (plain, off):
+        # the same decisions; how they were reached differs (the second planning reuses the peaks found)
+        plan["solver"] = {k: plan["solver"][k] for k in ("name", "status", "gap", "n_vars", "n_constraints")}
+        plan["options"].pop("approximate", None)
+    assert off == plain and not off["approximated"]
+
+
+def _every_site_approximated():
+    """The ILP pays for approximating instead of being paid: every site is approximated (to test the
+    rewrites on every site, whatever a budget would choose)."""
+    return mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3)
+
+
+def test_the_plan_lists_every_approximated_value_with_its_width_or_ratio():
+    model, inputs = tiny_gpt()
+    with _every_site_approximated():
+        plan = _plan(model, inputs, 1.0, approximate=BOTH)
+    kinds = sorted((a["kind"], a.get("bits"), a.get("ratio")) for a in plan.approximated)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    activations = len(model.blocks)  # one GELU per block
+    assert kinds == sorted([("few-bit", 3, None)] * activations + [("randomized", None, 0.5)] * linears)
+    for a in plan.approximated:
+        assert a["kept_as_bytes"] < a["bytes"], a  # 3/32 of an fp32 input; half its rows (+ an 8-byte seed)
+    text = str(plan)
+    assert "approximated      : 2 activation inputs as 3-bit codes" in text
+    assert "3-bit gelu" in text and "ratio 0.5 linear" in text
+    again = recompile_opt.Plan.from_json(plan.to_json())
+    assert again.approximated == plan.approximated
+    exact = _plan(model, inputs, 1.0)
+    assert "exact ->" in exact.diff(plan) or "-> approx" in exact.diff(plan)
+
+
+def _grads(model, inputs, options=None):
+    for p in model.parameters():
+        p.grad = None
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="recompile_opt", options=options) if options is not None else model
+    torch.manual_seed(123)
+    run(*inputs).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_gradients_are_those_of_the_few_bit_ops_the_plan_names(compiler):
+    """Few-bit codes are deterministic: the compiled step's gradients equal, to fp32 rounding, eager
+    training of the same model with exactly the plan's approximated activations made few-bit."""
+    model, inputs = tiny_gpt()
+    options = {"memory_budget": 1.0, "compiler": compiler, "approximate": {"activations": 2}}
+    recompile_opt.reset_plans()
+    with _every_site_approximated():
+        got = _grads(model, inputs, options)
+    plan = recompile_opt.last_plans()[0]
+    assert [a["kind"] for a in plan.approximated] == ["few-bit"] * len(model.blocks)
+    assert sorted(a["module"] for a in plan.approximated) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
+
+    def few_bit_mlp(self, x):
+        return self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", 2)))
+
+    with mock.patch.object(models.GPTMLP, "forward", few_bit_mlp):
+        want = _grads(model, inputs)
+    exact = _grads(model, inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.allclose(exact[n], want[n], rtol=1e-3, atol=1e-5) for n in want)  # not exact
+
+
+def test_compiled_gradients_are_those_of_the_randomized_ops_the_plan_names():
+    """Randomized linears draw one seed each from torch's RNG, in the order the model calls them;
+    every linear approximated (the eager compiler draws as eager does), the compiled step's gradients
+    equal eager training with every linear randomized."""
+    model, inputs = tiny_gpt()
+    options = {"memory_budget": 1.0, "compiler": "eager", "approximate": {"linear": 0.5}}
+    recompile_opt.reset_plans()
+    with _every_site_approximated():
+        got = _grads(model, inputs, options)
+    plan = recompile_opt.last_plans()[0]
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert sorted(a["module"] for a in plan.approximated) == sorted(linears)
+    with mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)):
+        want = _grads(model, inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_least_peak_plan_of_a_tight_step_approximates_and_trains():
+    """At ``memory_budget=0.0`` the planner takes the approximations that lower the peak; the step runs
+    and its gradient stays close to the exact one (3-bit GELU codes only)."""
+    model, inputs = tiny_gpt()
+    exact = _grads(model, inputs)
+    recompile_opt.reset_plans()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _grads(model, inputs, {"memory_budget": 0.0, "compiler": "eager", "approximate": {"activations": 3}})
+    assert recompile_opt.last_plans()[0].approximated  # the ILP took codes somewhere
+    flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in (got, exact)]
+    assert F.cosine_similarity(*flat, dim=0) > 0.99
