@@ -200,6 +200,11 @@ def approximation_sites(jg: JointGraph, values: dict[str, Value], roofline: dict
             detail, cost = {"activation": rest[0], "bits": rest[1]}, forward_s
         else:
             detail, cost = {"ratio": rest[1]}, _randomized_cost(x, approx, grad, forward_s, roofline)
+        if not few_bit:
+            # the projection's seed is kept, never drawn again: through Inductor's own RNG a random op
+            # recomputed in the backward draws anew (its graph gets a seed of its own), and the
+            # backward's S would not be the forward's (gradients of cosine 0.02, seen)
+            values[rest[0].name].can_recompute = False
         sites.append(Site(choice=f"approximate:{node.name}", marker=node.name,
                           kind="few-bit" if few_bit else "randomized", exact=(x.name,),
                           approx=tuple(n.name for n in reads[1:]), replaced=x.name, detail=detail, cost_s=cost))
