@@ -12,10 +12,10 @@ plan approximated, and the whole gradient's cosine similarity to exact (one step
 Training (``--training``): ``bench/approximate_training.py``: a small GPT trained on a learnable synthetic
 task, exact and with the approximate ops at every site, several seeds (loss curves, final losses).
 
-Usage::
+Usage (the training options, e.g. ``--steps``, ``--seeds``, ``--plot``, go to ``approximate_training``)::
 
     python bench/approximate.py --memory --md
-    python bench/approximate.py --training --plot docs/approximate_training.png
+    python bench/approximate.py --training --steps 300 --seeds 0,1,2 --plot docs/approximate_training.png
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory", action="store_true", help="least-peak plans, exact and approximate")
     parser.add_argument("--training", action="store_true", help="loss curves (bench/approximate_training.py)")
     parser.add_argument("--models", default="gpt,llama")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (--memory)")
-    parser.add_argument("--md", action="store_true", help="print the memory table as markdown")
+    parser.add_argument("--timed-steps", type=int, default=5, help="timed steps per variant (--memory)")
+    parser.add_argument("--md", action="store_true", help="print the memory table as markdown (--memory)")
     args, rest = parser.parse_known_args(argv)
     if not (args.memory or args.training):
         args.memory = True
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)
-        rows = memory_table([m.strip() for m in args.models.split(",") if m.strip()], args.steps)
+        rows = memory_table([m.strip() for m in args.models.split(",") if m.strip()], args.timed_steps)
         if args.md:
             print(markdown(rows))
     if args.training:
