@@ -184,18 +184,17 @@ def test_compiled_gradients_are_those_of_the_randomized_ops_the_plan_names():
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_least_peak_plan_of_a_tight_step_approximates_and_trains():
-    """At ``memory_budget=0.0`` the planner takes the approximations that lower the peak; the step runs
-    and its gradient stays close to the exact one (3-bit GELU codes only)."""
+def test_every_activation_at_3_bits_keeps_the_gradient_within_cosine_0_99():
+    """The whole gradient with every GELU's backward at 3 bits (the most a plan can approximate) stays
+    within cosine 0.99 of exact."""
     model, inputs = tiny_gpt()
     exact = _grads(model, inputs)
     recompile_opt.reset_plans()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = _grads(model, inputs, {"memory_budget": 0.0, "compiler": "eager", "approximate": {"activations": 3}})
-    assert recompile_opt.last_plans()[0].approximated  # the ILP took codes somewhere
+    with _every_site_approximated():
+        got = _grads(model, inputs, {"memory_budget": 1.0, "compiler": "eager", "approximate": {"activations": 3}})
+    assert len(recompile_opt.last_plans()[0].approximated) == len(model.blocks)
     flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in (got, exact)]
-    assert F.cosine_similarity(*flat, dim=0) > 0.99
+    assert 0.99 < F.cosine_similarity(*flat, dim=0) < 1 - 1e-7
 
 
 @pytest.mark.slow
@@ -240,10 +239,26 @@ def test_through_inductors_own_rng_the_backward_projects_with_the_forwards_seed(
     assert F.cosine_similarity(got, exact, dim=0) > min(eager) - 0.1
 
 
-def test_the_least_peak_plan_with_both_approximations_peaks_below_the_exact_one():
-    """memory_budget=0.0 searches with the ILP's priced choice and with every site approximated, and takes
-    the lower walked peak; on the tiny GPT both lower it below the exact least-peak plan's."""
+def test_the_least_peak_plan_with_approximations_allowed_peaks_no_higher_than_the_exact_one():
+    """memory_budget=0.0 with approximations allowed searches three ways (the ILP's priced choice, every
+    site approximated, none) and takes the lowest walked peak: never above the exact least-peak plan
+    (on the tiny GPT no approximation lowers it, and none is taken)."""
     model, inputs = tiny_gpt()
     exact = _plan(model, inputs, 0.0)
     both = _plan(model, inputs, 0.0, approximate=BOTH)
-    assert both.approximated and both.predicted_peak_bytes < 0.95 * exact.predicted_peak_bytes
+    assert both.predicted_peak_bytes <= exact.predicted_peak_bytes
+
+
+@pytest.mark.slow
+def test_on_the_benchmark_gpt_both_approximations_lower_the_least_peak_by_a_seventh():
+    """The benchmark GPT (2 layers, h=256, s=256, batch 4): with 3-bit codes and randomized linears at
+    0.5 the least-peak plan approximates every site and its walked peak is 14.8% below the exact
+    least-peak plan's (21.80 against 25.58 MiB; bench/approximate.py measures the same)."""
+    torch._dynamo.reset()
+    cfg = models.GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
+    torch.manual_seed(0)
+    model = models.GPT(cfg)
+    inputs = models.example_batch(cfg, 4)
+    exact = _plan(model, inputs, 0.0)
+    both = _plan(model, inputs, 0.0, approximate=BOTH)
+    assert both.approximated and both.predicted_peak_bytes < 0.86 * exact.predicted_peak_bytes

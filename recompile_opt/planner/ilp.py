@@ -166,8 +166,8 @@ class _Model:
                 self.lp += self.avail(name) >= 1 - a, self.row("exact")
             for name in site.approx:
                 self.lp += self.avail(name) >= a, self.row("approx")
-            if site.forced:
-                self.lp += a == 1, self.row("forced")
+            if site.fixed is not None:
+                self.lp += a == int(site.fixed), self.row("fixed")
 
     def kept_bytes_expr(self):
         rng = [v.copies * self.r[v.name] for v in self.p.values.values()

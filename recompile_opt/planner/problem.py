@@ -44,7 +44,7 @@ class Site:
     replaced: str  # the value the approximation stands for (the activation's / the linear's input)
     detail: dict = field(default_factory=dict)  # bits and activation, or ratio
     cost_s: float = 0.0  # what approximating adds to the step (codes, projections): its price in the ILP
-    forced: bool = False  # approximated whatever its price (the least-peak search's second ladder)
+    fixed: bool | None = None  # True: approximated, False: exact, whatever its price (the least-peak searches)
 
 
 @dataclass
