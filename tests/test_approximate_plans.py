@@ -166,19 +166,26 @@ def test_compiled_gradients_are_those_of_the_few_bit_ops_the_plan_names(compiler
     assert any(not torch.allclose(exact[n], want[n], rtol=1e-3, atol=1e-5) for n in want)  # not exact
 
 
-def test_compiled_gradients_are_those_of_the_randomized_ops_the_plan_names():
-    """Randomized linears draw one seed each from torch's RNG, in the order the model calls them;
-    every linear approximated (the eager compiler draws as eager does), the compiled step's gradients
-    equal eager training with every linear randomized."""
-    model, inputs = tiny_gpt()
-    options = {"memory_budget": 1.0, "compiler": "eager", "approximate": {"linear": 0.5}}
+@pytest.mark.parametrize("dropout,budget", [(0.0, 1.0), (0.1, 0.0)])
+def test_compiled_gradients_are_those_of_the_randomized_ops_the_plan_names(dropout, budget):
+    """Randomized linears draw one seed each from torch's RNG, in the order the model calls them, between
+    the dropout masks; every site approximated (the eager compiler draws as eager does, and replays the
+    recomputed masks), the compiled step's gradients equal eager training with every linear randomized
+    and every GELU at 3 bits, with dropout on too."""
+    model, inputs = tiny_gpt(dropout=dropout)
+    options = {"memory_budget": budget, "compiler": "eager", "approximate": BOTH}
     recompile_opt.reset_plans()
     with _every_site_approximated():
         got = _grads(model, inputs, options)
     plan = recompile_opt.last_plans()[0]
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    assert sorted(a["module"] for a in plan.approximated) == sorted(linears)
-    with mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)):
+    assert sorted(a["module"] for a in plan.approximated if a["kind"] == "randomized") == sorted(linears)
+
+    def few_bit_mlp(self, x):
+        return self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", 3)))
+
+    with mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)), \
+            mock.patch.object(models.GPTMLP, "forward", few_bit_mlp):
         want = _grads(model, inputs)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
