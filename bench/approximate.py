@@ -121,16 +121,54 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cosine_by_bits(models: list[str]) -> list[str]:
+    """The whole gradient's cosine to exact with *every* activation's backward at 1-4 bits (eager, one
+    step): the most error a plan allowing that width can add, whatever the planner chooses."""
+    from unittest import mock
+
+    import torch
+    import torch.nn.functional as F
+
+    from comparison.strategies import build_model
+    from recompile_opt import models as zoo
+    from recompile_opt.approximate.few_bit import few_bit_activation
+
+    lines = ["| model | 1 bit | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|---|"]
+    for name in models:
+        model, idx, tgt = build_model({"model": name, **SIZE})
+
+        def grad():
+            model.zero_grad(set_to_none=True)
+            model(idx, tgt).backward()
+            return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+        exact, cells = grad(), []
+        for bits in (1, 2, 3, 4):
+            act = "silu" if name == "llama" else "gelu"
+            patch = (mock.patch.object(F, "silu", lambda x, inplace=False, b=bits: few_bit_activation(x, "silu", b))
+                     if act == "silu" else
+                     mock.patch.object(zoo.F, "gelu", lambda x, approximate="none", b=bits: few_bit_activation(x, "gelu", b)))
+            with patch:
+                cells.append(f"{float(F.cosine_similarity(grad(), exact, dim=0)):.5f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", action="store_true", help="least-peak plans, exact and approximate")
     parser.add_argument("--training", action="store_true", help="loss curves (bench/approximate_training.py)")
+    parser.add_argument("--cosine", action="store_true", help="gradient cosine with every activation at 1-4 bits")
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--timed-steps", type=int, default=5, help="timed steps per variant (--memory)")
     parser.add_argument("--md", action="store_true", help="print the memory table as markdown (--memory)")
     args, rest = parser.parse_known_args(argv)
-    if not (args.memory or args.training):
+    if not (args.memory or args.training or args.cosine):
         args.memory = True
+    if args.cosine:
+        from recompile_opt.provenance import header_line
+
+        print("\n".join([header_line(), "", *cosine_by_bits([m.strip() for m in args.models.split(",") if m.strip()])]))
     if args.memory:
         import torch
 
