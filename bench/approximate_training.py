@@ -6,8 +6,8 @@ Model: ``recompile_opt.models.GPT``, 2 layers, width 64, 4 heads, in eager fp32 
 
 * ``exact``      — the model as written;
 * ``3-bit``      — the MLP's GELU is ``few_bit_activation(h, "gelu", 3)`` (3-bit derivative table);
-* ``randomized`` — every ``nn.Linear`` in the blocks (attention ``c_attn``/``c_proj``, MLP
-  ``c_fc``/``c_proj``; not ``lm_head``) is ``randomized_linear(..., ratio=0.5)``;
+* ``randomized`` — every ``nn.Linear`` (attention ``c_attn``/``c_proj``, MLP ``c_fc``/``c_proj``, and
+  ``lm_head``, as the compiled option offers them) is ``randomized_linear(..., ratio=0.5)``;
 * ``both``       — the two together.
 
 The variants are per-instance ``forward`` overrides on a freshly built model, so nothing leaks between
@@ -105,11 +105,10 @@ def apply_variant(model: GPT, variant: str) -> GPT:
     (the classes are untouched, so no other model is affected)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}; accepted: {', '.join(VARIANTS)}")
+    if variant in ("randomized", "both"):
+        for lin in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            lin.forward = types.MethodType(lambda self, x: randomized_linear(x, self.weight, self.bias, RATIO), lin)
     for block in model.blocks:
-        if variant in ("randomized", "both"):
-            for lin in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                lin.forward = types.MethodType(
-                    lambda self, x: randomized_linear(x, self.weight, self.bias, RATIO), lin)
         if variant in ("3-bit", "both"):
             # GPTMLP.forward with F.gelu replaced; self.c_fc / c_proj are called as modules, so a
             # randomized override above still applies
