@@ -4,7 +4,7 @@ approximate ops the plan names; ``approximate`` off changes nothing."""
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 from unittest import mock
 
 import pytest
@@ -13,11 +13,10 @@ import torch.nn.functional as F
 
 import recompile_opt
 from recompile_opt import models
-from recompile_opt.approximate import actions
 from recompile_opt.approximate.few_bit import few_bit_activation
 from recompile_opt.approximate.randomized_linear import randomized_linear
 from recompile_opt.options import OptionError, parse_options
-from recompile_opt.planner import ilp
+from recompile_opt.planner import ilp, search
 from recompile_opt.planner.problem import Problem, Site, Value
 
 from helpers import tiny_gpt
@@ -107,10 +106,14 @@ def test_approximate_off_plans_exactly_as_without_the_option(budget):
     assert off == plain and not off["approximated"]
 
 
+@contextlib.contextmanager
 def _every_site_approximated():
-    """The ILP pays for approximating instead of being paid: every site is approximated (to test the
-    rewrites on every site, whatever a budget would choose)."""
-    return mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3)
+    """The ILP is paid for approximating instead of paying: every site is approximated (to test the
+    rewrites on every site, whatever a budget would choose), and at 0.0 the least-peak search keeps
+    that search's plan (not the lowest of it, every site approximated, and none)."""
+    with mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3), \
+            mock.patch.object(search, "_least_peak_approximating", lambda *args: args[-1]):
+        yield
 
 
 def test_the_plan_lists_every_approximated_value_with_its_width_or_ratio():
