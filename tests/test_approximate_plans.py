@@ -145,6 +145,18 @@ def _grads(model, inputs, options=None):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _eager_approximate_grads(model, inputs, *, bits=None, ratio=None):
+    """Eager gradients with every GELU few-bit at ``bits`` and every linear randomized at ``ratio``."""
+    with contextlib.ExitStack() as stack:
+        if bits:
+            stack.enter_context(mock.patch.object(models.GPTMLP, "forward", lambda self, x: self.dropout(
+                self.c_proj(few_bit_activation(self.c_fc(x), "gelu", bits)))))
+        if ratio:
+            stack.enter_context(mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(
+                x, self.weight, self.bias, ratio)))
+        return _grads(model, inputs)
+
+
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_gradients_are_those_of_the_few_bit_ops_the_plan_names(compiler):
     """Few-bit codes are deterministic: the compiled step's gradients equal, to fp32 rounding, eager
@@ -158,11 +170,7 @@ def test_compiled_gradients_are_those_of_the_few_bit_ops_the_plan_names(compiler
     assert [a["kind"] for a in plan.approximated] == ["few-bit"] * len(model.blocks)
     assert sorted(a["module"] for a in plan.approximated) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
 
-    def few_bit_mlp(self, x):
-        return self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", 2)))
-
-    with mock.patch.object(models.GPTMLP, "forward", few_bit_mlp):
-        want = _grads(model, inputs)
+    want = _eager_approximate_grads(model, inputs, bits=2)
     exact = _grads(model, inputs)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -183,13 +191,7 @@ def test_compiled_gradients_are_those_of_the_randomized_ops_the_plan_names(dropo
     plan = recompile_opt.last_plans()[0]
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert sorted(a["module"] for a in plan.approximated if a["kind"] == "randomized") == sorted(linears)
-
-    def few_bit_mlp(self, x):
-        return self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", 3)))
-
-    with mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)), \
-            mock.patch.object(models.GPTMLP, "forward", few_bit_mlp):
-        want = _grads(model, inputs)
+    want = _eager_approximate_grads(model, inputs, bits=3, ratio=0.5)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
@@ -215,13 +217,7 @@ def test_through_inductor_every_approximation_is_the_eager_ops_at_the_least_peak
     options = {"memory_budget": 0.0, "approximate": BOTH}
     with _every_site_approximated(), torch._inductor.config.patch(fallback_random=True):
         got = _grads(model, inputs, options)
-
-    def both_mlp(self, x):
-        return self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", 3)))
-
-    with mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)), \
-            mock.patch.object(models.GPTMLP, "forward", both_mlp):
-        want = _grads(model, inputs)
+    want = _eager_approximate_grads(model, inputs, bits=3, ratio=0.5)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 

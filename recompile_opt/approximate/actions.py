@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recompile_opt.approximate.few_bit import decode_derivative, encode
-from recompile_opt.approximate.randomized_linear import project
+from recompile_opt.approximate.few_bit import encode, few_bit_grad
+from recompile_opt.approximate.randomized_linear import project, weight_grad as randomized_weight_grad
 from recompile_opt.approximate.tables import ACTIVATIONS, table
 
 
@@ -29,17 +29,8 @@ def exact_activation_grad(grad: Tensor, x: Tensor, name: str) -> Tensor:
     return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if name == "gelu_tanh" else "none")
 
 
-def few_bit_grad(grad: Tensor, codes: Tensor, name: str, bits: int) -> Tensor:
-    return grad * decode_derivative(codes, name, bits, grad.shape, grad.dtype)
-
-
 def exact_weight_grad(grad: Tensor, x: Tensor) -> Tensor:
     return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-
-
-def randomized_weight_grad(grad: Tensor, projected: Tensor, seed: Tensor, ratio: float) -> Tensor:
-    rows = grad.reshape(-1, grad.shape[-1])
-    return project(seed, rows, ratio).t() @ projected
 
 
 @torch.library.custom_op("recompile_opt::activation_grad", mutates_args=())

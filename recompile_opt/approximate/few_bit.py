@@ -58,19 +58,24 @@ def decode_derivative(packed: torch.Tensor, name: str, bits: int, shape, dtype: 
     return out
 
 
+def few_bit_grad(grad: torch.Tensor, packed: torch.Tensor, name: str, bits: int) -> torch.Tensor:
+    """The backward: the incoming gradient times the table's value of each element's code."""
+    return grad * decode_derivative(packed, name, bits, grad.shape, grad.dtype)
+
+
 class FewBitActivation(torch.autograd.Function):
     """``ACTIVATIONS[name](x)`` whose backward uses the ``bits``-bit derivative table."""
 
     @staticmethod
     def forward(ctx, x, name: str, bits: int):
-        ctx.name, ctx.bits, ctx.shape, ctx.dtype = name, bits, x.shape, x.dtype
+        ctx.name, ctx.bits = name, bits
         ctx.save_for_backward(encode(x, name, bits))
         return ACTIVATIONS[name](x)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        return grad * decode_derivative(packed, ctx.name, ctx.bits, ctx.shape, ctx.dtype), None, None
+        return few_bit_grad(grad, packed, ctx.name, ctx.bits), None, None
 
 
 def few_bit_activation(x: torch.Tensor, name: str, bits: int) -> torch.Tensor:

@@ -74,6 +74,11 @@ def project(seed: torch.Tensor, rows: torch.Tensor, ratio: float) -> torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def weight_grad(grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The weight's gradient ``(dY^T S)(S^T X)`` from the kept ``projected`` (``S^T X``) and the seed."""
+    return project(seed, grad.reshape(-1, grad.shape[-1]), ratio).t() @ projected
+
+
 class RandomizedLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward makes the weight's gradient from ``S^T X``."""
 
@@ -89,7 +94,7 @@ class RandomizedLinear(torch.autograd.Function):
         x_proj, weight, seed = ctx.saved_tensors
         grad_rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = project(seed, grad_rows, ctx.ratio).t() @ x_proj if ctx.needs_input_grad[1] else None
+        grad_w = weight_grad(grad, x_proj, seed, ctx.ratio) if ctx.needs_input_grad[1] else None
         grad_b = grad_rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
