@@ -2,7 +2,8 @@
 
 :func:`offer_approximations` rewrites the Dynamo graph before AOTAutograd: each GELU / SiLU becomes
 :class:`~recompile_opt.approximate.actions.ApproximableActivation` (``approximate={"activations": bits}``)
-and each linear layer with a trained weight :class:`~recompile_opt.approximate.actions.ApproximableLinear`
+and each linear layer with a trained weight (``F.linear``, or Hugging Face's ``Conv1D``: an ``addmm`` of
+a ``[in, out]`` weight) :class:`~recompile_opt.approximate.actions.ApproximableLinear`
 (``"linear": ratio``). Their joint graph holds a *site* per call: a marker op in the backward that reads
 both the exact input and its codes or projection. The planner chooses per site
 (:mod:`recompile_opt.planner.ilp`), and :func:`settle` replaces every marker by the exact or the
@@ -59,19 +60,41 @@ def offer_approximations(gm: fx.GraphModule, allowed: dict) -> Offered:
                 continue
             _replace(gm, node, actions.approximable_activation, (arguments(node)["input"], name, allowed["activations"]))
             done.activations += 1
-        elif allowed.get("linear") and node.target in LINEAR:
-            kw = arguments(node)
+        elif allowed.get("linear") and (kw := _linear_arguments(node)):
             why = _why_not(node, kw["input"]) or _untrained(kw["weight"])
             if why:
                 skipped.append((node.name, why))
                 continue
-            _replace(gm, node, actions.approximable_linear, (kw["input"], kw["weight"], kw["bias"], allowed["linear"]))
+            weight = _transposed(gm, node, kw["weight"]) if kw.get("transposed") else kw["weight"]
+            _replace(gm, node, actions.approximable_linear, (kw["input"], weight, kw["bias"], allowed["linear"]))
             done.linears += 1
     done.skipped = tuple(skipped)
     if done.activations or done.linears:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _linear_arguments(node: fx.Node) -> dict | None:
+    """``F.linear``'s arguments (input, weight ``[out, in]``, bias) of a linear layer: an ``F.linear``, or
+    an ``addmm(bias, x, W)`` with ``W`` ``[in, out]`` and a bias of one row (Hugging Face's ``Conv1D``,
+    GPT-2's layers), whose weight is then read transposed."""
+    if node.target in LINEAR:
+        return arguments(node)
+    if node.target is not torch.addmm:
+        return None
+    kw = arguments(node)
+    bias = value_of(kw["input"])
+    if kw["beta"] != 1 or kw["alpha"] != 1 or bias is None or bias.dim() != 1:
+        return None
+    return {"input": kw["mat1"], "weight": kw["mat2"], "bias": kw["input"], "transposed": True}
+
+
+def _transposed(gm: fx.GraphModule, node: fx.Node, weight: fx.Node) -> fx.Node:
+    with gm.graph.inserting_before(node):
+        t = gm.graph.call_function(torch.t, (weight,))
+    t.meta = {**node.meta, "example_value": value_of(weight).t()}
+    return t
 
 
 def _activation_name(node: fx.Node) -> str | None:

@@ -268,3 +268,48 @@ def test_on_the_benchmark_gpt_both_approximations_lower_the_least_peak_by_a_seve
     exact = _plan(model, inputs, 0.0)
     both = _plan(model, inputs, 0.0, approximate=BOTH)
     assert both.approximated and both.predicted_peak_bytes < 0.86 * exact.predicted_peak_bytes
+
+
+def test_hugging_face_gpt2s_conv1d_layers_are_randomized_as_linears():
+    """GPT-2's ``Conv1D`` (``addmm`` of an ``[in, out]`` weight) is offered as a linear layer: every site
+    approximated, the plan lists each Conv1D and the tied LM head, and the compiled gradients equal eager
+    training with each of them randomized (its weight read transposed)."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_models import build
+
+    model, inputs = build("gpt2")
+    options = {"memory_budget": 1.0, "compiler": "eager", "approximate": {"linear": 0.5}}
+    recompile_opt.reset_plans()
+    with _every_site_approximated():
+        got = _grads(model, inputs, options)
+    approximated = sorted(a["module"] for p in recompile_opt.last_plans() for a in p.approximated)
+    conv1d = {n for n, m in model.model.named_modules() if isinstance(m, transformers.pytorch_utils.Conv1D)}
+    assert conv1d and conv1d <= set(approximated) and any(m.endswith("lm_head") for m in approximated), approximated
+
+    def conv1d_randomized(self, x):
+        return randomized_linear(x, self.weight.t(), self.bias, 0.5)
+
+    with mock.patch.object(transformers.pytorch_utils.Conv1D, "forward", conv1d_randomized), \
+            mock.patch.object(torch.nn.Linear, "forward",
+                              lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)):
+        want = _grads(model, inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunks,few_bit", [({"mlp": 2}, False), ({"loss": 2}, True)])
+def test_chunked_regions_are_rewritten_first_and_offer_no_site(chunks, few_bit):
+    """Chunking rewrites its regions before sites are offered: a chunked MLP recomputes its GELU chunk by
+    chunk and keeps no code (no site, exact gradients); with only the loss chunked every GELU keeps its
+    3-bit code and the gradients are eager's with few-bit GELUs."""
+    model, inputs = tiny_gpt()
+    options = {"memory_budget": 0.0, "compiler": "eager", "chunks": chunks, "approximate": {"activations": 3}}
+    recompile_opt.reset_plans()
+    with _every_site_approximated():
+        got = _grads(model, inputs, options)
+    plan = recompile_opt.last_plans()[0]
+    assert {c["kind"] for c in plan.chunks} == set(chunks), plan.chunks
+    assert len(plan.approximated) == (len(model.blocks) if few_bit else 0), plan.approximated
+    want = _eager_approximate_grads(model, inputs, bits=3) if few_bit else _grads(model, inputs)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

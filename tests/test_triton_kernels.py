@@ -1,7 +1,9 @@
 """The Triton kernels of the approximate backward (issue 24, part 3), run by Triton's interpreter on the
 CPU (``TRITON_INTERPRET=1``, in a process of its own: the flag is read when a kernel is defined) against
 the torch versions Inductor compiles on the CPU: codes and unpacking bit for bit, S bit for bit, the
-projection to fp32 rounding."""
+projection to fp32 rounding; and a compiled step whose plan runs them (the GPU path: under the
+interpreter the plan's formulas take the kernels' ops on the CPU too) against eager with the torch
+versions."""
 
 from __future__ import annotations
 
@@ -44,7 +46,51 @@ CHECKS = textwrap.dedent('''
 ''')
 
 
-def test_the_triton_kernels_match_the_torch_versions_under_the_interpreter():
+PLAN_PATH = textwrap.dedent('''
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    import recompile_opt
+    from recompile_opt import models
+    from recompile_opt.approximate import triton_kernels as tk
+    from helpers import TINY_GPT
+    from test_approximate_plans import BOTH, _eager_approximate_grads, _every_site_approximated, _grads
+
+    launched = set()
+    for name in ("encode", "decode_mul", "project"):  # what the kernels' ops call
+        setattr(tk, name, lambda *a, _real=getattr(tk, name), _name=name: launched.add(_name) or _real(*a))
+    cfg = models.GPTConfig(**TINY_GPT)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 8)  # 128 rows: two of S's blocks
+    want = _eager_approximate_grads(model, inputs, bits=3, ratio=0.5)
+    assert not launched  # eager's autograd Functions run the torch versions
+    for budget in {budgets!r}:
+        recompile_opt.reset_plans()
+        # fallback_random: Inductor draws the seeds as eager does
+        with _every_site_approximated(), torch._inductor.config.patch(fallback_random=True):
+            got = _grads(model, inputs, {{"memory_budget": budget, "compiler": {compiler!r}, "approximate": BOTH}})
+        assert recompile_opt.last_plans()[0].approximated
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert launched == {{"encode", "decode_mul", "project"}}, launched
+    print("PLAN PATH OK")
+''')
+
+
+def _interpreted(script: str, expect: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "KERNELS OK" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0 and expect in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_triton_kernels_match_the_torch_versions_under_the_interpreter():
+    _interpreted(CHECKS, "KERNELS OK")
+
+
+@pytest.mark.parametrize("compiler,budgets", [
+    ("eager", (0.0, 1.0)), pytest.param("inductor", (0.0,), marks=pytest.mark.slow)])
+def test_a_plan_that_approximates_runs_the_kernels_and_trains_as_eager(compiler, budgets):
+    """Every site approximated (3-bit GELUs, randomized linears at 0.5), the compiled step whose settled
+    formulas are the kernels' ops gives eager's gradients with the torch versions."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    _interpreted(PLAN_PATH.format(tests=tests, compiler=compiler, budgets=budgets), "PLAN PATH OK")

@@ -7,7 +7,8 @@ until the plan is made. The Dynamo graph's activations and linear layers become 
 below (``passes/approximate.py``): their forward makes the codes or the projection besides the output,
 and their backward reads both the exact input and the approximation through the marker. Once the plan
 is chosen, :func:`exact_backward` or :func:`approximate_backward` (plain torch ops, which Inductor
-fuses) replaces each marker, and the side the plan does not read is dead code.
+fuses; the Triton kernels' ops on CUDA, ``triton_kernels``) replaces each marker, and the side the plan
+does not read is dead code.
 
 A marker that is never resolved (a graph compiled by another backend) computes the exact gradient.
 """
@@ -18,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recompile_opt.approximate.few_bit import encode, few_bit_grad
-from recompile_opt.approximate.randomized_linear import project, weight_grad as randomized_weight_grad
+from recompile_opt.approximate.randomized_linear import weight_grad as randomized_weight_grad
+from recompile_opt.approximate.triton_kernels import codes_of, grad_from_codes, projection
 from recompile_opt.approximate.tables import ACTIVATIONS, table
 
 
@@ -71,9 +72,9 @@ def approximate_backward(target, args: tuple) -> tuple:
     """As :func:`exact_backward`, where the plan approximates the site."""
     if target == MARKERS[0]:
         grad, _x, codes, name, bits = args
-        return (lambda g, c: few_bit_grad(g, c, name, bits)), (grad, codes)
+        return (lambda g, c: grad_from_codes(g, c, name, bits)), (grad, codes)
     grad, _x, projected, seed, ratio = args
-    return (lambda g, p, s: randomized_weight_grad(g, p, s, ratio)), (grad, projected, seed)
+    return (lambda g, p, s: randomized_weight_grad(g, p, s, ratio, projection)), (grad, projected, seed)
 
 
 class ApproximableActivation(torch.autograd.Function):
@@ -82,7 +83,7 @@ class ApproximableActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name: str, bits: int):
         ctx.name, ctx.bits = name, bits
-        ctx.save_for_backward(x, encode(x, name, bits))
+        ctx.save_for_backward(x, codes_of(x, name, bits))
         return ACTIVATIONS[name](x)
 
     @staticmethod
@@ -98,7 +99,7 @@ class ApproximableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ratio: float, seed):
         rows = x.reshape(-1, x.shape[-1])
-        projected = project(seed, rows, ratio)
+        projected = projection(seed, rows, ratio)
         ctx.ratio, ctx.has_bias = ratio, bias is not None
         ctx.save_for_backward(x, projected, seed, weight)
         return F.linear(x, weight, bias)

@@ -74,8 +74,10 @@ def project(seed: torch.Tensor, rows: torch.Tensor, ratio: float) -> torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def weight_grad(grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float) -> torch.Tensor:
-    """The weight's gradient ``(dY^T S)(S^T X)`` from the kept ``projected`` (``S^T X``) and the seed."""
+def weight_grad(grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float,
+                project=project) -> torch.Tensor:
+    """The weight's gradient ``(dY^T S)(S^T X)`` from the kept ``projected`` (``S^T X``) and the seed;
+    ``project``: this module's, or the same in a Triton kernel (``triton_kernels.projection``)."""
     return project(seed, grad.reshape(-1, grad.shape[-1]), ratio).t() @ projected
 
 

@@ -10,19 +10,31 @@ materialising the int32 codes or the projection matrix ``S``:
 - :func:`project`: ``S_b^T X_b`` for every full ``BLOCK``-row block, ``S_b`` made in registers from the
   seed's integer hash (the rows after the last full block go through the torch version).
 
-Each is a ``torch.library.triton_op``, so Dynamo, AOTAutograd and Inductor trace it as one op. The tests
-run them under ``TRITON_INTERPRET=1`` on the CPU against the torch versions: the codes, their unpacking
-and ``S`` bit for bit; the projection's sums to fp32 rounding (a matmul's order of addition).
+The plan's formulas (:mod:`recompile_opt.approximate.actions`) call :func:`codes_of`,
+:func:`grad_from_codes` and :func:`projection`, which choose when the graph is traced: on CUDA tensors
+(with Triton installed) each becomes one custom op (``recompile_opt::few_bit_encode``, ``few_bit_grad``,
+``randomized_project``) whose implementation launches the kernel, an opaque extern kernel to AOTAutograd
+and Inductor with a fake implementation for shapes; elsewhere the torch version, which Inductor fuses.
+Why custom ops and not ``triton_op``: an opaque op keeps the joint graph in ops the cost model and the
+peak simulator know, and builds its table tensors at run time, so no traced graph carries a tensor
+constant. Under Triton's interpreter (``TRITON_INTERPRET=1``) the custom ops are chosen on the CPU too:
+that is how the tests run the GPU path here, against the torch versions: the codes, their unpacking and
+``S`` bit for bit; the projection's sums to fp32 rounding (a matmul's order of addition).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
-from recompile_opt.approximate.randomized_linear import BLOCK, projected_rows
+from recompile_opt import _torch_internals as ti
+from recompile_opt.approximate import few_bit, randomized_linear
+from recompile_opt.approximate.randomized_linear import BLOCK, kept_rows, projected_rows
+from recompile_opt.approximate.tables import table
 
 GROUP = 8  # codes per packed group, as few_bit.pack_codes
 GROUPS_PER_PROGRAM = 128
@@ -38,6 +50,12 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the to
 def available() -> bool:
     """Triton importable (the GPU path; on the CPU only the interpreter runs these)."""
     return triton is not None
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether the approximate ops on ``t`` run as these kernels: CUDA tensors where Triton is installed,
+    or any tensor under Triton's interpreter."""
+    return available() and (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
@@ -101,7 +119,8 @@ if triton is not None:
         cols = tile * TD + tl.arange(0, TD)
         x = tl.load(x_ptr + rows[:, None] * d + cols[None, :], mask=cols[None, :] < d, other=0.0)
         s = s_block(tl.load(seed_ptr), block, R, BLOCK_ROWS, RP).to(x.dtype)
-        acc = tl.dot(tl.trans(s), x, out_dtype=tl.float32) * scale
+        # "ieee": fp32 inputs as torch's matmul takes them (not TF32); other dtypes ignore it
+        acc = tl.dot(tl.trans(s), x, input_precision="ieee", out_dtype=tl.float32) * scale
         r = tl.arange(0, RP)
         out_rows = block * R + r
         tl.store(out_ptr + out_rows[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -138,8 +157,6 @@ def signs(seed: Tensor, blocks: int, r: int) -> Tensor:
 
 def project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
     """``randomized_linear.project`` with its full blocks in one kernel."""
-    from recompile_opt.approximate.randomized_linear import projection_block
-
     n, d = rows.shape
     blocks, r = n // BLOCK, projected_rows(BLOCK, ratio)
     rows = rows.contiguous()
@@ -151,7 +168,7 @@ def project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
     if blocks * BLOCK == n:
         return out
     start = blocks * BLOCK  # a shorter last block, its own r, by torch
-    last = projection_block(seed, start, n - start, projected_rows(n - start, ratio), rows.dtype, rows.device)
+    last = randomized_linear.projection_block(seed, start, n - start, projected_rows(n - start, ratio), rows.dtype, rows.device)
     rest = last.t() @ rows[start:]
     return torch.cat([out, rest]) if blocks else rest
 
@@ -159,3 +176,69 @@ def project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
 def _pow2(r: int) -> int:
     """``tl.dot`` wants power-of-two sides of at least 16: the columns past ``r`` are zero."""
     return max(16, 1 << (r - 1).bit_length())
+
+
+# -- the ops the plan's formulas trace on the GPU path --------------------------------------------------
+
+@torch.library.custom_op("recompile_opt::few_bit_encode", mutates_args=())
+def few_bit_encode(x: Tensor, name: str, bits: int) -> Tensor:
+    """:func:`encode` with ``name``'s breakpoints at ``bits`` bits."""
+    return encode(x, _table_tensor(name, bits, 0, x.dtype, x.device), bits)
+
+
+@few_bit_encode.register_fake
+def _(x, name, bits):
+    return x.new_empty(-(-x.numel() // GROUP) * bits, dtype=torch.uint8)
+
+
+@torch.library.custom_op("recompile_opt::few_bit_grad", mutates_args=())
+def few_bit_grad(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
+    """:func:`decode_mul` with ``name``'s derivative values at ``bits`` bits."""
+    return decode_mul(packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits)
+
+
+@few_bit_grad.register_fake
+def _(grad, packed, name, bits):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("recompile_opt::randomized_project", mutates_args=())
+def randomized_project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
+    """:func:`project`: ``S^T rows``."""
+    return project(seed, rows, ratio)
+
+
+@randomized_project.register_fake
+def _(seed, rows, ratio):
+    return rows.new_empty(kept_rows(rows.shape[0], ratio), rows.shape[1])
+
+
+@ti.register_flop_formula(torch.ops.recompile_opt.randomized_project)
+def _(seed_shape, rows_shape, ratio, *args, **kwargs) -> int:
+    """Each row meets the ``ratio * BLOCK`` columns of its block of S (the cost model's FLOPs)."""
+    return 2 * rows_shape[0] * projected_rows(BLOCK, ratio) * rows_shape[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _table_tensor(name: str, bits: int, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The breakpoints (``which`` 0) or the derivative values (1) of ``name`` at ``bits`` bits."""
+    return torch.tensor(table(name, bits)[which], dtype=dtype, device=device)
+
+
+# -- the choice, made when a graph is traced ----------------------------------------------------------
+
+def codes_of(x: Tensor, name: str, bits: int) -> Tensor:
+    """The packed codes of ``x`` (:func:`few_bit.encode <recompile_opt.approximate.few_bit.encode>`)."""
+    return few_bit_encode(x, name, bits) if use_triton(x) else few_bit.encode(x, name, bits)
+
+
+def grad_from_codes(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
+    """The few-bit backward (:func:`few_bit.few_bit_grad <recompile_opt.approximate.few_bit.few_bit_grad>`)."""
+    if use_triton(grad):
+        return few_bit_grad(grad, packed, name, bits)
+    return few_bit.few_bit_grad(grad, packed, name, bits)
+
+
+def projection(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
+    """``S^T rows`` (:func:`randomized_linear.project <recompile_opt.approximate.randomized_linear.project>`)."""
+    return randomized_project(seed, rows, ratio) if use_triton(rows) else randomized_linear.project(seed, rows, ratio)
