@@ -191,6 +191,13 @@ def concrete_size(x) -> int:
     return int(node.hint) if node.hint is not None else 1
 
 
+def rename_node(node: torch.fx.Node, name: str) -> None:
+    """Give ``node`` the name of a node erased from its graph (fx's ``Node._rename`` would add a suffix:
+    a graph's namespace keeps every name it has handed out)."""
+    node.name = name
+    node.graph._graph_namespace._rename_object(node, name)
+
+
 def on_fresh_stack(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` on a thread of its own, under this thread's tracing context; waits.
 

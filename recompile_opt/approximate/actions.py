@@ -7,20 +7,29 @@ until the plan is made. The Dynamo graph's activations and linear layers become 
 below (``passes/approximate.py``): their forward makes the codes or the projection besides the output,
 and their backward reads both the exact input and the approximation through the marker. Once the plan
 is chosen, :func:`exact_backward` or :func:`approximate_backward` (plain torch ops, which Inductor
-fuses; the Triton kernels' ops on CUDA, ``triton_kernels``) replaces each marker, and the side the plan
-does not read is dead code.
+fuses) replaces each marker, and the side the plan does not read is dead code.
+
+The codes, their backward and the projection are custom ops too (``few_bit_encode``, ``few_bit_grad``,
+``randomized_project``), each one node of the joint graph whatever its formula's length. Why: written
+out, a 3-bit code is ~25 ops and a projection's S ~35, each a value of the ILP: the benchmark GPT's
+problem had 2243 variables against 766 exact (788 with one op each). Once the
+plan is chosen, ``passes/approximate.py`` lowers each op to its torch formula (which Inductor fuses on
+the CPU) or, on CUDA, leaves it to run its Triton kernel (:mod:`~recompile_opt.approximate.triton_kernels`).
 
 A marker that is never resolved (a graph compiled by another backend) computes the exact gradient.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recompile_opt.approximate.randomized_linear import weight_grad as randomized_weight_grad
-from recompile_opt.approximate.triton_kernels import codes_of, grad_from_codes, projection
+from recompile_opt import _torch_internals as ti
+from recompile_opt.approximate import few_bit, randomized_linear, triton_kernels
+from recompile_opt.approximate.randomized_linear import BLOCK, kept_rows, projected_rows
 from recompile_opt.approximate.tables import ACTIVATIONS, table
 
 
@@ -59,6 +68,67 @@ def _(grad, x, projected, seed, ratio):
 MARKERS = (torch.ops.recompile_opt.activation_grad.default, torch.ops.recompile_opt.weight_grad.default)
 
 
+# -- the codes, their backward and the projection: one op each ------------------------------------------
+
+@torch.library.custom_op("recompile_opt::few_bit_encode", mutates_args=())
+def few_bit_encode(x: Tensor, name: str, bits: int) -> Tensor:
+    """:func:`few_bit.encode <recompile_opt.approximate.few_bit.encode>`: the packed codes of ``x``."""
+    if triton_kernels.use_triton(x):
+        return triton_kernels.encode(x, _table_tensor(name, bits, 0, x.dtype, x.device), bits)
+    return few_bit.encode(x, name, bits)
+
+
+@few_bit_encode.register_fake
+def _(x, name, bits):
+    return x.new_empty(-(-x.numel() // few_bit.GROUP) * bits, dtype=torch.uint8)
+
+
+@torch.library.custom_op("recompile_opt::few_bit_grad", mutates_args=())
+def few_bit_grad(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
+    """:func:`few_bit.few_bit_grad <recompile_opt.approximate.few_bit.few_bit_grad>`: the few-bit backward."""
+    if triton_kernels.use_triton(grad):
+        return triton_kernels.decode_mul(packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits)
+    return few_bit.few_bit_grad(grad, packed, name, bits)
+
+
+@few_bit_grad.register_fake
+def _(grad, packed, name, bits):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("recompile_opt::randomized_project", mutates_args=())
+def randomized_project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
+    """:func:`randomized_linear.project <recompile_opt.approximate.randomized_linear.project>`: ``S^T rows``."""
+    if triton_kernels.use_triton(rows):
+        return triton_kernels.project(seed, rows, ratio)
+    return randomized_linear.project(seed, rows, ratio)
+
+
+@randomized_project.register_fake
+def _(seed, rows, ratio):
+    return rows.new_empty(kept_rows(rows.shape[0], ratio), rows.shape[1])
+
+
+@ti.register_flop_formula(torch.ops.recompile_opt.randomized_project)
+def _(seed_shape, rows_shape, ratio, *args, **kwargs) -> int:
+    """Each row meets the ``ratio * BLOCK`` columns of its block of S (the cost model's FLOPs)."""
+    return 2 * rows_shape[0] * projected_rows(BLOCK, ratio) * rows_shape[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _table_tensor(name: str, bits: int, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The breakpoints (``which`` 0) or the derivative values (1) of ``name`` at ``bits`` bits."""
+    return torch.tensor(table(name, bits)[which], dtype=dtype, device=device)
+
+
+# each op's torch formula, what it becomes where the Triton kernels do not run (passes/approximate.py)
+TORCH_FORMULAS = {
+    torch.ops.recompile_opt.few_bit_encode.default: few_bit.encode,
+    torch.ops.recompile_opt.few_bit_grad.default: few_bit.few_bit_grad,
+    torch.ops.recompile_opt.randomized_project.default: randomized_linear.project,
+}
+
+
 def exact_backward(target, args: tuple) -> tuple:
     """The function that replaces a marker when the plan keeps its site exact, and the arguments it reads."""
     if target == MARKERS[0]:
@@ -72,9 +142,9 @@ def approximate_backward(target, args: tuple) -> tuple:
     """As :func:`exact_backward`, where the plan approximates the site."""
     if target == MARKERS[0]:
         grad, _x, codes, name, bits = args
-        return (lambda g, c: grad_from_codes(g, c, name, bits)), (grad, codes)
+        return (lambda g, c: few_bit_grad(g, c, name, bits)), (grad, codes)
     grad, _x, projected, seed, ratio = args
-    return (lambda g, p, s: randomized_weight_grad(g, p, s, ratio, projection)), (grad, projected, seed)
+    return (lambda g, p, s: randomized_linear.weight_grad(g, p, s, ratio, randomized_project)), (grad, projected, seed)
 
 
 class ApproximableActivation(torch.autograd.Function):
@@ -83,7 +153,7 @@ class ApproximableActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name: str, bits: int):
         ctx.name, ctx.bits = name, bits
-        ctx.save_for_backward(x, codes_of(x, name, bits))
+        ctx.save_for_backward(x, few_bit_encode(x, name, bits))
         return ACTIVATIONS[name](x)
 
     @staticmethod
@@ -99,7 +169,7 @@ class ApproximableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ratio: float, seed):
         rows = x.reshape(-1, x.shape[-1])
-        projected = projection(seed, rows, ratio)
+        projected = randomized_project(seed, rows, ratio)
         ctx.ratio, ctx.has_bias = ratio, bias is not None
         ctx.save_for_backward(x, projected, seed, weight)
         return F.linear(x, weight, bias)

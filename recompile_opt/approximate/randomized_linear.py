@@ -39,9 +39,11 @@ def projection_block(seed: torch.Tensor, start: int, rows: int, r: int, dtype, d
     """Rows ``start : start + rows`` of the ``[n, r]`` projection ``S`` of ``seed`` (a 0-dim int64)."""
     i = torch.arange(start, start + rows, device=device, dtype=torch.int64)[:, None]
     j = torch.arange(r, device=device, dtype=torch.int64)[None, :]
-    # hash the entry's index, then again with the hashed seed: a seed only xor-ed into the index would
-    # permute one S's entries (seeds below r: its columns), and S S^T would not change with it
-    h = _hash(_hash((i * r + j) & _MASK) ^ _hash(seed & _MASK))
+    # the index xor-ed with the *hashed* seed, then hashed: the seed unhashed would only permute one
+    # S's entries (seeds below r: its columns), and S S^T would not change with it. One hash on the
+    # index's path: each xor-shift reads h twice, which Inductor's lowering expands as a tree (two
+    # nested hashes: 64-fold), and walking or compiling an approximated graph spent most of its time there
+    h = _hash((i * r + j) & _MASK ^ _hash(seed & _MASK))
     return ((h & 1) * 2 - 1).to(dtype) / math.sqrt(r)
 
 
@@ -77,7 +79,7 @@ def project(seed: torch.Tensor, rows: torch.Tensor, ratio: float) -> torch.Tenso
 def weight_grad(grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float,
                 project=project) -> torch.Tensor:
     """The weight's gradient ``(dY^T S)(S^T X)`` from the kept ``projected`` (``S^T X``) and the seed;
-    ``project``: this module's, or the same in a Triton kernel (``triton_kernels.projection``)."""
+    ``project``: this module's, or the plan's op of it (``actions.randomized_project``)."""
     return project(seed, grad.reshape(-1, grad.shape[-1]), ratio).t() @ projected
 
 

@@ -10,31 +10,24 @@ materialising the int32 codes or the projection matrix ``S``:
 - :func:`project`: ``S_b^T X_b`` for every full ``BLOCK``-row block, ``S_b`` made in registers from the
   seed's integer hash (the rows after the last full block go through the torch version).
 
-The plan's formulas (:mod:`recompile_opt.approximate.actions`) call :func:`codes_of`,
-:func:`grad_from_codes` and :func:`projection`, which choose when the graph is traced: on CUDA tensors
-(with Triton installed) each becomes one custom op (``recompile_opt::few_bit_encode``, ``few_bit_grad``,
-``randomized_project``) whose implementation launches the kernel, an opaque extern kernel to AOTAutograd
-and Inductor with a fake implementation for shapes; elsewhere the torch version, which Inductor fuses.
-Why custom ops and not ``triton_op``: an opaque op keeps the joint graph in ops the cost model and the
-peak simulator know, and builds its table tensors at run time, so no traced graph carries a tensor
-constant. Under Triton's interpreter (``TRITON_INTERPRET=1``) the custom ops are chosen on the CPU too:
-that is how the tests run the GPU path here, against the torch versions: the codes, their unpacking and
-``S`` bit for bit; the projection's sums to fp32 rounding (a matmul's order of addition).
+They run inside the plan's custom ops (:mod:`recompile_opt.approximate.actions`: ``few_bit_encode``,
+``few_bit_grad``, ``randomized_project``), which stay in the compiled graph where :func:`use_triton`
+holds (CUDA tensors) and become the torch versions elsewhere (``passes/approximate.py``). Under Triton's
+interpreter (``TRITON_INTERPRET=1``) they are used on the CPU too: that is how the tests run the GPU path
+here, against the torch versions: the codes, their unpacking and ``S`` bit for bit; the projection's
+sums to fp32 rounding (a matmul's order of addition).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 from torch import Tensor
 
-from recompile_opt import _torch_internals as ti
-from recompile_opt.approximate import few_bit, randomized_linear
-from recompile_opt.approximate.randomized_linear import BLOCK, kept_rows, projected_rows
-from recompile_opt.approximate.tables import table
+from recompile_opt.approximate import randomized_linear
+from recompile_opt.approximate.randomized_linear import BLOCK, projected_rows
 
 GROUP = 8  # codes per packed group, as few_bit.pack_codes
 GROUPS_PER_PROGRAM = 128
@@ -100,7 +93,7 @@ if triton is not None:
         """Rows ``block * BLOCK_ROWS ...`` of S, as randomized_linear.projection_block: [BLOCK_ROWS, RP]."""
         i = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
         j = tl.arange(0, RP).to(tl.int64)[None, :]
-        h = _hash(_hash((i * R + j) & 0xFFFFFFFF) ^ _hash(seed & 0xFFFFFFFF))
+        h = _hash((i * R + j) & 0xFFFFFFFF ^ _hash(seed & 0xFFFFFFFF))
         return tl.where(j < R, (h & 1) * 2 - 1, 0)
 
     @triton.jit
@@ -176,69 +169,3 @@ def project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
 def _pow2(r: int) -> int:
     """``tl.dot`` wants power-of-two sides of at least 16: the columns past ``r`` are zero."""
     return max(16, 1 << (r - 1).bit_length())
-
-
-# -- the ops the plan's formulas trace on the GPU path --------------------------------------------------
-
-@torch.library.custom_op("recompile_opt::few_bit_encode", mutates_args=())
-def few_bit_encode(x: Tensor, name: str, bits: int) -> Tensor:
-    """:func:`encode` with ``name``'s breakpoints at ``bits`` bits."""
-    return encode(x, _table_tensor(name, bits, 0, x.dtype, x.device), bits)
-
-
-@few_bit_encode.register_fake
-def _(x, name, bits):
-    return x.new_empty(-(-x.numel() // GROUP) * bits, dtype=torch.uint8)
-
-
-@torch.library.custom_op("recompile_opt::few_bit_grad", mutates_args=())
-def few_bit_grad(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
-    """:func:`decode_mul` with ``name``'s derivative values at ``bits`` bits."""
-    return decode_mul(packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits)
-
-
-@few_bit_grad.register_fake
-def _(grad, packed, name, bits):
-    return torch.empty_like(grad, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("recompile_opt::randomized_project", mutates_args=())
-def randomized_project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
-    """:func:`project`: ``S^T rows``."""
-    return project(seed, rows, ratio)
-
-
-@randomized_project.register_fake
-def _(seed, rows, ratio):
-    return rows.new_empty(kept_rows(rows.shape[0], ratio), rows.shape[1])
-
-
-@ti.register_flop_formula(torch.ops.recompile_opt.randomized_project)
-def _(seed_shape, rows_shape, ratio, *args, **kwargs) -> int:
-    """Each row meets the ``ratio * BLOCK`` columns of its block of S (the cost model's FLOPs)."""
-    return 2 * rows_shape[0] * projected_rows(BLOCK, ratio) * rows_shape[1]
-
-
-@functools.lru_cache(maxsize=None)
-def _table_tensor(name: str, bits: int, which: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """The breakpoints (``which`` 0) or the derivative values (1) of ``name`` at ``bits`` bits."""
-    return torch.tensor(table(name, bits)[which], dtype=dtype, device=device)
-
-
-# -- the choice, made when a graph is traced ----------------------------------------------------------
-
-def codes_of(x: Tensor, name: str, bits: int) -> Tensor:
-    """The packed codes of ``x`` (:func:`few_bit.encode <recompile_opt.approximate.few_bit.encode>`)."""
-    return few_bit_encode(x, name, bits) if use_triton(x) else few_bit.encode(x, name, bits)
-
-
-def grad_from_codes(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
-    """The few-bit backward (:func:`few_bit.few_bit_grad <recompile_opt.approximate.few_bit.few_bit_grad>`)."""
-    if use_triton(grad):
-        return few_bit_grad(grad, packed, name, bits)
-    return few_bit.few_bit_grad(grad, packed, name, bits)
-
-
-def projection(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
-    """``S^T rows`` (:func:`randomized_linear.project <recompile_opt.approximate.randomized_linear.project>`)."""
-    return randomized_project(seed, rows, ratio) if use_triton(rows) else randomized_linear.project(seed, rows, ratio)
