@@ -398,8 +398,12 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
             if chosen is not None:
                 return _fitted(options, budget, min_bytes, notes, chosen, check,
                                "the least-recompute plan whose peak fits ({}), over kept-byte levels")
-    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level)
-    found = [c for c in _range_search(problem, reduction, kw, baseline, simulate, options, min_bytes).found
+    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level); with
+    # approximations offered, it searches again with every site approximated (the priced ILP rarely
+    # takes them for the peak alone: planner.search._least_peak_approximating)
+    searched = [problem] + ([dataclasses.replace(problem, sites=[dataclasses.replace(site, fixed=True)
+                                                                   for site in problem.sites])] if problem.sites else [])
+    found = [c for p in searched for c in _range_search(p, reduction, kw, baseline, simulate, options, min_bytes).found
              if budget is None or c.kept <= budget]
     chosen = check.first_fitting(found, limit)
     if chosen is not None:
