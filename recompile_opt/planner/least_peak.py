@@ -77,7 +77,8 @@ SIM_SLACK = 1.10
 
 
 def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline: int,
-                simulate: Simulate, notes: list[str]) -> tuple[int, ilp.Solution | None, list[Candidate]]:
+                simulate: Simulate, notes: list[str], verify: bool = True
+                ) -> tuple[int, ilp.Solution | None, list[Candidate]]:
     """The plan with the least predicted peak over a ladder of kept-byte budgets, its kept bytes, and
     every plan the search met (``peak_memory`` takes the least recompute among those that fit).
 
@@ -153,7 +154,7 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
         rivals = [c for c in uniform if c.peak <= least * (1 + PEAK_TIE) and c.recompute_s <= best.recompute_s]
         best = min(rivals, key=lambda c: (c.recompute_s, c.peak), default=best)
     checked = None
-    if reduction is None:  # deep stacks: lowering their graphs takes too long (~1.5 s per 2 blocks)
+    if reduction is None and verify:  # deep stacks: lowering their graphs takes too long (~1.5 s per 2 blocks)
         best, checked = _verified(problem, best, found, simulate)
     refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
                f"less): {', '.join(best.refined)}")
@@ -309,18 +310,19 @@ _RANGE_ENDS: dict[str, _RangeEnds] = {}
 
 
 def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
-                  options: Options, min_bytes: int | None = None) -> _RangeEnds:
+                  options: Options, min_bytes: int | None = None, *, verify: bool = True) -> _RangeEnds:
     """The range's ends from the least-peak search, searched once per graph and options (the byte
     and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
-    any plan keeps, when the caller has solved for it already."""
-    key = _fingerprint(problem, options)
+    any plan keeps, when the caller has solved for it already. ``verify=False``: the least simulated
+    peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares."""
+    key = _fingerprint(problem, options) + ("" if verify else ":unverified")
     if key in _RANGE_ENDS:
         return _RANGE_ENDS[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
     asked = getattr(simulate, "exact_asked", 0)
-    floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+    floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
                       getattr(simulate, "exact_asked", 0) > asked)
     if least_peak is not None:
@@ -403,7 +405,8 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     # takes them for the peak alone: planner.search._least_peak_approximating)
     searched = [problem] + ([dataclasses.replace(problem, sites=[dataclasses.replace(site, fixed=True)
                                                                    for site in problem.sites])] if problem.sites else [])
-    found = [c for p in searched for c in _range_search(p, reduction, kw, baseline, simulate, options, min_bytes).found
+    found = [c for p in searched
+             for c in _range_search(p, reduction, kw, baseline, simulate, options, min_bytes, verify=p is problem).found
              if budget is None or c.kept <= budget]
     chosen = check.first_fitting(found, limit)
     if chosen is not None:
