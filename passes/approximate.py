@@ -115,6 +115,10 @@ def _why_not(node: fx.Node, x) -> str | None:
 
 
 def _untrained(weight) -> str | None:
+    """Why ``weight`` is no trained weight: one the graph computes (``x @ tanh(y)``: its "weight
+    gradient" is an activation's, which must stay exact), or one without a gradient."""
+    if not isinstance(weight, fx.Node) or weight.op not in ("placeholder", "get_attr"):
+        return "its weight is computed in the graph, not a trained parameter"
     val = value_of(weight)
     return None if val is not None and val.requires_grad else "its weight has no gradient"
 

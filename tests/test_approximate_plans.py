@@ -329,3 +329,32 @@ def test_a_peak_limit_only_approximations_meet_is_met_with_them():
     plan = recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", approximate=BOTH)
     assert plan.approximated and plan.predicted_peak_bytes <= 23 * MiB, plan.summary()
     assert "walked in Inductor's code" in " ".join(plan.notes), plan.notes
+
+
+def test_a_linear_whose_weight_the_graph_computes_is_left_exact():
+    """``addmm(b, x, tanh(v * s))`` and ``F.linear(x, tanh(v))``: the "weight" is an activation whose
+    gradient must stay exact; neither is offered, each is named with why, and a parameter's is."""
+    from recompile_opt.passes.approximate import offer_approximations
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.v = torch.nn.Parameter(torch.randn(16, 16))
+            self.b = torch.nn.Parameter(torch.randn(16))
+            self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            h = torch.tanh(self.v * x.sum())
+            return (torch.addmm(self.b, x, h) + F.linear(x, torch.tanh(self.v)) + F.linear(x, self.w)).sum()
+
+    offered = []
+
+    def backend(gm, example_inputs):
+        offered.append(offer_approximations(gm, {"linear": 0.5}))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(Model(), backend=backend)(torch.randn(8, 16))
+    (done,) = offered
+    assert done.linears == 1, done
+    assert [why for _, why in done.skipped] == ["its weight is computed in the graph, not a trained parameter"] * 2

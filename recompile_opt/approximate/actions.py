@@ -6,8 +6,9 @@ Why a marker: whether a value is kept exactly, recomputed, or kept approximately
 until the plan is made. The Dynamo graph's activations and linear layers become the autograd Functions
 below (``passes/approximate.py``): their forward makes the codes or the projection besides the output,
 and their backward reads both the exact input and the approximation through the marker. Once the plan
-is chosen, :func:`exact_backward` or :func:`approximate_backward` (plain torch ops, which Inductor
-fuses) replaces each marker, and the side the plan does not read is dead code.
+is chosen, :func:`exact_backward` or :func:`approximate_backward` (torch ops, and the ops below, which
+become torch ops too where the Triton kernels do not run) replaces each marker, and the side the plan
+does not read is dead code.
 
 The codes, their backward and the projection are custom ops too (``few_bit_encode``, ``few_bit_grad``,
 ``randomized_project``), each one node of the joint graph whatever its formula's length. Why: written
@@ -88,7 +89,7 @@ def few_bit_grad(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
     """:func:`few_bit.few_bit_grad <recompile_opt.approximate.few_bit.few_bit_grad>`: the few-bit backward."""
     if triton_kernels.use_triton(grad):
         return triton_kernels.decode_mul(packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits)
-    return few_bit.few_bit_grad(grad, packed, name, bits)
+    return few_bit.few_bit_grad(grad, packed, name, bits).contiguous()  # as the fake says
 
 
 @few_bit_grad.register_fake
@@ -111,8 +112,11 @@ def _(seed, rows, ratio):
 
 @ti.register_flop_formula(torch.ops.recompile_opt.randomized_project)
 def _(seed_shape, rows_shape, ratio, *args, **kwargs) -> int:
-    """Each row meets the ``ratio * BLOCK`` columns of its block of S (the cost model's FLOPs)."""
-    return 2 * rows_shape[0] * projected_rows(BLOCK, ratio) * rows_shape[1]
+    """Each row meets its block's columns of S (the cost model's FLOPs): ``ratio * BLOCK`` of them, the
+    rows after the last full block their own block's."""
+    n, d = rows_shape
+    tail = n % BLOCK
+    return 2 * d * ((n - tail) * projected_rows(BLOCK, ratio) + (tail * projected_rows(tail, ratio) if tail else 0))
 
 
 @functools.lru_cache(maxsize=None)

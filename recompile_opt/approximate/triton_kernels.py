@@ -47,15 +47,21 @@ def available() -> bool:
 
 def use_triton(t: Tensor) -> bool:
     """Whether the approximate ops on ``t`` run as these kernels: CUDA tensors where Triton is installed,
-    or any tensor under Triton's interpreter."""
-    return available() and (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    or under Triton's interpreter any tensor but bf16."""
+    if not available():
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter holds bf16 as its raw bits (comparisons, products and dots on the integers):
+        # bf16 runs the torch versions there, and is untested on the kernels
+        return t.dtype != torch.bfloat16
+    return t.device.type == "cuda"
 
 
 if triton is not None:
     @triton.jit
     def encode_kernel(x_ptr, bp_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr, PIECES: tl.constexpr,
                       G: tl.constexpr):
-        group = tl.program_id(0) * G + tl.arange(0, G)
+        group = (tl.program_id(0) * G + tl.arange(0, G)).to(tl.int64)  # offsets past 2**31 elements
         lane = tl.arange(0, 8)
         offs = group[:, None] * 8 + lane[None, :]
         x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0)
@@ -70,7 +76,7 @@ if triton is not None:
     @triton.jit
     def decode_mul_kernel(packed_ptr, grad_ptr, values_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr,
                           G: tl.constexpr):
-        group = tl.program_id(0) * G + tl.arange(0, G)
+        group = (tl.program_id(0) * G + tl.arange(0, G)).to(tl.int64)
         lane = tl.arange(0, 8)
         words = tl.zeros((G,), dtype=tl.int32)
         for b in tl.static_range(BITS):
@@ -93,14 +99,14 @@ if triton is not None:
         """Rows ``block * BLOCK_ROWS ...`` of S, as randomized_linear.projection_block: [BLOCK_ROWS, RP]."""
         i = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
         j = tl.arange(0, RP).to(tl.int64)[None, :]
-        h = _hash((i * R + j) & 0xFFFFFFFF ^ _hash(seed & 0xFFFFFFFF))
+        h = _hash((((i * R + j) & 0xFFFFFFFF) * 0x61C88647) & 0xFFFFFFFF ^ _hash(seed & 0xFFFFFFFF))
         return tl.where(j < R, (h & 1) * 2 - 1, 0)
 
     @triton.jit
     def s_kernel(seed_ptr, out_ptr, R, BLOCK_ROWS: tl.constexpr, RP: tl.constexpr):
         block = tl.program_id(0)
         sign = s_block(tl.load(seed_ptr), block, R, BLOCK_ROWS, RP)
-        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         cols = tl.arange(0, RP)
         tl.store(out_ptr + rows[:, None] * R + cols[None, :], sign.to(tl.int8), mask=cols[None, :] < R)
 
@@ -108,14 +114,14 @@ if triton is not None:
     def project_kernel(seed_ptr, x_ptr, out_ptr, d, R, scale, BLOCK_ROWS: tl.constexpr, RP: tl.constexpr,
                        TD: tl.constexpr):
         block, tile = tl.program_id(0), tl.program_id(1)
-        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         cols = tile * TD + tl.arange(0, TD)
         x = tl.load(x_ptr + rows[:, None] * d + cols[None, :], mask=cols[None, :] < d, other=0.0)
         s = s_block(tl.load(seed_ptr), block, R, BLOCK_ROWS, RP).to(x.dtype)
         # "ieee": fp32 inputs as torch's matmul takes them (not TF32); other dtypes ignore it
         acc = tl.dot(tl.trans(s), x, input_precision="ieee", out_dtype=tl.float32) * scale
         r = tl.arange(0, RP)
-        out_rows = block * R + r
+        out_rows = (block * R + r).to(tl.int64)
         tl.store(out_ptr + out_rows[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(r[:, None] < R) & (cols[None, :] < d))
 

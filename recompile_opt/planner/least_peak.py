@@ -358,8 +358,8 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     to the first plan whose simulated peak fits, probe between it and the level above (the peak is
     spiky in the level), and take the least recompute that fits; then check it in Inductor's own code
     (:class:`_PeakCheck`) and take the next if it does not. When no level fits, the least-peak search
-    (the 0.0 end of a fractional budget) is the last try: the least recompute among all the plans it
-    met that fit. Why all: on the benchmark's GPT, ``peak_memory="26MiB"`` got the least-peak plan
+    (the 0.0 end of a fractional budget; where approximations are offered, also with every site
+    approximated) is the last try: the least recompute among all the plans it met that fit. Why all: on the benchmark's GPT, ``peak_memory="26MiB"`` got the least-peak plan
     (23.79 MiB, 32.1 ms est.) where the search had met one at 25.81 MiB for 27.5 ms.
 
     Why the check: the simulated peak alone (the ILP has no peak rows) is off by -10%..+9%, so a plan
@@ -406,7 +406,8 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     searched = [problem] + ([dataclasses.replace(problem, sites=[dataclasses.replace(site, fixed=True)
                                                                    for site in problem.sites])] if problem.sites else [])
     found = [c for p in searched
-             for c in _range_search(p, reduction, kw, baseline, simulate, options, min_bytes, verify=p is problem).found
+             for c in _range_search(p, reduction, kw, baseline, simulate, options,
+                                    min_bytes if p is problem else None, verify=p is problem).found
              if budget is None or c.kept <= budget]
     chosen = check.first_fitting(found, limit)
     if chosen is not None:
