@@ -403,8 +403,7 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
     # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level); with
     # approximations offered, it searches again with every site approximated (the priced ILP rarely
     # takes them for the peak alone: planner.search._least_peak_approximating)
-    searched = [problem] + ([dataclasses.replace(problem, sites=[dataclasses.replace(site, fixed=True)
-                                                                   for site in problem.sites])] if problem.sites else [])
+    searched = [problem] + ([problem.with_sites_fixed(True)] if problem.sites else [])
     found = [c for p in searched
              for c in _range_search(p, reduction, kw, baseline, simulate, options,
                                     min_bytes if p is problem else None, verify=p is problem).found

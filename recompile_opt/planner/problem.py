@@ -7,6 +7,7 @@ lives in: views share their base's storage, and memory is charged per storage.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -61,6 +62,10 @@ class Problem:
     # (forward/backward), bytes (what one rank sends); a forward all-gather may be recomputed (a re-gather)
     collectives: list[dict] = field(default_factory=list)
     sites: list[Site] = field(default_factory=list)  # approximate actions offered (option ``approximate``)
+
+    def with_sites_fixed(self, fixed: bool) -> "Problem":
+        """This problem with every site's choice fixed: all approximated (True) or none (False)."""
+        return dataclasses.replace(self, sites=[dataclasses.replace(s, fixed=fixed) for s in self.sites])
 
     def needed_closure(self, recompute: set[str], keep: set[str] = frozenset(), *,
                        feasible: set[str] | None = None) -> tuple[set[str], set[str]]:

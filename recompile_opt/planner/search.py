@@ -7,7 +7,6 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 
@@ -115,7 +114,7 @@ def _least_peak_approximating(problem: Problem, reduction, kw: dict, baseline: i
     for fixed in (True, False):
         # fixed by a row, not paid for in the objective: a price large enough to force them swamped
         # the recompute times within the solver's relative gap, and the ladder's plans recomputed at random
-        variant = dataclasses.replace(problem, sites=[dataclasses.replace(s, fixed=fixed) for s in problem.sites])
+        variant = problem.with_sites_fixed(fixed)
         # not verified: its least simulated peak is walked below, against the others'
         found = _range_search(variant, reduction, kw, baseline, simulate, options, verify=False)
         if found.least_peak is not None:
