@@ -100,7 +100,7 @@ __all__ = [
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
+    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
     "layout_optimized",
 ]
 
@@ -365,7 +365,7 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     # or log graphs that never run (the benchmark's FLOP counter summed the walks' backward graphs)
     no_custom = {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None}
     with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom), \
-            _scalar_cpp_kernels():
+            _scalar_cpp_kernels(), _not_recorded():
         if input_strides:  # as fx_codegen_and_compile does: the graph's values re-derived from its inputs
             view_to_reshape(gm)
             with torch.no_grad():
@@ -377,19 +377,75 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
             graph.bw_donated_idxs = list(donated or ())
         with V.set_graph_handler(graph):
             graph.run(*example)
-            code = graph.codegen()[0].value
-            sizes, outputs, externs = {}, {}, {}
-            for name, buf in graph.name_to_buffer.items():
-                if isinstance(buf, inductor_ir.ExternKernel) and not isinstance(buf, inductor_ir.MultiOutput):
-                    externs[name] = (list(buf.origins), _input_layouts(buf, graph))
-                layout = getattr(buf, "layout", None)
-                if layout is None or isinstance(layout, (inductor_ir.MultiOutputLayout, inductor_ir.NoneLayout)):
-                    continue
-                sizes[name] = int(graph.sizevars.optimization_hint(layout.storage_size())) * layout.dtype.itemsize
-                if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
-                    outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
-            strides = [_output_stride(graph, out) for out in graph.graph_outputs]
+            return _wrapper_code_of(graph, graph.codegen()[0].value)
+
+
+def _wrapper_code_of(graph: GraphLowering, code: str) -> WrapperCode:
+    """What a lowered graph's buffers say, beside its wrapper ``code`` (:class:`WrapperCode`)."""
+    sizes, outputs, externs = {}, {}, {}
+    for name, buf in graph.name_to_buffer.items():
+        if isinstance(buf, inductor_ir.ExternKernel) and not isinstance(buf, inductor_ir.MultiOutput):
+            externs[name] = (list(buf.origins), _input_layouts(buf, graph))
+        layout = getattr(buf, "layout", None)
+        if layout is None or isinstance(layout, (inductor_ir.MultiOutputLayout, inductor_ir.NoneLayout)):
+            continue
+        sizes[name] = int(graph.sizevars.optimization_hint(layout.storage_size())) * layout.dtype.itemsize
+        if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
+            outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
+    strides = [_output_stride(graph, out) for out in graph.graph_outputs]
     return WrapperCode(code, sizes, outputs, externs, strides)
+
+
+# Graphs Inductor generates code for while :func:`compiled_wrapper_code` records on this thread.
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def compiled_wrapper_code():
+    """Yields a list that receives ``(is_backward, WrapperCode)`` for each graph Inductor compiles on
+    this thread while the block runs; the planner's own lowerings (:func:`inductor_wrapper_code`) are
+    not recorded, nor C++-wrapper code (not Python).
+
+    Why: a plan's exact peak is read off the code Inductor generates for it (costs/inductor_peak.py).
+    Where the plan is final before that code exists (the plan a fractional budget takes), lowering it
+    a second time for the walk cost as much as Inductor's own lowering (1.5-3 s a plan, both graphs on
+    this machine); the compile's own code is the same code, with its real strides and donations.
+    ``GraphLowering.codegen`` is wrapped for the block's duration (the compile holds Dynamo's lock)."""
+    original, records = GraphLowering.codegen, []
+
+    def codegen(self):
+        result = original(self)
+        if getattr(_RECORDING, "records", None) is not None and not getattr(_RECORDING, "paused", False) \
+                and not self.cpp_wrapper:
+            try:
+                _RECORDING.records.append((bool(self.is_backward), _wrapper_code_of(self, result[0].value)))
+            except Exception:  # noqa: BLE001 - a record missed: the caller lowers the plan itself
+                pass
+        return result
+
+    GraphLowering.codegen, outer = codegen, getattr(_RECORDING, "records", None)
+    _RECORDING.records = records
+    try:
+        yield records
+    finally:
+        GraphLowering.codegen, _RECORDING.records = original, outer
+
+
+@contextlib.contextmanager
+def _not_recorded():
+    paused = getattr(_RECORDING, "paused", False)
+    _RECORDING.paused = True
+    try:
+        yield
+    finally:
+        _RECORDING.paused = paused
+
+
+def lower_backward_eagerly():
+    """AOTAutograd compiles the backward with the forward, not at the first ``backward()`` (static
+    shapes only; symbolic ones always are). Why: the plan's figures read off the backward's code are
+    then known when ``torch.compile`` returns its first result, and stored with the plan."""
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def _output_stride(graph, out) -> tuple | None:

@@ -32,6 +32,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split, chunk_choice
 from recompile_opt.options import OptionError, Options, parse_options
+from recompile_opt.costs.inductor_peak import output_names
 from recompile_opt.costs.peak import peak_breakdown
 from recompile_opt.plan import Plan
 from recompile_opt.planner.least_peak import range_walked
@@ -81,6 +82,10 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         # the one taken is not planned a second time when its graph is compiled
         self.known: dict[str, Plan] = {}
         self.walk = False  # walk the plan taken in Inductor's code (see walk_plan)
+        # set while Inductor compiles the graphs this partitioner returns: a plan's exact peak is then
+        # read off that compile's code (finish_peak), not off a lowering of its own
+        self.compiling = False
+        self.unwalked = None  # what finish_peak needs: the plan, its graphs, its simulator, the start
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         start = time.perf_counter()
@@ -116,22 +121,57 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
         searched = fraction and options.peak_memory is None and range_walked(problem, options)
-        if exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan()):
-            # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
-            # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
-            # and where Inductor copies convolutions' inputs channels-last, which only its code shows
-            # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
-            # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen)
+        walk = exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan())
+        # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
+        # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
+        # and where Inductor copies convolutions' inputs channels-last, which only its code shows
+        # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
+        # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen).
+        # Where Inductor is about to compile these graphs, its code is walked once it exists (finish_peak).
+        if walk and not self.compiling:
             exact = simulate.exact(saved, plan.recomputed_names())
+        self.unwalked = ((plan, fw, bw, output_names(fw), saved, simulate, used) if walk and self.compiling
+                         else None)
+        self._set_peak(plan, exact, simulate, used, time.perf_counter() - start)
+        return fw, bw
+
+    def finish_peak(self, compiled: list) -> None:
+        """The exact peak of a plan whose walk waited for Inductor's compile: read off the code that
+        compile generated (``compiled``: ``_torch_internals.compiled_wrapper_code``'s records), or off a
+        lowering of its own where none was recorded (a graph from Inductor's cache)."""
+        if self.unwalked is None:
+            return
+        (plan, fw, bw, outputs, saved, simulate, used), self.unwalked = self.unwalked, None
+        start = time.perf_counter()
+        codes = {backward: code for backward, code in reversed(compiled)}  # the first of each
+        recomputed = plan.recomputed_names()
+        exact = None
+        if len(codes) == 2:
+            exact = simulate.exact_of_compiled(saved, recomputed, fw, bw, (codes[False], codes[True], outputs))
+        if exact is None:
+            exact = simulate.exact(saved, recomputed)
+        self._set_peak(plan, exact, simulate, used, plan.solver["plan_s"] + time.perf_counter() - start)
+
+    @staticmethod
+    def _set_peak(plan: Plan, exact, simulate, used, seconds: float) -> None:
         plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
         plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
-        # the whole of our share of a compile (cost model, search, partition), for users and the bench
-        plan.solver["plan_s"] = round(time.perf_counter() - start, 3)
+        # the whole of our share of a compile (cost model, search, partition, walks), for users and the bench
+        plan.solver["plan_s"] = round(seconds, 3)
         simulate.store()
         simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
         plan.solver.update(simulations=simulations, simulate_s=round(simulate_s, 3),
                            exact_peaks=exact_peaks, exact_s=round(exact_s, 3))
-        return fw, bw
+
+    def __deepcopy__(self, memo):
+        """Itself, and pickled as its :meth:`uuid`. Why: Inductor deep-copies and pickles its config for
+        the compile cache's key (``save_config_portable``), this object included, while it holds the
+        graphs and simulator of a plan whose peak waits for the compile (fake tensors, which cannot be
+        copied; cycles, which the key's pickler refuses). What it computes depends on the uuid alone."""
+        return self
+
+    def __reduce__(self):
+        return str, (self.uuid(),)
 
     def walk_plan(self) -> bool:
         """Whether the plan taken is walked in Inductor's generated code for its predicted peak even
@@ -204,8 +244,14 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     else:
         chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
         offered = offer_approximations_of(gm, opts)
-        compiled = ti.compile_fx(gm, example_inputs,
-                                 config_patches={"custom_partitioner_fn": partitioner})
+        with ti.compiled_wrapper_code() as lowered, ti.lower_backward_eagerly():
+            partitioner.compiling = True
+            try:
+                compiled = ti.compile_fx(gm, example_inputs,
+                                         config_patches={"custom_partitioner_fn": partitioner})
+            finally:
+                partitioner.compiling = False
+        partitioner.finish_peak(lowered)
         _note(partitioner, chunked)
         _note(partitioner, offered)
     _record(partitioner, key, opts)

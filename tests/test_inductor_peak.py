@@ -284,3 +284,49 @@ def test_the_walk_runs_no_custom_post_grad_pass(small_gpt_bounds):
         peak = inductor_peak.exact_peak(part.last_forward, part.last_backward, num_fwd_outputs=1)
     assert Count.seen == 0
     _check_walk(peak, small_gpt_bounds)
+
+
+def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monkeypatch):
+    """The plan a fraction takes is final before Inductor compiles it: its peak is read off that
+    compile's code (``finish_peak``), not off a second lowering of its own, and equals the measured
+    step's; where no code was recorded (a graph from Inductor's cache) it is lowered as before."""
+    import contextlib
+
+    import torch
+
+    import recompile_opt
+    from recompile_opt import backend
+    from recompile_opt.costs import measure, simulator
+    from helpers import tiny_gpt
+
+    walked, real = [], simulator.exact_peak
+    monkeypatch.setattr(simulator, "exact_peak",
+                        lambda *a, **k: walked.append(k.get("compiled") is not None) or real(*a, **k))
+    model, inputs = tiny_gpt()
+
+    def compiled_step() -> tuple[int, object]:
+        forget_searches(monkeypatch)  # (the plan's walked peak is remembered per graph)
+        torch._dynamo.reset()
+        recompile_opt.reset_plans()
+        walked.clear()
+        compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.5})
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            compiled(*inputs).backward()
+        model.zero_grad(set_to_none=True)
+        measured = measure.peak_memory(lambda: compiled(*inputs).backward())
+        torch._dynamo.reset()
+        return measured, recompile_opt.last_plans()[-1]
+
+    # compiled anew, whatever an earlier run left in the caches (a hit calls no partitioner, lowers nothing)
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        measured, plan = compiled_step()
+        assert walked.count(True) == 1 and walked[-1], walked  # the search's walks lower; the plan's does not
+        assert plan.solver["peak_from"] == "inductor-code", plan.notes
+        assert abs(plan.predicted_peak_bytes / measured - 1) <= 0.005, (plan.predicted_peak_bytes, measured)
+
+        monkeypatch.setattr(backend.ti, "compiled_wrapper_code", lambda: contextlib.nullcontext([]))
+        _, again = compiled_step()
+        assert walked and not any(walked) and again.solver["peak_from"] == "inductor-code", (walked, again.notes)
+        assert again.predicted_peak_bytes == plan.predicted_peak_bytes

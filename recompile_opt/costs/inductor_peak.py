@@ -38,7 +38,8 @@ _ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
 _ALIASES = {"reinterpret_tensor", "as_strided"}
 
 
-def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) -> int:
+def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
+               compiled: tuple[ti.WrapperCode, ti.WrapperCode, list] | None = None) -> int:
     """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
     ``bw`` walked, after the forward as :mod:`recompile_opt.costs.peak` simulates it (its peak and the
     buffers it keeps: the graphs from ``partition``, not made ``for_simulation``). ``bw`` is changed
@@ -49,42 +50,65 @@ def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int) 
     code is walked as well (the Llama's save-all-but-norms plan: simulated 43.05 MiB, measured 41.55).
     Where Inductor lays convolutions out channels-last (:func:`_torch_internals.layout_optimized`), the
     forward keeps copies the graph does not show (a ViT's images and patch weights, twice 24 KiB of a
-    204 KiB peak): its code is walked first, and the backward starts from what it returns."""
+    204 KiB peak): its code is walked first, and the backward starts from what it returns.
+
+    ``compiled``: the forward's and the backward's code as Inductor's compile of ``fw`` and ``bw``
+    generated them (``_torch_internals.compiled_wrapper_code``), and the names of ``fw``'s outputs as
+    partitioned (that compile's post-grad passes rewrote ``fw`` in place): both codes are walked,
+    nothing is lowered."""
+    if compiled is not None:
+        fw_code, bw_code, fw_outputs = compiled
+        fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs)
+        return max(fw_peak, _walked_backward(bw_code, bw, fw_end, kept, owner))
     strides = None  # the saved tensors' strides where Inductor's forward chose them
     if ti.layout_optimized(fw):
         fw_peak, fw_end, kept, owner, strides = _walked_forward(fw)
     else:
         fw_peak, fw_end, kept, owner = forward_state(fw)
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
-    code, sizes, multi, externs, _ = ti.inductor_wrapper_code(bw, backward=True, donated=donated,
-                                                              input_strides=strides)
-    tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    bw_peak = walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi, scratch=_scratch(externs),
-                   other=fw_end - sum(kept.values()) + tangents)  # the loss, the tangent
+    bw_peak = _walked_backward(ti.inductor_wrapper_code(bw, backward=True, donated=donated, input_strides=strides),
+                               bw, fw_end, kept, owner)
     if fw_peak <= bw_peak or strides is not None:
         return max(fw_peak, bw_peak)
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
     return max(_walked_forward(fw)[0], bw_peak)
 
 
-def _walked_forward(fw: fx.GraphModule):
-    """:func:`recompile_opt.costs.peak.forward_state` read off the forward's code: its peak, the live
-    bytes at its end, the bytes of each storage it returns, each output name's storage; and each
-    output name's strides (the backward receives them so)."""
-    code, sizes, multi, externs, out_strides = ti.inductor_wrapper_code(fw, backward=False)
+def _walked_backward(wrapper: ti.WrapperCode, bw: fx.GraphModule, fw_end: int, kept: dict, owner: dict) -> int:
+    """The backward's peak from its code: it starts with the forward's kept storages and what else the
+    forward left alive (the loss) and the tangent."""
+    code, sizes, multi, externs, _ = wrapper
+    tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
+    return walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi, scratch=_scratch(externs),
+                other=fw_end - sum(kept.values()) + tangents)  # the loss, the tangent
+
+
+def _walked_forward(fw: fx.GraphModule, wrapper: ti.WrapperCode | None = None, outputs: list | None = None):
+    """:func:`recompile_opt.costs.peak.forward_state` read off the forward's code (``wrapper``, or
+    lowered here): its peak, the live bytes at its end, the bytes of each storage it returns, each
+    output name's storage; and each output name's strides (the backward receives them so).
+    ``outputs``: the names of ``fw``'s outputs (None for a non-tensor), where not read off ``fw``."""
+    code, sizes, multi, externs, out_strides = wrapper or ti.inductor_wrapper_code(fw, backward=False)
     live = _Storages()
     returned = _run(_call(code), live, {}, sizes, multi, _scratch(externs))
-    outputs = next(iter(reversed(fw.graph.nodes))).args[0]
     kept, owner, strides = {}, {}, {}
-    for node, name, stride in zip(outputs, returned, out_strides):
-        if not isinstance(node, fx.Node):
+    for output, name, stride in zip(outputs or output_names(fw), returned, out_strides):
+        if output is None:
             continue
         if stride is not None:
-            strides[node.name] = stride
+            strides[output] = stride
         sid = live.names.get(name) if name else None
         if sid is not None:
-            kept[f"s{sid}"], owner[node.name] = live.size[sid], f"s{sid}"
-    return live.peak, live.live, kept, owner, strides
+            kept[f"s{sid}"], owner[output] = live.size[sid], f"s{sid}"
+    # what the forward returns outlives it; its last temporaries (never ``del``'d: ``call`` returns)
+    # die with it
+    end = sum(live.size[sid] for sid in {live.names.get(name) for name in returned if name} if sid is not None)
+    return live.peak, end, kept, owner, strides
+
+
+def output_names(fw: fx.GraphModule) -> list[str | None]:
+    """The names of a graph's outputs, None where one is not a node."""
+    return [n.name if isinstance(n, fx.Node) else None for n in next(iter(reversed(fw.graph.nodes))).args[0]]
 
 
 def _scratch(externs: dict[str, tuple[list[fx.Node], list | None]]) -> dict[str, int]:

@@ -186,6 +186,21 @@ class PeakSimulator:
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
 
+    def exact_of_compiled(self, saved: set, recomputed: set, fw: fx.GraphModule, bw: fx.GraphModule,
+                          compiled: tuple) -> int | None:
+        """:meth:`exact` read off the code Inductor's compile generated for the plan's graphs ``fw`` and
+        ``bw`` (``compiled``: the forward's and the backward's ``WrapperCode``), nothing lowered again.
+        None where that code cannot be walked (the caller then asks :meth:`exact`)."""
+        key = self._exact_key(saved, recomputed)
+        if self.exact_results.get(key) is None and supported(fw, bw):
+            start = time.perf_counter()
+            try:
+                self.exact_results[key] = exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=compiled)
+            except Exception as e:  # noqa: BLE001 - the caller walks a lowering of its own instead
+                log.info("recompile_opt: Inductor's code for the plan could not be walked: %r", e)
+            self.exact_seconds += time.perf_counter() - start
+        return self.exact_results.get(key)
+
     def store(self) -> None:
         """Keep the figures found so far on disk (:func:`simulator_for`), where any are new."""
         key = getattr(self, "disk_key", None)
