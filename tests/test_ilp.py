@@ -630,3 +630,36 @@ def test_highs_solves_run_on_long_lived_threads(monkeypatch):
     monkeypatch.setattr(ilp, "_SOLVER_THREADS", (ilp.os.getpid() + 1, parent_pool))
     assert ilp._solver_threads() is not parent_pool
     assert ilp.solve(chain(), budget=7 * MiB).status == "optimal"
+
+
+@PROPERTY
+@given(problems(), st.data())
+def test_the_batched_model_is_the_model_pulp_builds(p, data):
+    """``ilp._HiGHS.buildSolverModel`` hands HiGHS the model in batches: the same columns (costs,
+    bounds, integrality), rows and matrix as PuLP's own one-call-per-column-and-row loop."""
+    import highspy
+
+    budget = data.draw(st.integers(0, p.kept_bytes(*p.needed_closure(set()))))
+    m = ilp._Model(p)
+    m.add_availability()
+    m.add_dependencies()
+    m.add_storages()
+    m.add_budget(budget)
+    m.set_objective(minimize_memory=False)
+    lps = []
+    for build in (ilp._HiGHS.buildSolverModel, pulp.HiGHS.buildSolverModel):
+        m.lp.solverModel = highspy.Highs()
+        build(ilp._HiGHS(msg=False), m.lp)
+        lp = m.lp.solverModel.getLp()
+        lps.append((list(lp.col_cost_), list(lp.col_lower_), list(lp.col_upper_), list(lp.integrality_),
+                    list(lp.row_lower_), list(lp.row_upper_), _row_wise(lp.a_matrix_)))
+    assert lps[0] == lps[1]
+
+
+def _row_wise(matrix) -> list:
+    """A HiGHS matrix as (row, column, value) triples, in order, whichever way it is stored."""
+    triples = [(i, col, v) if matrix.format_ == matrix.format_.__class__.kRowwise else (col, i, v)
+               for i in range(len(matrix.start_) - 1)
+               for col, v in zip(matrix.index_[matrix.start_[i]:matrix.start_[i + 1]],
+                                 matrix.value_[matrix.start_[i]:matrix.start_[i + 1]])]
+    return sorted(triples)
