@@ -100,7 +100,7 @@ __all__ = [
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_opaque_node",
+    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "is_opaque_node",
     "layout_optimized",
 ]
 
@@ -483,6 +483,11 @@ def strided_shard(dim: int, pieces: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=pieces)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether a DTensor placement is the interleaved shard of :func:`strided_shard`."""
+    return type(placement).__name__ == "_StridedShard"
 
 
 def layout_optimized(gm: torch.fx.GraphModule) -> bool:

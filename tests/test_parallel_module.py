@@ -26,7 +26,7 @@ def _worker(rank: int, out: str):
     torch.set_num_threads(1)
     init_gloo(rank, WORLD, out)
     try:
-        _check(rank)
+        _check(rank, out)
         progress(out, rank, "checked")
     except BaseException:
         dist.destroy_process_group()
@@ -34,7 +34,7 @@ def _worker(rank: int, out: str):
     leave(out, rank)
 
 
-def _check(rank: int):
+def _check(rank: int, out: str):
     import warnings
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -67,6 +67,34 @@ def _check(rank: int):
     fresh.load_state_dict(state)
     for (name, a), b in zip(fresh.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+    _check_dcp_round_trip(model, layout, mesh, f"{out}/dcp")
+
+
+def _check_dcp_round_trip(model, layout, mesh, path: str):
+    """DCP saves and loads the sharded model, the fused QKV weight (a strided shard, which DCP alone
+    cannot save: "overlapping chunks") included, into a model distributed alike; and the unparallelized
+    model's own state dict loads into it."""
+    import torch.distributed.checkpoint as dcp
+
+    from recompile_opt.parallel.module import distribute_parameters
+
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    other = _gpt()
+    for p in other.parameters():
+        torch.nn.init.zeros_(p)
+    distribute_parameters(other, layout, mesh)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state)
+    params = dict(other.named_parameters())
+    for name, p in model.named_parameters():
+        assert params[name].placements == p.placements, name
+        assert torch.equal(params[name].to_local(), p.to_local()), name
+    for p in other.parameters():
+        torch.nn.init.zeros_(p.to_local())
+    other.load_state_dict(_gpt().state_dict())  # full tensors, as a plain checkpoint holds them
+    for name, p in model.named_parameters():
+        assert torch.equal(params[name].to_local(), p.to_local()), name
 
 
 def test_parameters_become_dtensors_under_their_names_with_their_global_layout(tmp_path):

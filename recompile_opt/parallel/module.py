@@ -13,7 +13,7 @@ import re
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.parallel.layout import Layout, ModuleLayout
@@ -42,6 +42,38 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
         new = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
         for _, module, name, _ in held:  # one DTensor for every holder: a tie stays a tie
             module.register_parameter(name, new)
+    model.register_state_dict_post_hook(_replicate_strided)
+    model.register_load_state_dict_pre_hook(_placed)
+
+
+# Checkpoints. DCP cannot save a strided shard (torch 2.13): it writes one chunk per rank at the
+# shard's first offset, so a fused [q | k | v] weight's chunks overlap and ``dcp.save`` raises
+# ("overlapping chunks"; docs/parallel-design.md, Q1). So ``state_dict()`` gives each strided parameter
+# replicated (one transient full copy per parameter, as a checkpoint of it reads anyway), and
+# ``load_state_dict`` puts a value back in its parameter's placement: a replicated one, or a full
+# plain tensor (the unparallelized model's own state dict, which DTensor's ``copy_`` refuses). Every
+# other saved parameter stays as DTensor made it. A fix in DCP would make the first hook unneeded.
+
+def _replicate_strided(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        if _strided(param) and name in state_dict:
+            state_dict[name] = state_dict[name].redistribute(placements=[Replicate()] * param.device_mesh.ndim)
+
+
+def _placed(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+        value = state_dict.get(name)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            continue  # (a wrong shape is load_state_dict's to report)
+        if isinstance(value, DTensor):
+            if value.placements != param.placements:
+                state_dict[name] = value.redistribute(param.device_mesh, param.placements)
+        else:
+            state_dict[name] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+def _strided(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor) and any(ti.is_strided_shard(p) for p in param.placements)
 
 
 def placement_of(entry: ModuleLayout | None, name: str):
