@@ -13,6 +13,7 @@ are also stored on disk under a key of the Dynamo graph, its inputs and that uui
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -173,6 +174,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
     def __reduce__(self):
         return str, (self.uuid(),)
 
+    def walks_plan_taken(self) -> bool:
+        """Whether the plan taken may be walked in Inductor's code for its figures (see ``__call__``):
+        under a fraction below 1.0 without ``peak_memory`` (the search walks), or :meth:`walk_plan`.
+        (A graph Inductor lays out channels-last is walked too; not known before its partition, its
+        walk lowers the plan itself.)"""
+        budget = self.options.memory_budget
+        fraction = isinstance(budget, float) and budget < 1.0 and self.options.peak_memory is None
+        return (fraction and self.options.policy == "auto") or self.walk_plan()
+
     def walk_plan(self) -> bool:
         """Whether the plan taken is walked in Inductor's generated code for its predicted peak even
         where the search did not walk: every candidate of the chunk choice (compared by that peak), and
@@ -244,8 +254,13 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     else:
         chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
         offered = offer_approximations_of(gm, opts)
-        with ti.compiled_wrapper_code() as lowered, ti.lower_backward_eagerly():
-            partitioner.compiling = True
+        # where the plan taken is walked for its figures, the walk reads the code this compile
+        # generates; only there is the backward lowered with the forward (a model run with grad enabled
+        # but never backward, an evaluation, would otherwise build a backward it never runs)
+        defer = partitioner.walks_plan_taken()
+        with ti.compiled_wrapper_code() as lowered, \
+                ti.lower_backward_eagerly() if defer else contextlib.nullcontext():
+            partitioner.compiling = defer
             try:
                 compiled = ti.compile_fx(gm, example_inputs,
                                          config_patches={"custom_partitioner_fn": partitioner})

@@ -330,3 +330,31 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         _, again = compiled_step()
         assert walked and not any(walked) and again.solver["peak_from"] == "inductor-code", (walked, again.notes)
         assert again.predicted_peak_bytes == plan.predicted_peak_bytes
+
+
+def test_the_backward_is_lowered_with_the_forward_only_where_the_plans_walk_waits_for_it(monkeypatch):
+    """A budget whose plan is not walked (here none) leaves AOTAutograd's lazy backward as it is: a model
+    run with grad enabled but never backward (an evaluation) builds no backward."""
+    import contextlib
+
+    import torch
+
+    from recompile_opt import backend
+    from helpers import tiny_gpt
+
+    recorded, real = [], backend.ti.compiled_wrapper_code
+
+    @contextlib.contextmanager
+    def recording():
+        with real() as records:
+            yield records
+        recorded.extend(backward for backward, _ in records)
+
+    monkeypatch.setattr(backend.ti, "compiled_wrapper_code", recording)
+    model, inputs = tiny_gpt()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        torch.compile(model, backend="recompile_opt", options={"memory_budget": None})(*inputs)
+        torch._dynamo.reset()
+    assert recorded == [False], recorded  # the forward's code only
