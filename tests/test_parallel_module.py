@@ -95,6 +95,30 @@ def _check_dcp_round_trip(model, layout, mesh, path: str):
     other.load_state_dict(_gpt().state_dict())  # full tensors, as a plain checkpoint holds them
     for name, p in model.named_parameters():
         assert torch.equal(params[name].to_local(), p.to_local()), name
+    _check_optimizer_round_trip(model, other, f"{path}-optim")
+
+
+def _check_optimizer_round_trip(model, other, path: str):
+    """Adam's state of every parameter, the strided QKV's included, saved by DCP and loaded into another
+    optimizer, as DCP's state-dict functions hand it over."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, 0.5 + i)
+    optimizer.step()
+    dcp.save({"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+    again = torch.optim.Adam(other.parameters(), lr=0.1)
+    state = {"optim": get_optimizer_state_dict(other, again)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(other, again, state["optim"])
+    mine = dict(zip((n for n, _ in other.named_parameters()), other.parameters()))
+    for name, p in model.named_parameters():
+        want, got = optimizer.state[p], again.state[mine[name]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert got[key].placements == want[key].placements, (name, key)
+            assert torch.equal(got[key].to_local(), want[key].to_local()), (name, key)
 
 
 def test_parameters_become_dtensors_under_their_names_with_their_global_layout(tmp_path):

@@ -10,9 +10,11 @@ shard. (The forward on the shards is step 5: until then a module with these para
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from recompile_opt import _torch_internals as ti
@@ -44,6 +46,7 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
             module.register_parameter(name, new)
     model.register_state_dict_post_hook(_replicate_strided)
     model.register_load_state_dict_pre_hook(_placed)
+    _hook_optimizers()
 
 
 # Checkpoints. DCP cannot save a strided shard (torch 2.13): it writes one chunk per rank at the
@@ -70,6 +73,54 @@ def _placed(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> No
                 state_dict[name] = value.redistribute(param.device_mesh, param.placements)
         else:
             state_dict[name] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+# An optimizer's state of a strided parameter (Adam's ``exp_avg``) is strided too. The optimizer is made
+# after ``parallelize``, so a global step hook gives each optimizer that steps a strided parameter the
+# same pair of hooks on its own state dict (DCP's ``get_optimizer_state_dict`` steps it once first).
+_OPTIMIZERS_HOOKED: weakref.WeakSet = weakref.WeakSet()
+_STEP_HOOK = []
+
+
+def _hook_optimizers() -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_on_step))
+
+
+def _on_step(optimizer: torch.optim.Optimizer, *_) -> None:
+    if optimizer in _OPTIMIZERS_HOOKED:
+        return
+    _OPTIMIZERS_HOOKED.add(optimizer)
+    if any(_strided(p) for group in optimizer.param_groups for p in group["params"]):
+        optimizer.register_state_dict_post_hook(_optimizer_state_replicated)
+        optimizer.register_load_state_dict_pre_hook(_optimizer_state_placed)
+
+
+def _optimizer_state_replicated(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    return _optimizer_state_mapped(optimizer, state_dict, lambda value, param: value.redistribute(
+        placements=[Replicate()] * param.device_mesh.ndim))
+
+
+def _optimizer_state_placed(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    return _optimizer_state_mapped(optimizer, state_dict, lambda value, param: value.redistribute(
+        param.device_mesh, param.placements))
+
+
+def _optimizer_state_mapped(optimizer, state_dict: dict, change) -> dict:
+    """``state_dict`` with ``change(value, param)`` for each DTensor of a strided parameter's state
+    shaped as the parameter (``step`` and other scalars are left), without changing the caller's dict."""
+    # the state's keys are the groups' entries (ids from ``state_dict()``, names from DCP's functions),
+    # in the order of the optimizer's own groups, as ``load_state_dict`` pairs them
+    keys = [key for group in state_dict.get("param_groups", ()) for key in group["params"]]
+    by_key = dict(zip(keys, (p for group in optimizer.param_groups for p in group["params"])))
+    state = {}
+    for key, entry in state_dict["state"].items():
+        param = by_key.get(key)
+        if param is not None and _strided(param):
+            entry = {k: change(v, param) if isinstance(v, DTensor) and v.shape == param.shape else v
+                     for k, v in entry.items()}
+        state[key] = entry
+    return {**state_dict, "state": state}
 
 
 def _strided(param: torch.Tensor) -> bool:
