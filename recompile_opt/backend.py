@@ -145,12 +145,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         (plan, fw, bw, outputs, saved, simulate, used), self.unwalked = self.unwalked, None
         start = time.perf_counter()
         codes = {backward: code for backward, code in reversed(compiled)}  # the first of each
-        recomputed = plan.recomputed_names()
-        exact = None
-        if len(codes) == 2:
-            exact = simulate.exact_of_compiled(saved, recomputed, fw, bw, (codes[False], codes[True], outputs))
-        if exact is None:
-            exact = simulate.exact(saved, recomputed)
+        walked = (fw, bw, (codes[False], codes[True], outputs)) if len(codes) == 2 else None
+        exact = simulate.exact(saved, plan.recomputed_names(), compiled=walked)
         self._set_peak(plan, exact, simulate, used, plan.solver["plan_s"] + time.perf_counter() - start)
 
     @staticmethod

@@ -164,42 +164,35 @@ class PeakSimulator:
             self.seconds += time.perf_counter() - start
         return self.results[key]
 
-    def exact(self, saved: set, recomputed: set) -> int | None:
+    def exact(self, saved: set, recomputed: set, compiled: tuple | None = None) -> int | None:
         """The plan's peak from the code Inductor generates for it (recompile_opt.costs.inductor_peak): about
         a second and a half of lowering per graph, so asked about a few plans only. None where it
         cannot tell: symbolic shapes, the meta device, or a lowering that failed (logged; the
-        simulated peak then decides, as it would without this check)."""
+        simulated peak then decides, as it would without this check). ``compiled``: the plan's graphs
+        and the code Inductor's compile generated for them (``fw, bw, (fw_code, bw_code, fw_outputs)``,
+        ``backend.finish_peak``), walked as they are; the plan is lowered here only where they cannot be."""
         key = self._exact_key(saved, recomputed)
         self.exact_asked += 1
-        if key not in self.exact_results:
+        if key not in self.exact_results or (compiled and self.exact_results[key] is None):
             start = time.perf_counter()
-            gm, info = self.graph_for(recomputed)
-            fw, bw = partition(gm, saved=saved, recomputed=recomputed, num_fwd_outputs=self.num_fwd_outputs,
-                               static_lifetime_input_indices=self.static, info=info)
-            result = None
-            if supported(fw, bw):
-                try:
-                    result = exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs)
-                except Exception as e:  # noqa: BLE001 - a refinement: any failure leaves the simulated peak
-                    log.info("recompile_opt: Inductor's code for a candidate plan could not be walked: %r", e)
+            result = self._walked(*compiled) if compiled else None
+            if result is None:
+                gm, info = self.graph_for(recomputed)
+                result = self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
+                                                 num_fwd_outputs=self.num_fwd_outputs,
+                                                 static_lifetime_input_indices=self.static))
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
 
-    def exact_of_compiled(self, saved: set, recomputed: set, fw: fx.GraphModule, bw: fx.GraphModule,
-                          compiled: tuple) -> int | None:
-        """:meth:`exact` read off the code Inductor's compile generated for the plan's graphs ``fw`` and
-        ``bw`` (``compiled``: the forward's and the backward's ``WrapperCode``), nothing lowered again.
-        None where that code cannot be walked (the caller then asks :meth:`exact`)."""
-        key = self._exact_key(saved, recomputed)
-        if self.exact_results.get(key) is None and supported(fw, bw):
-            start = time.perf_counter()
-            try:
-                self.exact_results[key] = exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=compiled)
-            except Exception as e:  # noqa: BLE001 - the caller walks a lowering of its own instead
-                log.info("recompile_opt: Inductor's code for the plan could not be walked: %r", e)
-            self.exact_seconds += time.perf_counter() - start
-        return self.exact_results.get(key)
+    def _walked(self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None) -> int | None:
+        if not supported(fw, bw):
+            return None
+        try:
+            return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes)
+        except Exception as e:  # noqa: BLE001 - a refinement: any failure leaves the simulated peak
+            log.info("recompile_opt: Inductor's code for a plan could not be walked: %r", e)
+            return None
 
     def store(self) -> None:
         """Keep the figures found so far on disk (:func:`simulator_for`), where any are new."""

@@ -60,7 +60,7 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
 def _replicate_strided(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
         if _strided(param) and name in state_dict:
-            state_dict[name] = state_dict[name].redistribute(placements=[Replicate()] * param.device_mesh.ndim)
+            state_dict[name] = _replicated(state_dict[name], param)
 
 
 def _placed(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -69,8 +69,7 @@ def _placed(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> No
         if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
             continue  # (a wrong shape is load_state_dict's to report)
         if isinstance(value, DTensor):
-            if value.placements != param.placements:
-                state_dict[name] = value.redistribute(param.device_mesh, param.placements)
+            state_dict[name] = _placed_as(value, param)
         else:
             state_dict[name] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
 
@@ -97,13 +96,11 @@ def _on_step(optimizer: torch.optim.Optimizer, *_) -> None:
 
 
 def _optimizer_state_replicated(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    return _optimizer_state_mapped(optimizer, state_dict, lambda value, param: value.redistribute(
-        placements=[Replicate()] * param.device_mesh.ndim))
+    return _optimizer_state_mapped(optimizer, state_dict, _replicated)
 
 
 def _optimizer_state_placed(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    return _optimizer_state_mapped(optimizer, state_dict, lambda value, param: value.redistribute(
-        param.device_mesh, param.placements))
+    return _optimizer_state_mapped(optimizer, state_dict, _placed_as)
 
 
 def _optimizer_state_mapped(optimizer, state_dict: dict, change) -> dict:
@@ -121,6 +118,14 @@ def _optimizer_state_mapped(optimizer, state_dict: dict, change) -> dict:
                      for k, v in entry.items()}
         state[key] = entry
     return {**state_dict, "state": state}
+
+
+def _replicated(value: DTensor, param: DTensor) -> DTensor:
+    return value.redistribute(param.device_mesh, [Replicate()] * param.device_mesh.ndim)
+
+
+def _placed_as(value: DTensor, param: DTensor) -> DTensor:
+    return value if value.placements == param.placements else value.redistribute(param.device_mesh, param.placements)
 
 
 def _strided(param: torch.Tensor) -> bool:
