@@ -1,15 +1,12 @@
 """Uniform plans: the least-peak search also tries every plan it meets with one block's decisions given
 to every identical block (``blocks.BlockMirror``), because Inductor builds identical code once."""
 
-import torch
-
 from recompile_opt.planner import least_peak, search
 from recompile_opt.planner.blocks import block_mirror
 from recompile_opt.options import parse_options
 from recompile_opt.planner.policies import block_of
-from recompile_opt.models import GPT, GPTConfig
 
-from helpers import TINY_GPT, example_batch, forget_searches, train_side_by_side
+from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
 
 
@@ -112,12 +109,8 @@ def test_a_uniform_plan_that_peaks_lower_but_recomputes_more_does_not(monkeypatc
 
 
 def test_a_uniform_least_peak_plan_of_a_gpt_with_dropout_gives_eagers_gradients():
-    # a tiny GPT (width 64) with dropout takes a mirrored plan at 0.0: each block replays its own masks
-    # (at width 32 the ILP's own plan is already uniform since SiLU-like fused chains cost their
-    # arithmetic only, and no mirror is needed)
-    cfg = GPTConfig(**{**TINY_GPT, "n_embd": 64}, dropout=0.1)
-    torch.manual_seed(0)
-    model, inputs = GPT(cfg), example_batch(cfg, 2)
+    # the tiny GPT with dropout takes a mirrored plan at 0.0: each block replays its own masks
+    model, inputs = tiny_gpt(dropout=0.1)
     plan = train_side_by_side(model, inputs, options={"memory_budget": 0.0, "compiler": "eager"},
                               rtol=1e-4, atol=1e-5)
     assert any("takes block" in n for n in plan.notes), plan.notes

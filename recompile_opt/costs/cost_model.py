@@ -6,14 +6,11 @@
   from ``torch.utils.flop_counter``'s formulas (mm, bmm, addmm, conv, SDPA, ...); memory traffic is the
   bytes an op reads plus writes. The constants are fixed per device type so that plans are
   deterministic; the ``roofline`` option overrides them.
-* A pointwise op that Inductor fuses costs its arithmetic only, one operation per output element, not
-  its reads and writes: recomputed in the backward it fuses into the kernel that consumes it, which
-  reads that op's inputs anyway, and its own output never goes to memory. Charging it the full traffic
-  of an unfused op made a recomputed SwiGLU cost 4x what Inductor pays (the no-budget plan kept 46 MiB
-  of a 2-layer Llama where torch.compile's min-cut keeps 36.6 MiB); charging it one pass over its
-  output still made SiLU, which decomposes into four such ops (``x / (1 + exp(-x))``), cost twice the
-  write and read of keeping it, so the no-budget plan kept every SiLU output that min-cut recomputes
-  (41 MiB of that Llama; under sequence parallelism 1.11x hand-written TP+SP's per-rank peak).
+* A pointwise op that Inductor fuses costs one pass over its output, not its reads and writes: recomputed
+  in the backward it fuses into the kernel that consumes it, which reads that op's inputs anyway, and its
+  own output never goes to memory. Charging it the full traffic of an unfused op made a recomputed
+  SwiGLU cost 4x what Inductor pays, and the no-budget plan kept 46 MiB of a 2-layer Llama where
+  torch.compile's min-cut keeps 36.6 MiB at the same measured step time.
 * Saving a tensor is not free either: it is written in the forward and read in the backward, so the
   planner charges ``2 * bytes / bytes_per_s`` per kept storage (this is why recomputing a cheap
   pointwise op can beat saving its output, as Inductor's own min-cut partitioner also finds).
@@ -52,10 +49,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
     for s in t.shape:
         numel *= _hint(s)
     return numel * t.element_size()
-
-
-def _numel(t: torch.Tensor) -> int:
-    return tensor_bytes(t) // max(t.element_size(), 1)
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -105,7 +98,7 @@ def register_traffic_formula(op):
 
 def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost:
     """FLOPs, memory traffic and roofline time of computing ``node`` once; ``fused``: a pointwise op
-    inside a fused kernel (its arithmetic only, see the module docstring)."""
+    inside a fused kernel (one pass over its output, see the module docstring)."""
     if node.op != "call_function" or is_view_node(node) or node.target is operator.getitem:
         return NodeCost(0, 0, 0.0)
     out = node.meta.get("val")
@@ -113,11 +106,9 @@ def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost
         sent = collective_bytes(node)
         return NodeCost(0, sent, roofline["collective_latency_s"] + sent / roofline["link_bytes_per_s"])
     flops = _flops(node, out)
-    if fused:  # in registers: one operation per element (torch's flop counter counts no pointwise FLOPs)
-        return NodeCost(flops, 0, sum(_numel(t) for t in _tensors(out)) / roofline["flops_per_s"])
     in_vals = [a.meta.get("val") for a in node.all_input_nodes]
     own = _TRAFFIC_FORMULAS.get(getattr(node.target, "_overloadpacket", None))
-    traffic = own(node) if own else sum(tensor_bytes(t) for t in _tensors(out) + _tensors(in_vals))
+    traffic = own(node) if own else sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
     seconds = max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
     return NodeCost(int(flops), int(traffic), seconds)
 
