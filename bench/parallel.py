@@ -2,8 +2,8 @@
 process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``, compiled by
 plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
-budgets. Each configuration runs in fresh processes: two warm-up (compiling) steps, the peak of one
-step (the allocator's records above the step's start: activations, gradients, temporaries; the
+budgets. Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
+three steps (the allocator's records above the step's start: activations, gradients, temporaries; the
 sharded parameters live before it), then the median of ``--steps`` timed steps.
 
     python bench/parallel.py --world 2 4 --md out.md   (docs/parallel.md)
@@ -126,7 +126,10 @@ def _model(name: str):
 
 
 def _measure(step, steps: int) -> dict:
-    peak = peak_memory(step)
+    """The median of three steps' peaks: one step's varies by up to 2 MiB between runs of one
+    configuration here (gloo's own thread allocates, and frees land before or after the other rank's
+    part of a collective)."""
+    peak = statistics.median(peak_memory(step) for _ in range(3))
     times = step_time(step, steps=steps, warmup=0)
     return {"peak": peak, "step_s": statistics.median(times)}
 
