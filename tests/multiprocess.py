@@ -9,6 +9,7 @@ Forked ranks share the server's string-hash seed; a test that needs ranks hashin
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -16,6 +17,7 @@ import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -43,6 +45,21 @@ def init_gloo(rank: int, world: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     progress(out, rank, "process group up")
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, out: str):
+    """A rank's body: one thread, its gloo group up (:func:`init_gloo`); leaving the block normally
+    destroys the group and exits the process at once (:func:`leave`); an exception destroys the group
+    and propagates to mp.spawn, which fails the test with it."""
+    torch.set_num_threads(1)
+    init_gloo(rank, world, out)
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave(out, rank)
 
 
 def leave(out: str, rank: int) -> None:

@@ -14,13 +14,12 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import recompile_opt
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.models import GPT, GPTConfig, example_batch
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -44,10 +43,8 @@ def _batch():
 
 
 def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
-    torch.set_num_threads(1)
     torch._dynamo.config.optimize_ddp = optimize_ddp
-    init_gloo(rank, WORLD, out)
-    try:
+    with gloo_rank(rank, WORLD, out):
         model = _model()
         idx, tgt = (t[rank * ROWS:(rank + 1) * ROWS] for t in _batch())
         if wrap == "compile(ddp)":  # the order PyTorch recommends: DDPOptimizer splits the graph
@@ -72,10 +69,6 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
                     "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans]},
                    os.path.join(out, f"rank{rank}.pt"))
         progress(out, rank, "gradients saved")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)  # at once: the optimize_ddp-off case hung in DDP's destructors at teardown in CI
 
 
 def DDP(module):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import recompile_opt
 from recompile_opt import models
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 from test_parallel_rewrite import SEQ, STEPS, _batch, _model, _train
 
 WORLD = 2
@@ -45,9 +45,7 @@ def _errors(rank: int) -> dict:
 
 
 def _worker(rank: int, out: str, compiler: str):
-    torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
-    try:
+    with gloo_rank(rank, WORLD, out):
         from torch.distributed.device_mesh import init_device_mesh
 
         errors = _errors(rank)
@@ -67,10 +65,6 @@ def _worker(rank: int, out: str, compiler: str):
                     "compiled_layout": str(recompile_opt.parallel_plan(step_fn))},
                    os.path.join(out, f"rank{rank}.pt"))
         progress(out, rank, "results saved")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)
 
 
 @pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

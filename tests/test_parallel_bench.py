@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import parallel as bench  # noqa: E402
@@ -26,21 +26,19 @@ def _grads(model) -> dict:
 
 
 def _worker(rank: int, out: str):
-    torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (WORLD,))
-    results = {}
-    for name in ("gpt", "llama"):
-        for sp in (False, True):
-            model, batch = bench._model(name)
-            model = bench.hand_parallel(name, model, mesh, sequence_parallel=sp)
-            loss = model(*batch)
-            loss.backward()
-            results[name, sp] = (loss.item(), _grads(model))
-            progress(out, rank, f"{name} sp={sp} done")
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    leave(out, rank)
+    with gloo_rank(rank, WORLD, out):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (WORLD,))
+        results = {}
+        for name in ("gpt", "llama"):
+            for sp in (False, True):
+                model, batch = bench._model(name)
+                model = bench.hand_parallel(name, model, mesh, sequence_parallel=sp)
+                loss = model(*batch)
+                loss.backward()
+                results[name, sp] = (loss.item(), _grads(model))
+                progress(out, rank, f"{name} sp={sp} done")
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_hand_written_tp_and_tp_sp_equal_one_process(tmp_path):

@@ -17,7 +17,7 @@ from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.options import parse_options
 from recompile_opt.parallel import collectives as C
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, B, S, H, FF = 2, 2, 8, 8, 16
 
@@ -82,9 +82,7 @@ def _collectives(gm) -> dict:
 
 
 def _worker(rank: int, layout: str, compiled: bool, options: dict, out: str):
-    torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
-    try:
+    with gloo_rank(rank, WORLD, out):
         group = dist.group.WORLD
         params = {k: v.clone().requires_grad_() for k, v in _shard(_weights(), rank).items()}
         fn = {"tp": _tensor_parallel, "sp": _sequence_parallel}[layout]
@@ -104,10 +102,6 @@ def _worker(rank: int, layout: str, compiled: bool, options: dict, out: str):
                     "counts": counts},
                    os.path.join(out, f"rank{rank}.pt"))
         progress(out, rank, "results saved")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)
 
 
 CASES = {"tp-eager": ("tp", False, {}), "sp-eager": ("sp", False, {}),

@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import recompile_opt
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 from test_hf_models import build
 from test_parallel_rewrite import STEPS, _train
 
@@ -27,9 +26,7 @@ OPTIONS = {"eager": None, "1.0": {"memory_budget": 1.0}, "0.3": {"memory_budget"
 
 
 def _worker(rank: int, name: str, world: int, keys: tuple, out: str):
-    torch.set_num_threads(1)
-    init_gloo(rank, world, out)
-    try:
+    with gloo_rank(rank, world, out):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
@@ -54,10 +51,6 @@ def _worker(rank: int, name: str, world: int, keys: tuple, out: str):
         styles = {m.module: (m.style, m.placement, m.why) for m in layout.modules}
         torch.save({"results": results, "styles": styles, "warnings": layout.warnings, "tied": tied},
                    os.path.join(out, f"rank{rank}.pt"))
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)
 
 
 # the default run: the plans that need no least-peak search; the slow run: the searched ones (1.0 beside

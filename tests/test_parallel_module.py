@@ -8,11 +8,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 from recompile_opt import models
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, SEQ, H = 2, 16, 32
 
@@ -23,15 +22,9 @@ def _gpt():
 
 
 def _worker(rank: int, out: str):
-    torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
-    try:
+    with gloo_rank(rank, WORLD, out):
         _check(rank, out)
         progress(out, rank, "checked")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)
 
 
 def _check(rank: int, out: str):

@@ -11,11 +11,10 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from recompile_opt import models
 
-from multiprocess import init_gloo, leave, progress, run_ranks
+from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, SEQ, STEPS = 2, 16, 3
 
@@ -63,9 +62,7 @@ def _worker(rank: int, name: str, options, out: str, sequence_parallel: bool = F
             world: int = WORLD, dropout: float = 0.0):
     """Train the parallelized model once per entry of ``options`` (one dict, None: eager, or a list of
     them), each from a fresh model; save losses, gradients, the number of graphs and the plans."""
-    torch.set_num_threads(1)
-    init_gloo(rank, world, out)
-    try:
+    with gloo_rank(rank, world, out):
         from torch.distributed.device_mesh import init_device_mesh
 
         import recompile_opt
@@ -102,10 +99,6 @@ def _worker(rank: int, name: str, options, out: str, sequence_parallel: bool = F
                         "str_hash": hash("recompile_opt")},  # differs per rank: PYTHONHASHSEED unset
                        os.path.join(out, f"rank{rank}_{i}.pt"))
             progress(out, rank, f"results {i} saved")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave(out, rank)
 
 
 def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False,
@@ -198,20 +191,18 @@ def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
 
 def _diverging_worker(rank: int, out: str):
     """Each rank compiles the bare block with its own budget (a user error): planned differently."""
-    torch.set_num_threads(1)
-    init_gloo(rank, WORLD, out)
-    import recompile_opt
-    from torch.distributed.device_mesh import init_device_mesh
-    model = recompile_opt.parallelize(_model("block"), init_device_mesh("cpu", (WORLD,)), _inputs("block"))
-    step = torch.compile(model, backend="recompile_opt",
-                         options={"compiler": "eager", "memory_budget": [1.0, 0.0][rank]})
-    try:
-        step(*_inputs("block"))
-        message = None
-    except Exception as e:  # Dynamo wraps the backend's error
-        message = str(e)
-    torch.save(message, os.path.join(out, f"rank{rank}.pt"))
-    leave(out, rank)
+    with gloo_rank(rank, WORLD, out):
+        import recompile_opt
+        from torch.distributed.device_mesh import init_device_mesh
+        model = recompile_opt.parallelize(_model("block"), init_device_mesh("cpu", (WORLD,)), _inputs("block"))
+        step = torch.compile(model, backend="recompile_opt",
+                             options={"compiler": "eager", "memory_budget": [1.0, 0.0][rank]})
+        try:
+            step(*_inputs("block"))
+            message = None
+        except Exception as e:  # Dynamo wraps the backend's error
+            message = str(e)
+        torch.save(message, os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_ranks_that_plan_differently_fail_at_compile_time_instead_of_hanging(tmp_path):
