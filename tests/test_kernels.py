@@ -48,28 +48,6 @@ def test_swiglu_gradients_are_one_kernel_with_three_buffers():
     assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 4 * UNIT
 
 
-def gathered_rows(x, w):
-    """Sequence parallelism's all-gather before a matmul: the gathered rows laid out again (split, cat)."""
-    y = torch.relu(x) * 2
-    g = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_gather_into_tensor.default(y, 2, "0"))
-    return (torch.cat(torch.chunk(g, 2, 0), 1) + 1) @ w
-
-
-def test_a_collective_is_a_kernel_of_its_own_whose_output_is_a_buffer():
-    import torch.distributed  # noqa: F401  (registers the functional collectives)
-    gm = make_fx(gathered_rows, tracing_mode="fake")(torch.randn(256, 256), torch.randn(512, 256))
-    order, sizes, outs = kernels.schedule(gm)
-    gather = next(k for k in order if any("all_gather" in n.name for n in k.nodes))
-    assert gather.extern and [n.name for n in gather.nodes] == ["all_gather_into_tensor"], gather.nodes
-    assert sizes[gather.outputs[0]] == 2 * UNIT
-    # the gathered rows (2 units) and their laid-out copy (2) live at once: a copy through a cat is not
-    # written in place. Fused into the copy's kernel, the gather's output was no buffer (peak 3 units)
-    trace = peak.PeakTrace()
-    peak.sweep_kernels(order, sizes, keep=outs, live=0, trace=trace)
-    alive = {getattr(b, "name", b): n for b, n in trace.alive.items()}
-    assert alive.get("all_gather_into_tensor") == 2 * UNIT and alive.get("add") == 2 * UNIT, alive
-
-
 def test_an_output_is_written_over_the_input_only_it_reads():
     order, sizes, outs = kernels.schedule(graph(gelu_backward, 3))
     fused = next(k for k in order if not k.extern)

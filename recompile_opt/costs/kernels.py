@@ -7,10 +7,8 @@ gradients at once (``cpp_fused_..._silu_backward``: six 2.75 MiB buffers alive t
 node-by-node walk frees each before the next is made; the node-by-node prediction was 25 MiB against
 32.5 MiB measured. This module follows the scheduler's rules closely enough for memory:
 
-* **Extern kernels** run alone: matmuls, attention, convolutions, random ops and other fallbacks,
-  collectives (fused with the kernel that reads the gathered rows, an all-gather's whole output was
-  never counted: a rank's forward under sequence parallelism simulated 4 MiB under its measured
-  peak), and higher-order ops. Their tuple outputs are buffers of their own (the ``getitem`` nodes).
+* **Extern kernels** run alone: matmuls, attention, convolutions, random ops and other fallbacks, and
+  higher-order ops. Their tuple outputs are buffers of their own (the ``getitem`` nodes).
 * **Fusion**: every other op (pointwise, reductions, indexing) fuses with a fusible producer
   (vertical) and with a fusible node of the same size that reads the same buffer (horizontal), unless
   the two would then lie on both sides of some other kernel (a cycle), the group would exceed
@@ -30,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from recompile_opt._torch_internals import flop_registry, is_collective_op
+from recompile_opt._torch_internals import flop_registry
 from recompile_opt.costs.cost_model import base_of, is_view_node, tensor_bytes
 
 MAX_FUSION = 64
@@ -60,8 +58,6 @@ def is_extern(node: fx.Node) -> bool:
         return True  # higher-order ops (RNG-state replay, ...), Python callables
     if target.namespace == "recompile_opt":
         return True  # our own ops (a chunked region): Inductor's fallback kernels
-    if is_collective_op(target):  # a collective kernel writes a buffer of its own (its wait is a view of it)
-        return True
     name = str(target)
     if target._overloadpacket in flop_registry or "scaled_dot_product" in name or "convolution" in name:
         return True

@@ -261,52 +261,25 @@ def _plan_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node],
     return free_after, taken
 
 
-# ops that write an element somewhere other than where they read it, and the views that keep the order
-_MOVES = {"cat", "constant_pad_nd", "index", "index_select", "gather", "flip", "roll", "scatter", "slice_scatter"}
-_SAME_ORDER_VIEWS = {"view", "_unsafe_view", "reshape", "alias", "squeeze", "unsqueeze", "view_as", "detach",
-                     "wait_tensor"}
-
-
 def _sole_readers(k: Kernel, keys: dict) -> dict:
     """Input buffer -> the one output of fused kernel ``k`` whose computation reads it, for inputs
-    that only one output reads, each element where the output writes it: Inductor writes an output
-    in place only over such an input. One read through a move (a cat, a slice, a permute) is not in
-    place: the gathered rows that a rank's forward lays out again by ``split`` and ``cat`` under
-    sequence parallelism stay alive beside the copy."""
+    that only one output reads: Inductor writes an output in place only over such an input."""
     members = set(k.nodes)
     outputs = set(k.outputs)
     readers: dict = {}
     for o in k.outputs:
-        seen, todo = set(), [(o, False)]
+        seen, todo = set(), [o]
         while todo:
-            n, moved = todo.pop()
-            moved = moved or _op(n) in _MOVES
+            n = todo.pop()
             for a in n.all_input_nodes:
                 b = base_of(a)
-                through = moved or _reorders(a)
                 if b in members and b not in outputs:
-                    if (b, through) not in seen:
-                        seen.add((b, through))
-                        todo.append((b, through))
+                    if b not in seen:
+                        seen.add(b)
+                        todo.append(b)
                 else:
-                    readers.setdefault(keys.get(b, b), set()).add(("moved", o) if through else o)
+                    readers.setdefault(keys.get(b, b), set()).add(o)
     return {d: next(iter(os)) for d, os in readers.items() if len(os) == 1}
-
-
-def _op(node: fx.Node) -> str:
-    packet = getattr(node.target, "_overloadpacket", None)
-    return getattr(packet, "__name__", "")
-
-
-def _reorders(node: fx.Node) -> bool:
-    """Whether a chain of views from ``node`` to its base reads the base's elements in another order."""
-    while node.op == "call_function" and base_of(node) is not node:
-        if node.target is not operator.getitem and _op(node) not in _SAME_ORDER_VIEWS:
-            return True
-        if node.target is operator.getitem:  # a piece of a split / chunk / unbind
-            return True
-        node = node.all_input_nodes[0]
-    return False
 
 
 def _death(node, last: dict, order: list[Kernel]) -> int:
