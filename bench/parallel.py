@@ -4,7 +4,8 @@ process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``paralleliz
 plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
 budgets. Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
 three steps (the allocator's records above the step's start: activations, gradients, temporaries; the
-sharded parameters live before it), then the median of ``--steps`` timed steps.
+sharded parameters live before it), then the median of ``--steps`` timed steps, and the bytes one step
+keeps for backward (its saved tensors, parameters excluded).
 
     python bench/parallel.py --world 2 4 --md out.md   (docs/parallel.md)
 
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from recompile_opt import models  # noqa: E402
-from recompile_opt.costs.measure import peak_memory, step_time  # noqa: E402
+from recompile_opt.costs.measure import peak_memory, saved_report, step_time  # noqa: E402
 
 MiB = 2 ** 20
 OURS_BUDGETS = (None, 0.5, 0.0)  # None: no budget (the least recompute; keeps all, shards gathered again)
@@ -134,6 +135,19 @@ def _measure(step, steps: int) -> dict:
     return {"peak": peak, "step_s": statistics.median(times)}
 
 
+def _kept(model, fn, batch) -> int:
+    """Bytes one step keeps for backward: the distinct storages of its saved tensors, the parameters
+    (a DTensor's local shard) and buffers excluded. Where two layouts peak apart, this tells whether
+    they keep different bytes or free them in a different order."""
+    from torch.distributed.tensor import DTensor
+    params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    report, loss = saved_report(lambda: fn(*batch), exclude=[params, list(model.buffers())])
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return report.total_bytes
+
+
 def _step_fn(model, fn, batch):
     losses = []
 
@@ -169,7 +183,8 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     for _ in range(2):
         step()
     compile_s = time.perf_counter() - start
-    res = {**_measure(step, args.steps), "compile_s": compile_s, "loss": losses[0], "rank": rank}
+    res = {**_measure(step, args.steps), "kept": _kept(model, fn, batch), "compile_s": compile_s,
+           "loss": losses[0], "rank": rank}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -181,10 +196,11 @@ def _single(name: str, steps: int) -> dict:
     torch.set_num_threads(1)
     torch._dynamo.reset()
     model, batch = _model(name)
-    step, losses = _step_fn(model, torch.compile(model), batch)
+    fn = torch.compile(model)
+    step, losses = _step_fn(model, fn, batch)
     for _ in range(2):
         step()
-    return {**_measure(step, steps), "loss": losses[0]}
+    return {**_measure(step, steps), "kept": _kept(model, fn, batch), "loss": losses[0]}
 
 
 def run(name: str, config: str, world: int, args) -> dict:
@@ -194,18 +210,19 @@ def run(name: str, config: str, world: int, args) -> dict:
         mp.start_processes(_rank, args=(name, config, world, out, args), nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     return {"peak": max(r["peak"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
+            "kept": max(r["kept"] for r in ranks),
             "compile_s": max(r["compile_s"] for r in ranks), "loss": ranks[0]["loss"]}
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | step (ms) | vs hand TP+SP "
-             "| first loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | kept (MiB) | step (ms) "
+             "| vs hand TP+SP | first loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = next((x for x in rows if x["model"] == r["model"] and x["world"] == r["world"]
                     and x["config"] == "hand-tp+sp"), None)
         ratio = (lambda k: f"{r[k] / ref[k]:.2f}x" if ref else "") if r["world"] > 1 else (lambda k: "")
         lines.append(f"| {r['model']} | {r['world']} | {r['config']} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
-                     f"| {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |")
+                     f"| {r['kept'] / MiB:.2f} | {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |")
     return "\n".join(lines)
 
 

@@ -65,9 +65,12 @@ def test_hand_written_tp_and_tp_sp_equal_one_process(tmp_path):
 
 def test_the_md_output_opens_with_the_provenance_line():
     from test_docs import PROVENANCE
-    rows = [{"model": "gpt", "world": 1, "config": "no parallelism", "peak": 2 ** 20, "step_s": 0.1, "loss": 6.4},
-            {"model": "gpt", "world": 2, "config": "hand-tp+sp", "peak": 2 ** 19, "step_s": 0.2, "loss": 6.4},
-            {"model": "gpt", "world": 2, "config": "ours@0.0", "peak": 2 ** 18, "step_s": 0.3, "loss": 6.4}]
+    rows = [{"model": "gpt", "world": 1, "config": "no parallelism", "peak": 2 ** 20, "kept": 2 ** 19, "step_s": 0.1,
+             "loss": 6.4},
+            {"model": "gpt", "world": 2, "config": "hand-tp+sp", "peak": 2 ** 19, "kept": 2 ** 18, "step_s": 0.2,
+             "loss": 6.4},
+            {"model": "gpt", "world": 2, "config": "ours@0.0", "peak": 2 ** 18, "kept": 2 ** 17, "step_s": 0.3,
+             "loss": 6.4}]
     text = bench.markdown_document(rows)
     assert PROVENANCE.match(text.splitlines()[0])
-    assert "| gpt | 2 | ours@0.0 | 0.25 | 0.50x | 300.0 | 1.50x | 6.40000 |" in text
+    assert "| gpt | 2 | ours@0.0 | 0.25 | 0.50x | 0.12 | 300.0 | 1.50x | 6.40000 |" in text
