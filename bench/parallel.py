@@ -127,9 +127,9 @@ def _model(name: str):
 
 
 def _measure(step, steps: int) -> dict:
-    """The median of three steps' peaks: one step's varies by up to 2 MiB between runs of one
+    """The median of three steps' peaks: one step's peak varies between steps and runs of one
     configuration here (gloo's own thread allocates, and frees land before or after the other rank's
-    part of a collective)."""
+    part of a collective; up to 4.5 MiB between fresh runs, docs/parallel.md)."""
     peak = statistics.median(peak_memory(step) for _ in range(3))
     times = step_time(step, steps=steps, warmup=0)
     return {"peak": peak, "step_s": statistics.median(times)}
