@@ -324,6 +324,16 @@ def is_wait_tensor(target) -> bool:
     return collective_name(target) == "wait_tensor"
 
 
+def graph_changing_state() -> str:
+    """The process state, besides the Dynamo graph and its inputs, that changes the joint graph
+    AOTAutograd traces, as its own cache keys it (``AOTAutogradCacheDetails._record_runtime_state``):
+    grad mode, each device's autocast dtype, deterministic algorithms. Why: a model compiled under
+    ``torch.autocast`` outside the compiled region has the same Dynamo graph as without it."""
+    autocast = {d: str(torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                if torch.is_autocast_enabled(d)}
+    return repr((torch.is_grad_enabled(), sorted(autocast.items()), torch.are_deterministic_algorithms_enabled()))
+
+
 def rng_state_bytes(device: torch.device) -> int:
     """Bytes of the RNG state that replaying one random op keeps (CPU: the whole Mersenne state)."""
     if device.type == "cuda":

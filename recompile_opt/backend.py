@@ -404,10 +404,14 @@ def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitio
     joint graph we plan. Why the settings: Inductor's own caches key on its config, so a compile under
     ``fallback_random=True`` hits the artifact made under True, but without them here it replayed the
     plan last stored for False (Inductor's RNG prims recomputed, where the compiled graph kept
-    eager's dropout)."""
+    eager's dropout). And the state AOTAutograd's cache keys on (autocast above all): a model compiled
+    under ``torch.autocast`` outside the compiled region has the same Dynamo graph, and a later fp32
+    compile that hit Inductor's cache replayed the bf16 plan (CI: a plan of 48644 bytes where the
+    compiled step kept 47620)."""
     meta = [(tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
             for t in example_inputs]
-    blob = gm.code + repr(meta) + partitioner.uuid() + f"replay_random={partitioner.replay_random()}"
+    blob = (gm.code + repr(meta) + partitioner.uuid() + f"replay_random={partitioner.replay_random()}"
+            + ti.graph_changing_state())
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

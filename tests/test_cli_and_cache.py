@@ -88,6 +88,31 @@ def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path
     assert other.saved_bytes > cold.saved_bytes
 
 
+def test_a_cache_hit_replays_the_plan_of_its_own_autocast_state(tmp_path, monkeypatch):
+    """Under ``torch.autocast`` outside the compiled model the Dynamo graph is the same, the joint graph
+    not (bf16 matmuls): compiled in fp32, then under bf16 autocast, then in fp32 again (an Inductor
+    cache hit), the plan replayed is the fp32 one. It was the bf16 plan (CI: 48644 bytes planned where
+    the compiled fp32 step kept 47620)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, inputs = tiny_mlp()
+
+    def compile_and_run(autocast: bool):
+        torch._dynamo.reset()
+        recompile_opt.reset_plans()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.5})(*inputs)
+        loss.backward()
+        (plan,) = recompile_opt.last_plans()
+        return plan
+
+    fp32 = compile_and_run(False)
+    bf16 = compile_and_run(True)
+    assert {e.dtype for e in bf16.saved if e.bytes} != {e.dtype for e in fp32.saved if e.bytes}
+    hit = compile_and_run(False)
+    assert any("plan cache" in n for n in hit.notes), "expected an Inductor cache hit"
+    assert hit.saved_names() == fp32.saved_names() and hit.saved_bytes == fp32.saved_bytes
+
+
 @pytest.mark.slow
 def test_a_cache_hit_replays_the_plan_of_its_own_fallback_random_setting(tmp_path, monkeypatch):
     """Inductor's caches key on ``fallback_random``; the plan cache must too. Compiled under True, then
