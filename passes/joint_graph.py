@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.cost_model import (base_of, collective_bytes, is_fusible_pointwise, is_view_node, node_cost,
+from recompile_opt.costs.cost_model import (base_of, collective_bytes, demanded_fraction, is_fusible_pointwise,
+                                            is_generated_random, is_view_node, node_cost,
                                             storage_bytes, tensor_bytes)
 from recompile_opt.costs.kernels import consumers
 from recompile_opt.planner.policies import block_of
@@ -149,19 +150,25 @@ def _user_tag(node: fx.Node) -> str | None:
     return None
 
 
-def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True) -> Problem:
+def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True, random_fuses: bool = False
+                  ) -> Problem:
     """One :class:`Value` per forward tensor node; bytes per storage; costs from the roofline.
 
     ``replay_random=False`` makes random ops keep-only (where RNG-state replay cannot be compiled).
+    ``random_fuses``: the graph is compiled by Inductor with its own RNG, which draws ``rand`` element
+    by element inside the kernel that reads it (eager's replay draws the whole tensor).
     """
     pos = {n: i for i, n in enumerate(jg.bwd_nodes)}
     values: dict[str, Value] = {}
     storage_bytes_: dict[str, int] = {}
     first_use: dict[str, int] = {}  # backward step of a value's first direct use
+    fuses = (lambda n: is_fusible_pointwise(n) or (random_fuses and is_generated_random(n)))
+    memo: dict = {}
+    demand = lambda n: demanded_fraction(n, fuses, memo)  # noqa: E731 - one graph's memo
     for node in jg.fwd_nodes:
         if not _is_value(node):
             continue
-        value = values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline)
+        value = values[node.name] = _make_value(jg, node, pos, storage_bytes_, roofline, demand)
         first_use[node.name] = min((pos[u] for u in node.users if u in pos), default=len(jg.bwd_nodes))
         if value.random and not replay_random:
             value.can_recompute = False
@@ -266,7 +273,8 @@ def _step_seconds(jg: JointGraph, roofline: dict) -> float:
     return sum(node_cost(n, roofline).seconds for n in jg.fwd_nodes + jg.bwd_nodes)
 
 
-def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict) -> Value:
+def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict, demand
+                ) -> Value:
     val = node.meta.get("val")
     is_tensor = isinstance(val, torch.Tensor)
     base = base_of(node)
@@ -276,6 +284,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         storage_bytes_[storage] = 0 if free else storage_bytes(base.meta["val"])
     bwd_uses = [pos[u] for u in node.users if u in pos]
     cost = node_cost(node, roofline, fused=_fuses_when_recomputed(jg, node))
+    share = demand(node)  # of its elements a recompute makes (a fused chain a gather reads)
     is_primal = node.op == "placeholder"
     target = node.target
     # a wait is "impure" to FX (DCE must not drop it); whether it may run again is _unrepeatable_collective's call
@@ -290,7 +299,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
                            or _upcasts_low_precision(node)),
         in_forward=_made_by_forward(jg, node),
         random=node.op == "call_function" and ti.is_random_op(node),
-        recompute_s=cost.seconds, flops=cost.flops,
+        recompute_s=cost.seconds * share, flops=int(cost.flops * share),
         last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
     )

@@ -94,7 +94,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         static = ti.inner_static_indices(gm, kwargs.get("static_lifetime_input_indices"))
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
-                                replay_random=self.replay_random())
+                                replay_random=self.replay_random(), random_fuses=self.random_fuses())
         simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                                  info=jg.info)
         simulate.offer(problem.sites)
@@ -191,6 +191,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         ``fallback_random`` Inductor keeps ``native_dropout``, and its lowering of the replay HOP around
         a tuple-returning op fails (torch 2.13), so there random ops are kept."""
         return self.options.compiler == "eager" or not ti.inductor_config.fallback_random
+
+    def random_fuses(self) -> bool:
+        """Inductor with its own RNG draws a recomputed ``rand`` inside the kernel that reads it, only
+        where it reads (the cost model's demanded share); the eager path replays the whole draw."""
+        return self.options.compiler == "inductor" and not ti.inductor_config.fallback_random
 
     def uuid(self) -> str:
         split = budget_split.state_key(self.options)

@@ -28,3 +28,40 @@ def test_no_budget_plan_keeps_a_pointwise_output_that_a_backward_matmul_reads():
     plan = recompile_opt.plan(model, batch)
     kept = [e for e in plan.saved if "feed_forward.w2" in e.module and e.bytes > 0]
     assert kept, plan
+
+
+def _mask_slice_graph():
+    """One process's dropout mask for 8 heads and a rank's 2 of them, as the rewrite writes it
+    (``rand(full) > p`` gathered by an ``index`` along the head dimension)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def rank_mask(x):
+        keep = torch.rand(1, 8, 16, 16) > 0.1
+        return keep[:, torch.arange(2, 4)] & (x > 0)
+
+    return make_fx(rank_mask)(torch.randn(1, 2, 16, 16))
+
+
+def test_a_fused_chain_a_gather_reads_costs_the_slice_it_reads():
+    # Inductor draws rand inside the gather's kernel, only at the rank's heads: the chain costs 2/8
+    from recompile_opt.costs.cost_model import demanded_fraction, is_fusible_pointwise, is_generated_random
+
+    gm = _mask_slice_graph()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    fuses_with_inductors_rng = lambda n: is_fusible_pointwise(n) or is_generated_random(n)  # noqa: E731
+    assert demanded_fraction(nodes["rand"], fuses_with_inductors_rng, {}) == 2 / 8
+    assert demanded_fraction(nodes["gt"], fuses_with_inductors_rng, {}) == 2 / 8
+    # eager's replay draws the whole tensor; a value a non-gathering op reads is made whole
+    assert demanded_fraction(nodes["rand"], is_fusible_pointwise, {}) == 1.0
+    assert demanded_fraction(nodes["arange"], fuses_with_inductors_rng, {}) == 1.0
+
+
+def test_a_gather_reads_one_source_element_per_element_it_writes():
+    from recompile_opt.costs.cost_model import node_cost
+
+    gm = _mask_slice_graph()
+    index = next(n for n in gm.graph.nodes if n.op == "call_function" and "index" in str(n.target))
+    roofline = {"flops_per_s": 1e12, "bytes_per_s": 1e9}
+    # writes 2*16*16 bools, reads as many bools of the 8-head mask and the 2 int64 indices
+    assert node_cost(index, roofline).traffic_bytes == 2 * 16 * 16 + 2 * 16 * 16 + 2 * 8

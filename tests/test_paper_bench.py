@@ -129,3 +129,24 @@ def test_tensor_parallel_sends_four_all_reduces_per_layer(tp_rows, model):
     [s, b, h] 16-bit activations, a ring sending 2(t-1)/t of it (Megatron's communication per layer)."""
     h, _ = MODELS[model]
     assert tp_rows[(model, False, "none")]["sent_bytes"] == 4 * 2 * (T - 1) * (2 * S * B * h) // T
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["22B", "175B"])
+def test_the_ilp_at_selectives_bytes_recomputes_only_the_attention_core(tp_rows, model):
+    """TP+SP, the ILP at 1.01 x 34sbh/t: it finds Megatron's selective recompute by itself, keeping no
+    s x s tensor (the rank's slice of the attention dropout mask included: under Inductor's RNG its
+    recompute draws only the rank's heads) and recomputing matmuls of the attention core only."""
+    h, _ = MODELS[model]
+    r = tp_rows[(model, True, "ilp")]
+    assert r["plan_bytes"] <= 1.01 * 34 * S * B * h / T
+    assert r["s2_kept_bytes"] == 0, r
+    assert r["recomputed_modules"] == ["block.attn"], r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_full_recompute_keeps_no_attention_sized_tensor(tp_rows, sp):
+    """``full`` keeps a layer's boundaries, never the attention dropout mask (a cast of it that only
+    the backward reads once made the mask look like the block's output)."""
+    assert tp_rows[("22B", sp, "full")]["s2_kept_bytes"] == 0

@@ -11,6 +11,10 @@
   own output never goes to memory. Charging it the full traffic of an unfused op made a recomputed
   SwiGLU cost 4x what Inductor pays, and the no-budget plan kept 46 MiB of a 2-layer Llama where
   torch.compile's min-cut keeps 36.6 MiB at the same measured step time.
+* A gather (``index``) reads one source element per element it writes; and a fused chain that only a
+  gather or slice reads is computed only where it is read (:func:`demanded_fraction`): Inductor, with its
+  own RNG, draws a rank's heads of one process's dropout mask, ``rand(full) > p`` then ``index``, inside
+  the gathering kernel, at the slice's cost.
 * Saving a tensor is not free either: it is written in the forward and read in the backward, so the
   planner charges ``2 * bytes / bytes_per_s`` per kept storage (this is why recomputing a cheap
   pointwise op can beat saving its output, as Inductor's own min-cut partitioner also finds).
@@ -113,6 +117,16 @@ def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost
     return NodeCost(int(flops), int(traffic), seconds)
 
 
+@register_traffic_formula(torch.ops.aten.index)
+def _gather_traffic(node: fx.Node) -> int:
+    """A gather reads one element of its source per element it writes (and its indices), not the
+    whole source."""
+    out, source = node.meta.get("val"), node.args[0].meta.get("val")
+    indices = [t for t in _tensors([a.meta.get("val") for a in node.all_input_nodes[1:]])]
+    read = _numel(node) * source.element_size() if isinstance(source, torch.Tensor) else 0
+    return tensor_bytes(out) + read + sum(tensor_bytes(t) for t in indices)
+
+
 def collective_bytes(node: fx.Node) -> int:
     """Bytes one rank sends in a ring collective: all-gather (t-1)/t of its output, reduce-scatter
     (t-1)/t of its input, all-reduce 2(t-1)/t of its tensor (a reduce-scatter then an all-gather)."""
@@ -151,6 +165,59 @@ def is_fusible_pointwise(node: fx.Node) -> bool:
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
             and torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+# Random ops that make their values from the RNG alone, which Inductor's own RNG (not ``fallback_random``)
+# generates element by element inside the kernel that reads them, as it does pointwise ops.
+_GENERATED_RANDOM = {"rand", "randn", "rand_like", "randn_like", "inductor_random"}
+
+
+def is_generated_random(node: fx.Node) -> bool:
+    """``rand``/``randn`` (and Inductor's ``inductor_prims.random``, packet ``inductor_random``): no
+    tensor read, each element drawn on its own; Inductor's own RNG fuses them into their reader like a
+    pointwise op."""
+    packet = getattr(node.target, "_overloadpacket", None)
+    return node.op == "call_function" and getattr(packet, "__name__", "") in _GENERATED_RANDOM
+
+
+_SLICING_VIEWS = {"slice", "select", "narrow"}
+
+
+def demanded_fraction(node: fx.Node, fuses, memo: dict) -> float:
+    """The share of ``node``'s elements its readers read, when it is fused into them (``fuses(n)``:
+    whether ``n`` is computed inside its reader's kernel). Why: a fused producer is computed only where
+    its reader loads it, so a chain that a gather or slice reads (a rank's heads of one process's
+    dropout mask, ``rand(full) > p`` then ``index``) costs the slice, not the whole (Inductor computes
+    only the slice); charged whole, the ILP kept a 32 MiB mask slice of the 22B layer at t = 8 rather
+    than recompute a draw it priced 8x too high. 1.0 when any reader needs the whole."""
+    if node not in memo:
+        readers = list(node.users) if fuses(node) else []
+        memo[node] = min(1.0, max((_share_read(node, u, fuses, memo) for u in readers), default=1.0))
+    return memo[node]
+
+
+def _share_read(node: fx.Node, user: fx.Node, fuses, memo: dict) -> float:
+    numel, user_numel = _numel(node), _numel(user)
+    if not numel or user_numel is None:
+        return 1.0
+    name = getattr(getattr(user.target, "_overloadpacket", None), "__name__", "")
+    if name == "index" and user.args and user.args[0] is node:  # a gather: one element read per output
+        return user_numel / numel
+    if name in _SLICING_VIEWS and user.args and user.args[0] is node:
+        return (user_numel / numel) * demanded_fraction(user, lambda n: n is user or fuses(n), memo)
+    if is_fusible_pointwise(user) and user_numel == numel:
+        return demanded_fraction(user, fuses, memo)
+    return 1.0
+
+
+def _numel(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    n = 1
+    for s in val.shape:
+        n *= _hint(s)
+    return n
 
 
 def _flops(node: fx.Node, out) -> int:
