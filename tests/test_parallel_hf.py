@@ -4,7 +4,8 @@ replicated with a warning and the MLP is still parallel) and ``GPT2LMHeadModel``
 laid out ``[in, out]``, a fused QKV, the LM head tied to the token embedding), with their own loss, on
 gloo ranks: over 3 SGD steps the loss and every gradient (``full_tensor()``) equal one process's, eager
 and compiled by recompile_opt at ``memory_budget`` 1.0, 0.3, 0.0 and Megatron's selective policy (the
-eager compiler: the same partition as Inductor's path; the benchmark models cover Inductor)."""
+eager compiler: the same partition as Inductor's path; the benchmark models cover Inductor); with
+dropout on, each rank applies one process's masks, so the runs equal one process's too."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from test_parallel_rewrite import STEPS, _train
 pytest.importorskip("transformers")
 
 OPTIONS = {"eager": None, "1.0": {"memory_budget": 1.0}, "0.3": {"memory_budget": 0.3},
-           "0.0": {"memory_budget": 0.0}, "selective": {"policy": "megatron-selective"}}
+           "0.0": {"memory_budget": 0.0}, "selective": {"policy": "megatron-selective"},
+           "save-all": {"policy": "save-all"}}
 
 
-def _worker(rank: int, name: str, world: int, keys: tuple, out: str):
+def _worker(rank: int, name: str, world: int, keys: tuple, out: str, dropout: float = 0.0):
     with gloo_rank(rank, world, out):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -35,7 +37,7 @@ def _worker(rank: int, name: str, world: int, keys: tuple, out: str):
             options = OPTIONS[key]
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            model, inputs = build(name)
+            model, inputs = build(name, dropout=dropout)
             recompile_opt.parallelize(model, mesh, [t.to("meta") for t in inputs])
             step_fn = model if options is None else torch.compile(
                 model, backend="recompile_opt", options={**options, "compiler": "eager"})
@@ -96,3 +98,24 @@ def test_hugging_face_models_equal_one_process(name, world, keys, tmp_path):
             assert styles[f"{block}.mlp.c_fc"][:2] == ("column", "Shard(1)")
             assert styles[f"{block}.attn.c_proj"][:2] == styles[f"{block}.mlp.c_proj"][:2] == ("row", "Shard(0)")
             assert res["tied"]  # the LM head and the token embedding still share one parameter
+
+
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
+def test_hugging_face_models_with_dropout_equal_one_process(name, tmp_path):
+    """Dropout 0.1 (GPT-2: embeddings, attention probabilities, residuals, MLP; Llama: attention
+    probabilities) at 2 ranks: each rank applies one process's masks to its rows or heads, so over 3
+    steps the loss and every gradient equal one process's, eager and compiled at save-all and at 0.0,
+    where the backward replays the masks it recomputes (the plans recompute more than save-all)."""
+    keys = ("eager", "save-all", "0.0")
+    run_ranks(_worker, (name, 2, keys, str(tmp_path), 0.1), str(tmp_path), 2)
+    model, inputs = build(name, dropout=0.1)
+    losses, grads = _train(model, model, inputs=lambda: inputs)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")["results"]
+        for key in keys:
+            assert res[key]["losses"] == pytest.approx(losses, rel=1e-5), (key, rank)
+            for step in range(STEPS):
+                for n, g in grads[step].items():
+                    torch.testing.assert_close(res[key]["grads"][step][n], g, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m: f"{key}, rank {rank}, step {step}, {n}: {m}")
+        assert res["0.0"]["recomputed"] > res["save-all"]["recomputed"]
