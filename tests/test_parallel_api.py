@@ -1,7 +1,7 @@
 """``recompile_opt.parallelize`` / ``parallel_plan``, the user's entry to tensor + sequence parallelism, on
 2 gloo ranks: the benchmark GPT through the public calls equals one process (eager, and compiled by
 recompile_opt at 0.0 through the eager compiler; through Inductor in the slow run), and each bad input
-is an error naming what is wrong."""
+is an error naming what is wrong (dynamic shapes included)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ def _errors(rank: int) -> dict:
     model = recompile_opt.parallelize(_model("gpt"), mesh, _batch())
     attempt("other shapes", lambda: model(*(t[:1] for t in _batch())))
     attempt("not parallelized", lambda: recompile_opt.parallel_plan(_model("gpt")))
+    dynamic = torch.compile(model, backend="recompile_opt", dynamic=True, options={"compiler": "eager"})
+    attempt("dynamic", lambda: dynamic(*_batch()))
+    torch._dynamo.reset()
     return out
 
 
@@ -91,6 +94,9 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
         assert errors["sequence"][0] == "ValueError" and f"length {SEQ - 1} is not divisible by 2" in errors["sequence"][1]
         assert errors["other shapes"][0] == "ValueError" and "laid out for inputs" in errors["other shapes"][1]
         assert errors["not parallelized"][0] == "ValueError"
+        # dynamic shapes: one clear error on every rank (it failed inside torch's graph extraction)
+        assert errors["dynamic"][0] == "OptionErrorInCompile"  # recompile_opt.OptionError catches it
+        assert "static shapes" in errors["dynamic"][1] and "dynamic=False" in errors["dynamic"][1]
 
 
 def test_parallelize_needs_torch_distributed():
