@@ -7,6 +7,7 @@ node order (AOTAutograd emits it in autograd-engine order) is the schedule the p
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from pathlib import Path
@@ -22,6 +23,91 @@ from recompile_opt.costs.kernels import consumers
 from recompile_opt.planner.policies import block_of
 from recompile_opt.approximate.actions import MARKERS
 from recompile_opt.planner.problem import Problem, Site, Value
+
+
+def sizes_before_gathers(gm: fx.GraphModule) -> int:
+    """Read a gathered tensor's symbolic size off what made it (the gather's input, ``t`` times its first
+    dimension; through views and matmuls), and drop what only that size kept alive; the number of sizes
+    rewritten.
+
+    Why: under dynamic shapes the backward reads the size of an all-gather's output. The all-gather, and
+    the LM head's matmul feeding it, are then in neither the forward nor the backward of torch's
+    classification, the plan had no place for the matmul's weight, and torch's graph extraction failed
+    ("Node _unsafe_masked_index_put_accumulate_1 was invalid, but is output"). Read off the inputs, the
+    size needs neither the collective nor the matmul."""
+    rewritten, dead = 0, []
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int):
+            continue
+        gather, dim = node.args
+        if not _made_by_gather(gather):
+            continue
+        with gm.graph.inserting_before(node):
+            size = _size_from_makers(gm, gather, dim, node.meta)
+        node.replace_all_uses_with(size)
+        gm.graph.erase_node(node)
+        dead.append(gather)
+        rewritten += 1
+    _erase_unused(gm, dead)
+    return rewritten
+
+
+def _made_by_gather(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and ti.is_all_gather(node.target)
+
+
+_VIEWS_WITH_SHAPE = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
+def _size_from_makers(gm: fx.GraphModule, tensor: fx.Node, dim: int, meta: dict):
+    """Dimension ``dim`` of ``tensor`` as a size expression of the nodes that made it, inserted here."""
+    def call(fn, *args):
+        out = gm.graph.call_function(fn, args)
+        out.meta.update(meta)
+        return out
+
+    def product(factors):
+        ints = [f for f in factors if isinstance(f, int)]
+        out = math.prod(ints)
+        for f in factors:
+            if not isinstance(f, int):
+                out = f if out == 1 else call(operator.mul, out, f)
+        return out
+
+    target = tensor.target if tensor.op == "call_function" else None
+    if _made_by_gather(tensor):
+        inner = _size_from_makers(gm, tensor.args[0], dim, meta)
+        return call(operator.mul, inner, tensor.args[1]) if dim == 0 else inner
+    if target in _VIEWS_WITH_SHAPE:
+        shape = tensor.args[1]
+        if shape[dim] != -1:
+            return shape[dim]
+        source = tensor.args[0]
+        numel = product([_size_from_makers(gm, source, i, meta) for i in range(source.meta["val"].dim())])
+        return call(operator.floordiv, numel, product([d for i, d in enumerate(shape) if i != dim]))
+    if target is torch.ops.aten.mm.default:
+        return _size_from_makers(gm, tensor.args[0] if dim == 0 else tensor.args[1], dim, meta)
+    return call(torch.ops.aten.sym_size.int, tensor, dim)
+
+
+def _erase_unused(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
+    """Erase ``roots`` that nothing reads any more (a gather with only its wait left, the wait unread),
+    and then their inputs that nothing else reads, if they are plain computations."""
+    work = list(roots)
+    while work:
+        node = work.pop()
+        if getattr(node, "_erased", False) or node.op != "call_function":
+            continue
+        users = list(node.users)
+        if users and not all(ti.is_wait_tensor(u.target) and not u.users for u in users):
+            continue
+        if not ti.is_collective_op(node.target) and node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        for u in users:
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
+        work.extend(inputs)
 
 
 class JointGraph:

@@ -39,7 +39,7 @@ from recompile_opt.plan import Plan
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
-from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.approximate import offer_approximations
 from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
@@ -92,6 +92,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         start = time.perf_counter()
         num_fwd_outputs = kwargs["num_fwd_outputs"]
         static = ti.inner_static_indices(gm, kwargs.get("static_lifetime_input_indices"))
+        sizes_before_gathers(gm)
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         problem = build_problem(jg, self.options.roofline_for(jg.device().type),
                                 replay_random=self.replay_random(), random_fuses=self.random_fuses())
@@ -248,7 +249,6 @@ def recompile_opt_backend(gm: fx.GraphModule, example_inputs, options=None, **kw
 
 def _compile(gm: fx.GraphModule, example_inputs, options):
     opts = parse_options(options)
-    _refuse_symbolic_collectives(gm)
     partitioner = RecompilePartitioner(opts)
     key = _plan_key(gm, example_inputs, partitioner)
     if opts.compiler == "eager":
@@ -273,26 +273,6 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
         _note(partitioner, offered)
     _record(partitioner, key, opts)
     return compiled
-
-
-def _refuse_symbolic_collectives(gm: fx.GraphModule) -> None:
-    """A graph with collectives (a model laid out by :func:`recompile_opt.parallelize`) is planned for
-    static shapes only. Why refused, not tried: under ``dynamic=True`` its partition failed inside
-    torch's graph extraction ("Node _unsafe_masked_index_put_accumulate_1 was invalid, but is output":
-    the backward reads a forward matmul the joint graph's classification put in neither set)."""
-    if not any(n.op == "call_function" and ti.is_collective_op(n.target) for n in gm.graph.nodes):
-        return
-    symbolic = [n.name for n in gm.graph.find_nodes(op="placeholder") if _has_symbols(n.meta.get("example_value"))]
-    if symbolic:
-        raise OptionError("recompile_opt: this graph has collectives (a model laid out by recompile_opt.parallelize) "
-                          f"and symbolic sizes (inputs {', '.join(symbolic[:4])}): it is planned for static shapes "
-                          "only; compile it with torch.compile(..., dynamic=False)")
-
-
-def _has_symbols(value) -> bool:
-    if isinstance(value, torch.SymInt):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
 def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten_random: bool = True):

@@ -108,3 +108,31 @@ def test_the_plan_says_what_was_gathered_again_and_what_a_step_sends():
     assert "communication     : 3.00 MiB sent per rank per step" in text
     assert "gathered again in the backward" in text
     assert Plan.from_json(plan.to_json()).collectives == plan.collectives
+
+
+def test_a_gathered_size_is_read_off_what_made_it():
+    """Under dynamic shapes the backward reads the size of the gathered logits; the size is rebuilt from
+    the gather's input (2 ranks times its rows, through ``view(-1, n)`` and the matmul), and the
+    gather, its wait and the matmul that only the size kept alive are gone (they were in neither
+    the forward nor the backward, and the partition failed)."""
+    from recompile_opt.passes.joint_graph import sizes_before_gathers
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"], b.meta["val"] = torch.empty(3, 4), torch.empty(4, 2)
+    mm = g.call_function(torch.ops.aten.mm.default, (a, b))
+    mm.meta["val"] = torch.empty(3, 2)
+    flat = g.call_function(torch.ops.aten.view.default, (mm, [-1, 2]))
+    flat.meta["val"] = torch.empty(3, 2)
+    gathered = g.call_function(c10d.all_gather_into_tensor.default, (flat, 2, "0"))
+    gathered.meta["val"] = torch.empty(6, 2)
+    wait = g.call_function(c10d.wait_tensor.default, (gathered,))
+    wait.meta["val"] = torch.empty(6, 2)
+    rows = g.call_function(torch.ops.aten.sym_size.int, (gathered, 0))
+    g.output(rows)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert sizes_before_gathers(gm) == 1
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {c10d.all_gather_into_tensor.default, c10d.wait_tensor.default, torch.ops.aten.mm.default}
+    gm.recompile()
+    assert gm(torch.randn(3, 4), torch.randn(4, 2)) == 6
