@@ -47,12 +47,17 @@ def _hint(x) -> int:
     return concrete_size(x)
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's own elements (numel * itemsize), symbolic sizes replaced by hints."""
+def elements(t: torch.Tensor) -> int:
+    """The tensor's number of elements, symbolic sizes replaced by hints."""
     numel = 1
     for s in t.shape:
         numel *= _hint(s)
-    return numel * t.element_size()
+    return numel
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's own elements (numel * itemsize), symbolic sizes replaced by hints."""
+    return elements(t) * t.element_size()
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -122,7 +127,7 @@ def _gather_traffic(node: fx.Node) -> int:
     """A gather reads one element of its source per element it writes (and its indices), not the
     whole source."""
     out, source = node.meta.get("val"), node.args[0].meta.get("val")
-    indices = [t for t in _tensors([a.meta.get("val") for a in node.all_input_nodes[1:]])]
+    indices = _tensors([a.meta.get("val") for a in node.all_input_nodes[1:]])
     read = _numel(node) * source.element_size() if isinstance(source, torch.Tensor) else 0
     return tensor_bytes(out) + read + sum(tensor_bytes(t) for t in indices)
 
@@ -212,12 +217,7 @@ def _share_read(node: fx.Node, user: fx.Node, fuses, memo: dict) -> float:
 
 def _numel(node: fx.Node) -> int | None:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return None
-    n = 1
-    for s in val.shape:
-        n *= _hint(s)
-    return n
+    return elements(val) if isinstance(val, torch.Tensor) else None
 
 
 def _flops(node: fx.Node, out) -> int:
