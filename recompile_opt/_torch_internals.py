@@ -251,8 +251,8 @@ def is_collective_op(target) -> bool:
     """Functional collectives (and their waits). Only an all-gather is ever recomputed: every rank runs
     the same plan, so a re-gather in the backward is matched on every rank, and it reads a kept shard;
     a reduction recomputed would add the ranks' partial sums a second time."""
-    namespace = getattr(target, "namespace", None) or getattr(target, "_qualified_op_name", "").split("::")[0]
-    return namespace in ("_c10d_functional", "c10d_functional", "_dtensor")  # an overload, or (Dynamo) a packet
+    namespace = getattr(target, "namespace", "")
+    return namespace in ("_c10d_functional", "c10d_functional", "_dtensor")
 
 
 def collective_name(target) -> str:

@@ -128,7 +128,7 @@ def _gather_traffic(node: fx.Node) -> int:
     whole source."""
     out, source = node.meta.get("val"), node.args[0].meta.get("val")
     indices = _tensors([a.meta.get("val") for a in node.all_input_nodes[1:]])
-    read = _numel(node) * source.element_size() if isinstance(source, torch.Tensor) else 0
+    read = elements(out) * source.element_size() if isinstance(source, torch.Tensor) else 0
     return tensor_bytes(out) + read + sum(tensor_bytes(t) for t in indices)
 
 
@@ -196,9 +196,12 @@ def demanded_fraction(node: fx.Node, fuses, memo: dict) -> float:
     only the slice); charged whole, the ILP kept a 32 MiB mask slice of the 22B layer at t = 8 rather
     than recompute a draw it priced 8x too high. 1.0 when any reader needs the whole."""
     if node not in memo:
-        readers = list(node.users) if fuses(node) else []
-        memo[node] = min(1.0, max((_share_read(node, u, fuses, memo) for u in readers), default=1.0))
+        memo[node] = _share_of_readers(node, fuses, memo) if fuses(node) else 1.0
     return memo[node]
+
+
+def _share_of_readers(node: fx.Node, fuses, memo: dict) -> float:
+    return min(1.0, max((_share_read(node, u, fuses, memo) for u in node.users), default=1.0))
 
 
 def _share_read(node: fx.Node, user: fx.Node, fuses, memo: dict) -> float:
@@ -209,7 +212,7 @@ def _share_read(node: fx.Node, user: fx.Node, fuses, memo: dict) -> float:
     if name == "index" and user.args and user.args[0] is node:  # a gather: one element read per output
         return user_numel / numel
     if name in _SLICING_VIEWS and user.args and user.args[0] is node:
-        return (user_numel / numel) * demanded_fraction(user, lambda n: n is user or fuses(n), memo)
+        return (user_numel / numel) * _share_of_readers(user, fuses, memo)  # a view: no kernel of its own
     if is_fusible_pointwise(user) and user_numel == numel:
         return demanded_fraction(user, fuses, memo)
     return 1.0
