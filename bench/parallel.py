@@ -2,7 +2,8 @@
 process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``parallelize_module`` with
 ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``, compiled by
 plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
-budgets. Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
+budgets, and the hand TP model compiled with ``options={"sequence_parallel": True}`` (made TP+SP by our
+backend; ``hand-tp+sp-option@budget``). Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
 three steps (the allocator's records above the step's start: activations, gradients, temporaries; the
 sharded parameters live before it), then the median of ``--steps`` timed steps, and the bytes one step
 keeps for backward (its saved tensors, parameters excluded).
@@ -39,7 +40,10 @@ from recompile_opt.costs.measure import peak_memory, saved_report, step_time  # 
 
 MiB = 2 ** 20
 OURS_BUDGETS = (None, 0.5, 0.0)  # None: no budget (the least recompute; keeps all, shards gathered again)
-CONFIGS = ("hand-tp", "hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS))
+# the hand TP model made TP+SP by our option sequence_parallel=True (no budget, and the least peak)
+OPTION_BUDGETS = (None, 0.0)
+CONFIGS = ("hand-tp", "hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS),
+           *(f"hand-tp+sp-option@{b}" for b in OPTION_BUDGETS))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,12 +174,15 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     import recompile_opt
     mesh = init_device_mesh("cpu", (world,))
     model, batch = _model(name)
-    if config.startswith("hand"):
+    budget = config.split("@", 1)[1] if "@" in config else "None"
+    options = {} if budget == "None" else {"memory_budget": float(budget)}
+    if config.startswith("hand-tp+sp-option"):
+        model = hand_parallel(name, model, mesh, sequence_parallel=False)
+        fn = torch.compile(model, backend="recompile_opt", options={**options, "sequence_parallel": True})
+    elif config.startswith("hand"):
         model = hand_parallel(name, model, mesh, sequence_parallel=config.endswith("+sp"))
         fn = torch.compile(model)
     else:
-        budget = config.split("@", 1)[1]
-        options = {} if budget == "None" else {"memory_budget": float(budget)}
         model = recompile_opt.parallelize(model, mesh, batch)
         fn = torch.compile(model, backend="recompile_opt", options=options)
     step, losses = _step_fn(model, fn, batch)

@@ -33,7 +33,9 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
         info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
     bwd = set(info.required_bw_nodes)
     replayed = _tag_replayed_random_ops(nodes, recomputed)
-    saved_values = [n for n in nodes if n.name in saved]
+    # an opaque input (a mesh) a plan lists as kept goes over with the opaque objects below, not among
+    # the saved tensors (AOTAutograd's runtime checks their types: a hand TP model's mesh at save-all)
+    saved_values = [n for n in nodes if n.name in saved and not ti.is_opaque_node(n)]
     saved_sym_nodes = [n for n in nodes if ti.is_sym_node(n) and n not in bwd
                        and any(u in bwd or u.name in recomputed for u in n.users)]
     # opaque inputs the backward reads (a DTensor parameter's mesh, which its gradient is rebuilt with):
@@ -48,9 +50,27 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
                 gm, saved_values, saved_sym_nodes=saved_sym_nodes, saved_opaque_nodes=saved_opaque,
                 num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=info.static_lifetime_input_nodes)
         if replayed:
-            fw, bw = ti.functionalize_rng_ops(gm, fw, bw, len(saved_sym_nodes))
+            fw, bw = _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes, saved_opaque)
         bw = _reorder_in_place(bw) if for_simulation else ti.reordering_to_mimic_autograd_engine(bw)
         return ti.raise_getitems(fw), ti.raise_getitems(bw)
+
+
+def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list):
+    """``ti.functionalize_rng_ops`` with the RNG states placed among the saved tensors, before the opaque
+    objects. Why: torch inserts them just before the saved symbols in the forward's outputs and just
+    before the tangents in the backward's inputs, which is the saved tensors' end only where no opaque
+    object is handed over; with one (a hand TP model's mesh), AOTAutograd's runtime read a state as the
+    mesh and the mesh as a tensor ("expected all tensors_saved_with_vc_check to be Tensors")."""
+    before = {n.name for n in bw.graph.find_nodes(op="placeholder")}
+    fw, bw = ti.functionalize_rng_ops(gm, fw, bw, len(saved_sym_nodes) + len(saved_opaque))
+    opaque = {n.name for n in saved_opaque}
+    inputs = bw.graph.find_nodes(op="placeholder")
+    first_opaque = next((n for n in inputs if n.name in opaque), None)
+    if first_opaque is not None:
+        for state in [n for n in inputs if n.name not in before]:
+            first_opaque.prepend(state)
+        bw.recompile()
+    return fw, bw
 
 
 def _extract_for_reading(gm: fx.GraphModule, saved_values: list[fx.Node], saved_sym_nodes: list[fx.Node],

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split
-from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager
+from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager, note, sequence_parallel_of
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import InfeasibleBudget
@@ -50,7 +50,9 @@ def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Pl
     partitioner = RecompilePartitioner(opts)
 
     def capture(gm: fx.GraphModule, graph_inputs):
+        sequence = sequence_parallel_of(gm, opts)
         compile_eager(gm, graph_inputs, partitioner, aten_random=aten_random)
+        note(partitioner, sequence)
         return _empty_outputs(gm)
 
     # every capture is a new backend for the same code: lift Dynamo's recompile limit (8), or the

@@ -46,6 +46,7 @@ from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.passes.partition import partition
 from recompile_opt.parallel.agreement import check_same_plan
+from recompile_opt.parallel.sequence_pass import add_sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -250,9 +251,11 @@ def recompile_opt_backend(gm: fx.GraphModule, example_inputs, options=None, **kw
 def _compile(gm: fx.GraphModule, example_inputs, options):
     opts = parse_options(options)
     partitioner = RecompilePartitioner(opts)
+    sequence = sequence_parallel_of(gm, opts)
     key = _plan_key(gm, example_inputs, partitioner)
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
+        note(partitioner, sequence)
     else:
         chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
         offered = offer_approximations_of(gm, opts)
@@ -269,8 +272,9 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
             finally:
                 partitioner.compiling = False
         partitioner.finish_peak(lowered)
-        _note(partitioner, chunked)
-        _note(partitioner, offered)
+        note(partitioner, chunked)
+        note(partitioner, offered)
+        note(partitioner, sequence)
     _record(partitioner, key, opts)
     return compiled
 
@@ -308,11 +312,17 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
                                   keep_inference_input_mutations=True)
         compiled = backend(gm, example_inputs)
     if fused:
-        _note(partitioner, [f"meta device: {fused} attention call(s) planned as the fused kernel "
+        note(partitioner, [f"meta device: {fused} attention call(s) planned as the fused kernel "
                             f"target_device={target!r} runs (its output and logsumexp, no s x s tensor)"])
-    _note(partitioner, chunked)
-    _note(partitioner, offered)
+    note(partitioner, chunked)
+    note(partitioner, offered)
     return compiled
+
+
+def sequence_parallel_of(gm: fx.GraphModule, options: Options) -> list[str]:
+    """Option ``sequence_parallel``: a hand tensor-parallel Dynamo graph made tensor + sequence parallel
+    in place, first of all passes (:mod:`recompile_opt.parallel.sequence_pass`); the plan's note lines."""
+    return add_sequence_parallel(gm) if options.sequence_parallel else []
 
 
 def offer_approximations_of(gm: fx.GraphModule, options: Options) -> list[str]:
@@ -394,7 +404,7 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
     return taken, notes, unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
 
 
-def _note(partitioner, lines: list[str] | Chunked) -> None:
+def note(partitioner, lines: list[str] | Chunked) -> None:
     """Add ``lines`` (and the chunked regions) to the plan just made for this graph (none on a cache hit)."""
     if not getattr(partitioner, "plans", None):
         return

@@ -61,6 +61,9 @@ class Options:
     # GELU/SiLU codes, "linear": ratio in (0, 1] allowed for randomized linear backward}; the ILP chooses
     # per value where to use them. None (False): exact plans only
     approximate: dict | None = None
+    # a model laid out by hand as tensor parallel (parallelize_module's Colwise/RowwiseParallel) made
+    # tensor + sequence parallel in its graph (parallel/sequence_pass.py)
+    sequence_parallel: bool = False
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -138,10 +141,11 @@ def parse_options(raw: dict | Options | None) -> Options:
     if out.get("policy", "auto") != "auto" and limits:
         raise OptionError(f"option 'policy': {out['policy']!r} is a fixed baseline and takes no "
                           f"{' or '.join(limits)}; accepted with a limit: 'auto' (the default, the ILP)")
-    if "strict" in raw:
-        if not isinstance(raw["strict"], bool):
-            raise OptionError(f"option 'strict': got {raw['strict']!r}; accepted values: True, False")
-        out["strict"] = raw["strict"]
+    for name in ("strict", "sequence_parallel"):
+        if name in raw:
+            if not isinstance(raw[name], bool):
+                raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: True, False")
+            out[name] = raw[name]
     if "time_limit_s" in raw:
         t = raw["time_limit_s"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:

@@ -1,0 +1,234 @@
+"""Option ``sequence_parallel=True``: a model a user laid out by hand as tensor parallel (DTensor's
+``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``) made tensor + sequence parallel
+in its Dynamo graph, before AOTAutograd (issue 22, step 11).
+
+Why the Dynamo graph: the parallel styles' hooks trace into it as DTensor calls whose placements are
+plain arguments (``DTensor.from_local(x, mesh, (Replicate(),))`` before a column-parallel linear,
+``y.redistribute((Replicate(),)).to_local()`` after a row-parallel one), so Megatron's sequence
+parallelism is a change of three kinds of node, and autograd derives the conjugate backward (an
+all-gather's is a reduce-scatter) as for a hand-written TP+SP model:
+
+* a row-parallel output (a ``Partial`` DTensor, also the vocabulary-parallel embedding's) redistributed
+  to ``Shard(1)`` instead of ``Replicate()``: a reduce-scatter, each rank keeps its rows of the sequence;
+* the per-token ops after it (norms, residual adds, dropout, casts, activations: :data:`PER_TOKEN`) run
+  on those rows; an operand that runs the whole sequence (GPT's position embedding) is split to the
+  rank's rows (its gradient all-gathered back), and one that is broadcast over the sequence and needs a
+  gradient (a norm's weight) has that gradient summed over the ranks (Megatron's ``f``);
+* a column-parallel linear's input ``from_local(rows, mesh, (Replicate(),))`` becomes
+  ``from_local(rows, mesh, (Shard(1),)).redistribute((Replicate(),))``: an all-gather; any other reader
+  of a rank's rows (a reshape, the loss, the graph's output) reads them gathered, with a backward that
+  keeps the rank's slice of a gradient every rank computes whole.
+
+A dropout on the rows draws the mask the tensor-parallel model drew (the full one, every rank alike) and
+applies the rank's slice (:mod:`recompile_opt.parallel.dropout`), so the step equals the TP model's.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from recompile_opt.options import OptionError
+from recompile_opt.parallel import collectives as C
+from recompile_opt.parallel.dropout import sliced_dropout
+
+SEQ = 1  # the sequence dimension of a [b, s, h] activation (torchtitan's and Hugging Face's layout)
+
+# ops whose every output row depends only on the same row of their inputs (reductions only over the
+# last dimension, checked by :func:`_per_token`), by their function's or method's name
+PER_TOKEN = {"add", "iadd", "sub", "mul", "imul", "truediv", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "tanh",
+             "sigmoid", "relu", "gelu", "silu", "dropout", "layer_norm", "rms_norm", "float", "half", "bfloat16",
+             "to", "type_as", "contiguous", "clone", "mean", "sum", "amax", "softmax", "log_softmax"}
+_LAST_DIM = {"mean", "sum", "amax", "softmax", "log_softmax"}
+
+
+def add_sequence_parallel(gm: fx.GraphModule) -> list[str]:
+    """Rewrite ``gm`` (a Dynamo graph of a tensor-parallel model) in place as tensor + sequence parallel;
+    returns the plan's note lines. A graph without a row-parallel output is left as it is (a note says
+    so); dynamic shapes and meshes of more than one dimension are refused."""
+    seeds = [n for n in gm.graph.nodes if _row_parallel_output(n)]
+    if not seeds:
+        return ["sequence parallel: no row-parallel output redistributed to Replicate() in this graph; "
+                "left as it is"]
+    mesh = _dtensor(seeds[0].args[0]).device_mesh
+    if mesh.ndim != 1:
+        raise OptionError(f"option 'sequence_parallel': needs a 1-D tensor-parallel mesh, got a {mesh.ndim}-D one")
+    length = _shape(seeds[0].args[0])[SEQ]
+    if not isinstance(length, int):
+        raise OptionError("option 'sequence_parallel': the sequence length is dynamic in this graph; "
+                          "compile with dynamic=False")
+    return _Rewrite(gm, mesh, length).run(seeds)
+
+
+class _Rewrite:
+    def __init__(self, gm: fx.GraphModule, mesh, length: int):
+        self.gm, self.graph, self.mesh, self.length = gm, gm.graph, mesh, length
+        self.tp, self.rank = mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group().group_name
+        if length % self.tp:
+            raise OptionError(f"option 'sequence_parallel': the sequence length {length} does not split over "
+                              f"{self.tp} ranks")
+        self.rows: set[fx.Node] = set()  # nodes whose value is now this rank's rows of the sequence
+        self.summed: dict[fx.Node, fx.Node] = {}  # operand -> f(operand): its gradient summed over the ranks
+        self.gathered: dict[fx.Node, fx.Node] = {}  # rows -> their all-gathered DTensor (q, k, v share one)
+        self.counts = {"reduce-scatter": 0, "all-gather": 0, "gathered for a replicated reader": 0,
+                       "split to rows": 0, "dropout sliced": 0}
+
+    def run(self, seeds: list[fx.Node]) -> list[str]:
+        from torch.distributed.tensor import Shard
+        for redistribute in seeds:
+            redistribute.update_kwarg("placements", (Shard(SEQ),))
+            self.rows.add(next(iter(redistribute.users)))  # its to_local()
+            self.counts["reduce-scatter"] += 1
+        for node in list(self.graph.nodes):
+            if node in self.rows or not any(a in self.rows for a in node.all_input_nodes):
+                continue
+            if _per_token(node) and _ndim(node) >= 2:
+                self._on_rows(node)
+            elif _from_local_replicated(node):
+                self._gather_into_dtensor(node)
+            else:
+                self._gather_for(node)
+        self.graph.lint()
+        self.gm.recompile()
+        counts = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)
+        return [f"sequence parallel (option sequence_parallel=True, t = {self.tp}): {counts}; "
+                f"{len(self.rows)} values run on the rank's {self.length // self.tp} of {self.length} rows"]
+
+    def _on_rows(self, node: fx.Node) -> None:
+        """``node`` runs on the rank's rows: its full-length operands split, its broadcast ones summed."""
+        out_ndim = _ndim(node)
+        for a in list(node.all_input_nodes):
+            if a in self.rows:
+                continue
+            d = SEQ - (out_ndim - _ndim(a))
+            if 0 <= d < _ndim(a) and _shape(a)[d] == self.length:
+                node.replace_input_with(a, self._split(a, node, d))
+            elif _requires_grad(a):
+                node.replace_input_with(a, self._summed(a))
+        if _name(node) == "dropout":
+            self._slice_dropout(node)
+        self.rows.add(node)
+
+    def _split(self, a: fx.Node, before: fx.Node, d: int) -> fx.Node:
+        with self.graph.inserting_before(before):
+            self.counts["split to rows"] += 1
+            return self.graph.call_function(C.split_sequence, (a, self.group, d),
+                                            {"size": self.tp, "rank": self.rank})
+
+    def _summed(self, a: fx.Node) -> fx.Node:
+        if a not in self.summed:
+            with self.graph.inserting_after(a):
+                self.summed[a] = self.graph.call_function(C.copy_to_tensor_parallel, (a, self.group))
+        return self.summed[a]
+
+    def _slice_dropout(self, node: fx.Node) -> None:
+        """The TP model's dropout mask (full, alike on every rank), the rank's rows of it applied."""
+        x, p, train = _dropout_args(node)
+        if not train or p == 0:
+            return
+        rows = self.length // self.tp
+        node.target = sliced_dropout
+        node.args, node.kwargs = (x, p, True, tuple(_shape(node)), ((SEQ, self.rank * rows, rows),)), {}
+        self.counts["dropout sliced"] += 1
+
+    def _gather_into_dtensor(self, node: fx.Node) -> None:
+        """A column-parallel linear's replicated input, all-gathered from the rows: its gradient is
+        reduce-scattered back (DTensor's redistribute from ``Shard`` and its backward)."""
+        from torch.distributed.tensor import Replicate, Shard
+        rows = node.args[0]
+        if rows in self.gathered:  # another linear of the same input (q, k and v): one gather for all
+            node.replace_all_uses_with(self.gathered[rows])
+            self.graph.erase_node(node)
+            return
+        node.update_arg(2, (Shard(SEQ),))
+        with self.graph.inserting_after(node):
+            gathered = self.graph.call_method("redistribute", (node,), {"placements": (Replicate(),)})
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        self.gathered[rows] = gathered
+        self.counts["all-gather"] += 1
+
+    def _gather_for(self, node: fx.Node) -> None:
+        """Any other reader of rows reads the whole sequence, as every rank computes it whole."""
+        for a in [a for a in node.all_input_nodes if a in self.rows]:
+            with self.graph.inserting_before(node):
+                whole = self.graph.call_function(C.gather_sequence_for_replicated, (a, self.group, SEQ),
+                                                 {"size": self.tp, "rank": self.rank})
+            node.replace_input_with(a, whole)
+            self.counts["gathered for a replicated reader"] += 1
+
+
+def _row_parallel_output(node: fx.Node) -> bool:
+    """``redistribute(partial, placements=(Replicate(),))`` read only by its ``to_local()``, on a
+    ``[b, s, h]`` value: RowwiseParallel's output hook (and a vocabulary-parallel embedding's)."""
+    from torch.distributed.tensor import Partial, Replicate
+    if node.op != "call_method" or node.target != "redistribute":
+        return False
+    value = _dtensor(node.args[0])
+    placements = node.kwargs.get("placements", node.args[1] if len(node.args) > 1 else None)
+    return (value is not None and len(value.shape) == 3 and tuple(placements or ()) == (Replicate(),)
+            and all(isinstance(p, Partial) for p in value.placements)
+            and len(node.users) == 1 and next(iter(node.users)).target == "to_local")
+
+
+def _from_local_replicated(node: fx.Node) -> bool:
+    from torch.distributed.tensor import Replicate
+    return (node.op == "call_function" and getattr(node.target, "__name__", "") == "from_local"
+            and len(node.args) >= 3 and tuple(node.args[2]) == (Replicate(),))
+
+
+def _per_token(node: fx.Node) -> bool:
+    name = _name(node)
+    if name not in PER_TOKEN:
+        return False
+    if name in _LAST_DIM:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        return dim is not None and not isinstance(dim, (list, tuple)) and dim in (-1, _ndim(node.args[0]) - 1)
+    if name == "layer_norm":
+        shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else ())
+        return len(shape) < _ndim(node.args[0]) - SEQ
+    return True
+
+
+def _name(node: fx.Node) -> str | None:
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        if node.target in (operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
+                           operator.truediv, operator.neg, operator.pow):
+            return node.target.__name__
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def _dropout_args(node: fx.Node) -> tuple:
+    names = ("input", "p", "training")
+    defaults = (None, 0.5, True)
+    values = [node.kwargs.get(n, node.args[i] if i < len(node.args) else defaults[i]) for i, n in enumerate(names)]
+    return tuple(values)
+
+
+def _value(node):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _dtensor(node):
+    from torch.distributed.tensor import DTensor
+    value = _value(node)
+    return value if isinstance(value, DTensor) else None
+
+
+def _shape(node) -> tuple:
+    value = _value(node)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _ndim(node) -> int:
+    return len(_shape(node))
+
+
+def _requires_grad(node) -> bool:
+    value = _value(node)
+    return isinstance(value, torch.Tensor) and value.requires_grad
