@@ -79,6 +79,11 @@ def _worker(rank: int, out: str, compiler: str, budgets: tuple):
                     step_fn = torch.compile(model, backend="recompile_opt", options=options)
                     results[name, budget, sp] = (*_train(model, step_fn, _batch()), _plan_summary())
                     progress(out, rank, f"{name} {budget} sp={sp} done")
+        # recompile_opt.plan plans what the compile plans
+        torch._dynamo.reset()
+        model = bench.hand_parallel("llama", _model("llama"), mesh, sequence_parallel=False)
+        plan = recompile_opt.plan(model, _batch(), memory_budget=0.0, compiler=compiler, sequence_parallel=True)
+        results["plan"] = (plan.notes, plan.min_bytes, results["llama", 0.0, True][2]["least"])
         # a sequence the ranks cannot split evenly: a clear error at compile time
         torch._dynamo.reset()
         model = bench.hand_parallel("gpt", _model("gpt"), mesh, sequence_parallel=False)
@@ -128,6 +133,8 @@ def test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel(com
             else:
                 assert sp["kept"] < tp["kept"], (name, sp["kept"], tp["kept"])
     assert "sequence length 15 does not split over 2 ranks" in results["odd"]
+    notes, least, compiled_least = results["plan"]
+    assert any("sequence parallel" in n for n in notes) and least == compiled_least
 
 
 def test_the_option_is_a_bool_and_a_graph_without_tensor_parallel_is_left_as_it_is():
