@@ -73,6 +73,7 @@ class _Rewrite:
         self.rows: set[fx.Node] = set()  # nodes whose value is now this rank's rows of the sequence
         self.summed: dict[fx.Node, fx.Node] = {}  # operand -> f(operand): its gradient summed over the ranks
         self.gathered: dict[fx.Node, fx.Node] = {}  # rows -> their all-gathered DTensor (q, k, v share one)
+        self.batches: dict[torch.dtype, fx.Node] = {}  # dtype -> the parameters' one f (see _summed)
         self.counts = {"reduce-scatter": 0, "all-gather": 0, "gathered for a replicated reader": 0,
                        "split to rows": 0, "dropout sliced": 0}
 
@@ -119,9 +120,24 @@ class _Rewrite:
                                             {"size": self.tp, "rank": self.rank})
 
     def _summed(self, a: fx.Node) -> fx.Node:
-        if a not in self.summed:
+        """``a`` with its gradient summed over the ranks. The parameters (graph inputs) of one dtype share
+        one all-reduce in the backward, as in ``parallelize``'s graphs (one collective a step for every
+        norm weight, not one each: each gloo collective also allocates buffers of its own)."""
+        if a in self.summed:
+            return self.summed[a]
+        if a.op != "placeholder":
             with self.graph.inserting_after(a):
                 self.summed[a] = self.graph.call_function(C.copy_to_tensor_parallel, (a, self.group))
+            return self.summed[a]
+        dtype = _value(a).dtype
+        batch = self.batches.get(dtype)
+        if batch is None:
+            with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
+                batch = self.batches[dtype] = self.graph.call_function(C.copy_all_to_tensor_parallel,
+                                                                       ([], self.group))
+        batch.update_arg(0, [*batch.args[0], a])
+        with self.graph.inserting_after(batch):
+            self.summed[a] = self.graph.call_function(operator.getitem, (batch, len(batch.args[0]) - 1))
         return self.summed[a]
 
     def _slice_dropout(self, node: fx.Node) -> None:
