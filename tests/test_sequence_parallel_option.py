@@ -17,6 +17,7 @@ import recompile_opt
 from recompile_opt import OptionError, models
 
 from multiprocess import gloo_rank, progress, run_ranks
+from test_parallel_rewrite import _train as _train_steps
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import parallel as bench  # noqa: E402
@@ -35,19 +36,8 @@ def _batch(seq: int = SEQ):
     return torch.randint(0, 64, (2, seq), generator=g), torch.randint(0, 64, (2, seq), generator=g)
 
 
-def _train(model, step_fn, batch) -> tuple[list, list]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)  # DTensor and plain parameters mixed
-    torch.manual_seed(2)  # dropout's masks: the same generator state on every rank and in every run
-    losses, grads = [], []
-    for _ in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        loss = step_fn(*batch)
-        loss.backward()
-        losses.append(float(loss))
-        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                      for n, p in model.named_parameters()})
-        opt.step()
-    return losses, grads
+def _train(model, step_fn, batch):
+    return _train_steps(model, step_fn, STEPS, inputs=lambda: batch)
 
 
 def _plan_summary() -> dict:
