@@ -67,7 +67,8 @@ def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list
     inputs = bw.graph.find_nodes(op="placeholder")
     first_opaque = next((n for n in inputs if n.name in opaque), None)
     if first_opaque is not None:
-        for state in [n for n in inputs if n.name not in before]:
+        # (only the CPU path's states: the graph-safe path's bwd_rng_state_* inputs stay last, as passed)
+        for state in [n for n in inputs if n.name not in before and n.name.startswith("rng_state_output")]:
             first_opaque.prepend(state)
         bw.recompile()
     return fw, bw

@@ -69,6 +69,7 @@ def _worker(rank: int, out: str, compiler: str, budgets: tuple):
                     step_fn = torch.compile(model, backend="recompile_opt", options=options)
                     results[name, budget, sp] = (*_train(model, step_fn, _batch()), _plan_summary())
                     progress(out, rank, f"{name} {budget} sp={sp} done")
+        results["odd layouts"] = _odd_layouts(mesh)
         # recompile_opt.plan plans what the compile plans
         torch._dynamo.reset()
         model = bench.hand_parallel("llama", _model("llama"), mesh, sequence_parallel=False)
@@ -85,6 +86,49 @@ def _worker(rank: int, out: str, compiler: str, budgets: tuple):
             results["odd"] = str(e)
         torch.save(results, os.path.join(out, f"rank{rank}.pt"))
         progress(out, rank, "results saved")
+
+
+class _SequenceWide(torch.nn.Module):
+    """After a row-parallel pair: per-token ops, then a softmax over the sequence (the mean over the
+    last dimension of a ``[b, s]`` value is a mean over the sequence, not per token), and a row output
+    redistributed with its placements given positionally (``redistribute(mesh, placements)``)."""
+
+    def __init__(self, mesh, positional: bool):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 16)
+        self.w = torch.nn.Parameter(torch.ones(8))
+        self.mesh, self.positional = mesh, positional
+
+    def forward(self, x):
+        from torch.distributed.tensor import Replicate
+        h = self.b(self.a(x))
+        if self.positional:
+            h = h.redistribute(self.mesh, (Replicate(),)).to_local()
+        h = h * self.w
+        weights = h.mean(-1).softmax(-1).unsqueeze(-1)
+        return self.c(h * weights).sum()
+
+
+def _odd_layouts(mesh) -> dict:
+    """Each odd model's eager loss and weight gradient, and the same compiled with the option."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    out = {}
+    for positional in (False, True):
+        runs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _SequenceWide(mesh, positional)
+            row = RowwiseParallel(output_layouts=Partial(), use_local_output=False) if positional else RowwiseParallel()
+            parallelize_module(model, mesh, {"a": ColwiseParallel(), "b": row, "c": ColwiseParallel()})
+            step = torch.compile(model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True}
+                                 ) if compiled else model
+            loss = step(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)))
+            loss.backward()
+            runs.append((loss.item(), model.w.grad.clone()))
+        out[positional] = runs
+    return out
 
 
 @pytest.mark.parametrize("compiler,budgets", [("eager", (None, 0.0)),
@@ -123,6 +167,9 @@ def test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel(com
             else:
                 assert sp["kept"] < tp["kept"], (name, sp["kept"], tp["kept"])
     assert "sequence length 15 does not split over 2 ranks" in results["odd"]
+    for positional, ((want_loss, want_grad), (loss, grad)) in results["odd layouts"].items():
+        assert loss == pytest.approx(want_loss, rel=1e-5), positional
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-5)
     notes, least, compiled_least = results["plan"]
     assert any("sequence parallel" in n for n in notes) and least == compiled_least
 

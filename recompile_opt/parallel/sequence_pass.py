@@ -55,21 +55,22 @@ def add_sequence_parallel(gm: fx.GraphModule) -> list[str]:
     mesh = _dtensor(seeds[0].args[0]).device_mesh
     if mesh.ndim != 1:
         raise OptionError(f"option 'sequence_parallel': needs a 1-D tensor-parallel mesh, got a {mesh.ndim}-D one")
-    length = _shape(seeds[0].args[0])[SEQ]
-    if not isinstance(length, int):
+    lengths = sorted({_shape(seed.args[0])[SEQ] for seed in seeds}, key=str)
+    if not all(isinstance(n, int) for n in lengths):
         raise OptionError("option 'sequence_parallel': the sequence length is dynamic in this graph; "
                           "compile with dynamic=False")
-    return _Rewrite(gm, mesh, length).run(seeds)
+    for n in lengths:
+        if n % mesh.size():
+            raise OptionError(f"option 'sequence_parallel': the sequence length {n} does not split over "
+                              f"{mesh.size()} ranks")
+    return _Rewrite(gm, mesh, lengths).run(seeds)
 
 
 class _Rewrite:
-    def __init__(self, gm: fx.GraphModule, mesh, length: int):
-        self.gm, self.graph, self.mesh, self.length = gm, gm.graph, mesh, length
+    def __init__(self, gm: fx.GraphModule, mesh, lengths: list[int]):
+        self.gm, self.graph, self.mesh, self.lengths = gm, gm.graph, mesh, lengths
         self.tp, self.rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group().group_name
-        if length % self.tp:
-            raise OptionError(f"option 'sequence_parallel': the sequence length {length} does not split over "
-                              f"{self.tp} ranks")
         self.rows: set[fx.Node] = set()  # nodes whose value is now this rank's rows of the sequence
         self.summed: dict[fx.Node, fx.Node] = {}  # operand -> f(operand): its gradient summed over the ranks
         self.gathered: dict[fx.Node, fx.Node] = {}  # rows -> their all-gathered DTensor (q, k, v share one)
@@ -80,7 +81,10 @@ class _Rewrite:
     def run(self, seeds: list[fx.Node]) -> list[str]:
         from torch.distributed.tensor import Shard
         for redistribute in seeds:
-            redistribute.update_kwarg("placements", (Shard(SEQ),))
+            if "placements" in redistribute.kwargs:
+                redistribute.update_kwarg("placements", (Shard(SEQ),))
+            else:
+                redistribute.update_arg(2, (Shard(SEQ),))
             self.rows.add(next(iter(redistribute.users)))  # its to_local()
             self.counts["reduce-scatter"] += 1
         for node in list(self.graph.nodes):
@@ -96,16 +100,18 @@ class _Rewrite:
         self.gm.recompile()
         counts = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)
         return [f"sequence parallel (option sequence_parallel=True, t = {self.tp}): {counts}; "
-                f"{len(self.rows)} values run on the rank's {self.length // self.tp} of {self.length} rows"]
+                f"{len(self.rows)} values run on the rank's 1/{self.tp} of the rows "
+                f"(sequence length {', '.join(map(str, self.lengths))})"]
 
     def _on_rows(self, node: fx.Node) -> None:
         """``node`` runs on the rank's rows: its full-length operands split, its broadcast ones summed."""
-        out_ndim = _ndim(node)
-        for a in list(node.all_input_nodes):
+        out_ndim, length = _ndim(node), _shape(node)[SEQ]
+        operands = node.all_input_nodes[:1] if _name(node) == "type_as" else node.all_input_nodes  # (a dtype)
+        for a in list(operands):
             if a in self.rows:
                 continue
             d = SEQ - (out_ndim - _ndim(a))
-            if 0 <= d < _ndim(a) and _shape(a)[d] == self.length:
+            if 0 <= d < _ndim(a) and _shape(a)[d] == length:
                 node.replace_input_with(a, self._split(a, node, d))
             elif _requires_grad(a):
                 node.replace_input_with(a, self._summed(a))
@@ -145,7 +151,7 @@ class _Rewrite:
         x, p, train = _dropout_args(node)
         if not train or p == 0:
             return
-        rows = self.length // self.tp
+        rows = _shape(node)[SEQ] // self.tp
         node.target = sliced_dropout
         node.args, node.kwargs = (x, p, True, tuple(_shape(node)), ((SEQ, self.rank * rows, rows),)), {}
         self.counts["dropout sliced"] += 1
@@ -183,7 +189,7 @@ def _row_parallel_output(node: fx.Node) -> bool:
     if node.op != "call_method" or node.target != "redistribute":
         return False
     value = _dtensor(node.args[0])
-    placements = node.kwargs.get("placements", node.args[1] if len(node.args) > 1 else None)
+    placements = _arg(node, 2, "placements", None)  # redistribute(self, device_mesh, placements)
     return (value is not None and len(value.shape) == 3 and tuple(placements or ()) == (Replicate(),)
             and all(isinstance(p, Partial) for p in value.placements)
             and len(node.users) == 1 and next(iter(node.users)).target == "to_local")
@@ -192,20 +198,31 @@ def _row_parallel_output(node: fx.Node) -> bool:
 def _from_local_replicated(node: fx.Node) -> bool:
     from torch.distributed.tensor import Replicate
     return (node.op == "call_function" and getattr(node.target, "__name__", "") == "from_local"
-            and len(node.args) >= 3 and tuple(node.args[2]) == (Replicate(),))
+            and len(node.args) >= 3 and tuple(node.args[2] or ()) == (Replicate(),))
 
 
 def _per_token(node: fx.Node) -> bool:
+    """Whether each row of ``node``'s value depends only on the same row of its inputs: a reduction or
+    norm only over dimensions after the sequence's (a mean over the last dimension of a ``[b, s]`` value
+    is a mean over the sequence); an in-place op is not rewritten."""
     name = _name(node)
-    if name not in PER_TOKEN:
+    if name not in PER_TOKEN or _arg(node, 3, "inplace", False):
         return False
+    ndim = _ndim(_arg(node, 0, "input", None))
     if name in _LAST_DIM:
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        return dim is not None and not isinstance(dim, (list, tuple)) and dim in (-1, _ndim(node.args[0]) - 1)
-    if name == "layer_norm":
-        shape = node.kwargs.get("normalized_shape", node.args[1] if len(node.args) > 1 else ())
-        return len(shape) < _ndim(node.args[0]) - SEQ
+        dim = _arg(node, 1, "dim", None)
+        return isinstance(dim, int) and ndim > 0 and dim % ndim > SEQ
+    if name in ("layer_norm", "rms_norm"):
+        shape = _arg(node, 1, "normalized_shape", ())
+        return len(shape) < ndim - SEQ
     return True
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    """Argument ``i`` (or keyword ``name``) of a call, the method's ``self`` being argument 0."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[i] if i < len(node.args) else default
 
 
 def _name(node: fx.Node) -> str | None:
@@ -220,10 +237,9 @@ def _name(node: fx.Node) -> str | None:
 
 
 def _dropout_args(node: fx.Node) -> tuple:
-    names = ("input", "p", "training")
-    defaults = (None, 0.5, True)
-    values = [node.kwargs.get(n, node.args[i] if i < len(node.args) else defaults[i]) for i, n in enumerate(names)]
-    return tuple(values)
+    """``(input, p, training)`` of ``F.dropout`` or ``torch.dropout`` (whose keyword is ``train``)."""
+    train = _arg(node, 2, "training", node.kwargs.get("train", True))
+    return _arg(node, 0, "input", None), _arg(node, 1, "p", 0.5), train
 
 
 def _value(node):
