@@ -255,7 +255,6 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     key = _plan_key(gm, example_inputs, partitioner)
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
-        note(partitioner, sequence)
     else:
         chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
         offered = offer_approximations_of(gm, opts)
@@ -274,7 +273,7 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
         partitioner.finish_peak(lowered)
         note(partitioner, chunked)
         note(partitioner, offered)
-        note(partitioner, sequence)
+    note(partitioner, sequence)
     _record(partitioner, key, opts)
     return compiled
 

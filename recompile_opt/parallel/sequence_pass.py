@@ -68,12 +68,13 @@ def add_sequence_parallel(gm: fx.GraphModule) -> list[str]:
 
 class _Rewrite:
     def __init__(self, gm: fx.GraphModule, mesh, lengths: list[int]):
-        self.gm, self.graph, self.mesh, self.lengths = gm, gm.graph, mesh, lengths
+        self.gm, self.graph, self.lengths = gm, gm.graph, lengths
         self.tp, self.rank = mesh.size(), mesh.get_local_rank()
         self.group = mesh.get_group().group_name
         self.rows: set[fx.Node] = set()  # nodes whose value is now this rank's rows of the sequence
         self.summed: dict[fx.Node, fx.Node] = {}  # operand -> f(operand): its gradient summed over the ranks
         self.gathered: dict[fx.Node, fx.Node] = {}  # rows -> their all-gathered DTensor (q, k, v share one)
+        self.whole: dict[fx.Node, fx.Node] = {}  # rows -> the whole sequence, for replicated readers
         self.batches: dict[torch.dtype, fx.Node] = {}  # dtype -> the parameters' one f (see _summed)
         self.counts = {"reduce-scatter": 0, "all-gather": 0, "gathered for a replicated reader": 0,
                        "split to rows": 0, "dropout sliced": 0}
@@ -173,13 +174,15 @@ class _Rewrite:
         self.counts["all-gather"] += 1
 
     def _gather_for(self, node: fx.Node) -> None:
-        """Any other reader of rows reads the whole sequence, as every rank computes it whole."""
+        """Any other reader of rows reads the whole sequence, as every rank computes it whole (one
+        gather per value, before its first such reader)."""
         for a in [a for a in node.all_input_nodes if a in self.rows]:
-            with self.graph.inserting_before(node):
-                whole = self.graph.call_function(C.gather_sequence_for_replicated, (a, self.group, SEQ),
-                                                 {"size": self.tp, "rank": self.rank})
-            node.replace_input_with(a, whole)
-            self.counts["gathered for a replicated reader"] += 1
+            if a not in self.whole:
+                with self.graph.inserting_before(node):
+                    self.whole[a] = self.graph.call_function(C.gather_sequence_for_replicated, (a, self.group, SEQ),
+                                                             {"size": self.tp, "rank": self.rank})
+                self.counts["gathered for a replicated reader"] += 1
+            node.replace_input_with(a, self.whole[a])
 
 
 def _row_parallel_output(node: fx.Node) -> bool:
