@@ -14,6 +14,7 @@ enough to enumerate), against the greedy fallback, and against itself at other b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import random
 import threading
@@ -663,3 +664,28 @@ def _row_wise(matrix) -> list:
                for col, v in zip(matrix.index_[matrix.start_[i]:matrix.start_[i + 1]],
                                  matrix.value_[matrix.start_[i]:matrix.start_[i + 1]])]
     return sorted(triples)
+
+
+def test_a_time_cap_gives_the_fewest_bytes_within_that_time():
+    # chain(): within 3 us the fewest bytes are a + b recomputed (5 MiB kept); within 6 us, b + c (3)
+    for cap_us, kept_mib in ((3, 5), (6, 3), (0, 10)):
+        _, _, _, kept = solve_ok(chain(), budget=None, minimize_memory=True, time_cap_s=cap_us * US)
+        assert kept == kept_mib * MiB, cap_us
+
+
+def test_no_budget_recomputes_what_costs_less_than_the_solvers_gap_of_the_step():
+    """Saving costs less than recomputing either value, so the fastest plan keeps both; the no-budget
+    plan keeps the fewest bytes within ``mip_gap`` (1%) of the fastest plan's step: ``cheap`` (2 us of a
+    1 ms step) is recomputed, ``costly`` (50 us) is not."""
+    from recompile_opt.options import Options
+    from recompile_opt.planner.search import make_plan
+    p = problem(inp("x", 1, needed=True), op("cheap", ["x"], 4, 2), op("costly", ["x"], 4, 50),
+                save_us={"x": 0, "cheap": 1, "costly": 1})
+    p = dataclasses.replace(p, step_s=1000 * US)
+    fastest, _, recomputed, _ = solve_ok(p, budget=None)
+    assert recomputed == set()
+    plan = make_plan(p, Options())
+    assert {e.name for e in plan.recomputed} == {"cheap"}
+    assert plan.saved_bytes == 5 * MiB
+    plan = make_plan(p, Options(mip_gap=0.0))  # no tolerance: the fastest plan itself
+    assert not plan.recomputed and plan.saved_bytes == 9 * MiB

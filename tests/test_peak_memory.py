@@ -20,7 +20,7 @@ from test_ilp import MiB, inp, op, problem
 @pytest.fixture(scope="module")
 def ends():
     model, inputs = tiny_gpt()
-    return (recompile_opt.plan(model, inputs), recompile_opt.plan(model, inputs, memory_budget=0.0))
+    return (recompile_opt.plan(model, inputs, memory_budget=1.0), recompile_opt.plan(model, inputs, memory_budget=0.0))
 
 
 def test_a_peak_limit_between_the_ends_is_met_with_less_recompute_than_the_least_peak_plan(ends):

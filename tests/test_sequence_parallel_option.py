@@ -158,14 +158,13 @@ def test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel(com
                                                                                      2 + 2 * LAYERS, 0)
             assert any("sequence parallel" in n and "rows" in n for n in sp["notes"])
             # the rows a rank keeps: the least any plan can keep falls by a third or more (measured 0.51x
-            # without dropout, 0.65x with: the token ids, targets and what replays the masks stay whole); with no budget (every activation kept), what is kept falls too, by less (the
-            # heads' and the MLP's values were split already, and the logits are whole). (Not what the
-            # plan at 0.0 keeps: it is the least peak's, which on so small a model is set by the loss
-            # and the gradients, not by the activations)
+            # without dropout, 0.65x with: the token ids, targets and what replays the masks stay whole).
+            # (Not what the plan at 0.0 keeps: it is the least peak's, which on so small a model is set by
+            # the loss and the gradients, not by the activations. Nor the no-budget plan's: it keeps the
+            # fewest bytes within mip_gap of the fastest step, and on so small a model that kept more
+            # under TP+SP than under TP: Llama 41.0 KiB against 33.5)
             if budget is not None:  # (computed where a budget is)
                 assert sp["least"] < 0.7 * tp["least"], (name, budget, sp["least"], tp["least"])
-            else:
-                assert sp["kept"] < tp["kept"], (name, sp["kept"], tp["kept"])
     assert "sequence length 15 does not split over 2 ranks" in results["odd"]
     for positional, ((want_loss, want_grad), (loss, grad)) in results["odd layouts"].items():
         assert loss == pytest.approx(want_loss, rel=1e-5), positional

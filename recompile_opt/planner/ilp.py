@@ -16,6 +16,8 @@ Objective (lexicographic, by weights)
        + W · Σ_{v: prefer tag violated} 1           user PREFER_* tags, W > any time total
        + Σ_k (d_k + δ) a_k                          an approximation's own time d_k, and δ
        + ε · Σ_S b_S z_S                             then the fewest kept bytes
+    (with no budget, a second solve finds the fewest bytes under a cap on the time terms:
+    ``time_cap_s``, planner/search.py::_leanest_as_fast)
     (δ > ε · Σ_S b_S: an approximation is never taken for bytes the budget does not ask for)
     → implemented in set_objective()
 
@@ -60,6 +62,7 @@ ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
 # δ, what an approximation costs besides its own time: above the whole kept-bytes tie-break (1e-3), so a
 # budget met exactly is never met by approximating instead
 APPROXIMATION_PRICE = 2e-3
+US = 1e6  # seconds -> microseconds keeps the objective's coefficients near 1
 
 
 @dataclass
@@ -89,18 +92,28 @@ class SolveLog:
 
 def solve(problem: Problem, *, budget: int | None, solver: str = "highs",
           time_limit_s: float = 30.0, mip_gap: float = 0.0, minimize_memory: bool = False,
-          log: SolveLog | None = None, max_nodes: int | None = None) -> Solution:
+          log: SolveLog | None = None, max_nodes: int | None = None, time_cap_s: float | None = None) -> Solution:
     """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes.
     ``log`` counts the solve and its time (``Solution.solve_s``). ``max_nodes``: stop the branch and
     bound after this many nodes with the best plan found ("feasible", with its gap), a limit that,
-    unlike time, gives the same plan on every machine."""
-    sol = _solve(problem, budget, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory)
+    unlike time, gives the same plan on every machine. ``time_cap_s``: a limit on the recompute and
+    saving time (the objective's time terms), for the least bytes within a time."""
+    sol = _solve(problem, budget, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory, time_cap_s)
     if log is not None:
         log.add(sol.solve_s)
     return sol
 
 
-def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory: bool) -> Solution:
+def plan_seconds(problem: Problem, saved: set[str], recomputed: set[str]) -> float:
+    """The objective's time terms for a plan: its recompute and the saving (write + read) of the
+    storages it keeps, summed in the problem's order (a set's order varies with the string hash seed,
+    and ranks that round a limit differently plan differently: ``parallel/agreement.py``)."""
+    storages = {problem.values[n].storage for n in saved}
+    return problem.recompute_seconds(recomputed) + sum(t for s, t in problem.save_s.items() if s in storages)
+
+
+def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory: bool,
+           time_cap_s: float | None = None) -> Solution:
     start = time.perf_counter()
     m = _Model(problem)
     m.add_availability()
@@ -110,7 +123,11 @@ def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory
     m.add_sites()
     if budget is not None:
         m.add_budget(budget)
-    m.set_objective(minimize_memory=minimize_memory)
+    if time_cap_s is not None:
+        m.lp += m.time_expr() <= US * time_cap_s, "time_cap"
+    # under a time cap the fewest bytes still honour the user's PREFER tags first (a soft tag must not
+    # be broken for bytes no budget asked for)
+    m.set_objective(minimize_memory=minimize_memory, preferences_first=time_cap_s is not None)
     if not m.s and not m.r:  # nothing the backward reads from the forward: nothing to decide
         return Solution(set(), set(), "optimal", time.perf_counter() - start, 0.0)
     status, gap = _run(m.lp, solver, *limits)
@@ -189,11 +206,15 @@ class _Model:
             elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
                 self.penalties.append(self.s[v.name])
 
-    def set_objective(self, *, minimize_memory: bool):
-        us = 1e6  # seconds -> microseconds keeps coefficients near 1
-        time_cost = (pulp.lpSum(us * self.p.values[n].recompute_s * r for n, r in self.r.items()
-                                if self.p.values[n].in_forward)
-                     + pulp.lpSum(us * self.p.save_s[s] * z for s, z in self.z.items()))
+    def time_expr(self):
+        """Recompute and saving time, in µs."""
+        return (pulp.lpSum(US * self.p.values[n].recompute_s * r for n, r in self.r.items()
+                           if self.p.values[n].in_forward)
+                + pulp.lpSum(US * self.p.save_s[s] * z for s, z in self.z.items()))
+
+    def set_objective(self, *, minimize_memory: bool, preferences_first: bool = False):
+        us = US
+        time_cost = self.time_expr()
         total_time = us * (sum(v.recompute_s for v in self.p.values.values())
                            + sum(self.p.save_s.values())) + 1.0
         # the tie-break's byte scale; bwd_byte_steps keeps it as it was when peak rows existed (why:
@@ -203,7 +224,8 @@ class _Model:
         by_site = {site.choice: site for site in self.p.sites}
         approx = pulp.lpSum((us * by_site[c].cost_s + APPROXIMATION_PRICE) * a for c, a in self.a.items())
         if minimize_memory:  # the caller re-solves under the bytes found, for the least time
-            self.lp += self.kept_bytes_expr() * (1.0 / total_bytes)
+            broken = 2.0 * pulp.lpSum(self.penalties) if preferences_first else 0
+            self.lp += broken + self.kept_bytes_expr() * (1.0 / total_bytes)
         else:
             self.lp += time_cost + pref + approx + 1e-3 * self.kept_bytes_expr() / total_bytes
 

@@ -88,6 +88,8 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
     if fit_peak:
         return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
     sol = solve_reduced(problem, reduction, budget, kw, notes)
+    if budget is None and sol.status in ("optimal", "feasible"):
+        sol = _leanest_as_fast(problem, reduction, sol, options, kw)
     if sol.status == "infeasible":
         sol, min_bytes = _infeasible(problem, options, budget, kw, notes, reduction)
     elif sol.status.startswith("error"):
@@ -100,6 +102,30 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
         notes.append(f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
                      + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver"))
     return sol, solver_info(options, sol), budget, min_bytes
+
+
+def _leanest_as_fast(problem: Problem, reduction, fastest: ilp.Solution, options: Options, kw: dict
+                     ) -> ilp.Solution:
+    """No budget: of the plans within ``mip_gap`` of the fastest one's estimated step (the tolerance the
+    solver already allows that plan), the one keeping the fewest bytes, then the fastest at those
+    bytes. Why: the fastest plan keeps whatever costs any time to recompute, however little; a
+    fused elementwise op (SiLU's output, a product) costs a pass or two over its output, so it was kept
+    where PyTorch's min-cut partitioner, with no budget either, recomputes it inside the backward's
+    kernels (the Llama's SiLU outputs: 1.38 MiB a layer per rank, docs/parallel.md)."""
+    saved, recomputed = problem.needed_closure(fastest.recompute, fastest.keep)
+    step = problem.step_s + problem.recompute_seconds(recomputed)
+    cap = ilp.plan_seconds(problem, saved, recomputed) + options.mip_gap * step
+    if problem.sites:  # approximations only where a budget asks for bytes (ilp.APPROXIMATION_PRICE)
+        problem = problem.with_sites_fixed(False)
+        reduction = reduce_blocks(problem)
+    lean = solve_reduced(problem, reduction, None, kw, [], minimize_memory=True, time_cap_s=cap)
+    if lean.status not in ("optimal", "feasible"):
+        return fastest
+    kept = problem.kept_bytes(*problem.needed_closure(lean.recompute, lean.keep))
+    if kept >= problem.kept_bytes(saved, recomputed):
+        return fastest
+    best = solve_reduced(problem, reduction, kept, kw, [])
+    return best if best.status in ("optimal", "feasible") else fastest
 
 
 def _least_peak_approximating(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
