@@ -374,8 +374,8 @@ class Chunked:
 def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, aten_random: bool):
     """``chunks="auto"``: where the plan's goal is memory (``memory_budget=0.0``, the least-peak plan, or
     a ``peak_memory`` limit) and the graph has regions that can be chunked, plan it with and without
-    them (:func:`chunk_choice.choose`); elsewhere no chunks. The plan taken is handed to
-    ``partitioner``, which then does not plan its graph again."""
+    them (:func:`chunk_choice.choose`: a kind only where its tensors are alive at the peak); elsewhere
+    no chunks. The plan taken is handed to ``partitioner``, which then does not plan its graph again."""
     options = partitioner.options
     least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
     if options.policy != "auto" or not (least_peak or options.peak_memory is not None):

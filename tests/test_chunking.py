@@ -340,6 +340,38 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
     assert not any("loss_recompute" in n for n in auto.notes)  # nothing runs after this loss
 
 
+def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_alive_at_the_peak():
+    """A candidate is planned only where a tensor of ``tokens x width`` elements with the region's width
+    among its dims is alive at the best plan's peak: elsewhere chunking cannot lower that peak, and
+    each try plans the graph again."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner import chunk_choice
+    from recompile_opt.planner.chunk_choice import Candidate
+
+    loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
+    plan = {}
+    for where, shapes in (("loss", [[512, 8192], [2, 4, 256, 256]]), ("attention", [[2, 4, 256, 256], [512, 64]])):
+        plan[where] = SimpleNamespace(peak_breakdown={"shapes": shapes}, predicted_peak_bytes=100, chunks=[],
+                                      step_s=1.0, recompute_s=0.0)
+    assert loss.alive_at_peak(plan["loss"]) and not mlp.alive_at_peak(plan["loss"])
+    assert not loss.alive_at_peak(plan["attention"])
+    assert mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 256, 1024]]}))  # [b, s, hidden]
+    assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[256, 1024]]}))  # a weight: fewer rows
+    assert loss.alive_at_peak(SimpleNamespace(peak_breakdown={}))  # not known: planned
+    for where, tried in (("attention", [{}]), ("loss", [{}, {"loss": 4}])):
+        planned = []
+
+        def plan_with(chunks):
+            planned.append(chunks)
+            return plan[where]
+
+        taken, _, _, notes = chunk_choice.choose([loss, mlp], plan_with, None)
+        assert (taken, planned) == ({}, tried), where
+        skipped = "loss, mlp" if where == "attention" else "mlp"
+        assert notes[-1] == f"chunks: {skipped} not tried: none of their full-length tensors is alive at the peak"
+
+
 def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
     """Chunks of few rows are memory-bound (each passes over the weights): the first candidate of a
     kind keeps every chunk at least ``min_rows`` rows; Liger's k, below that floor, comes after every
@@ -354,10 +386,12 @@ def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
     loss = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=4 * floor, itemsize=4, last=True)
     mlp = SimpleNamespace(why_not=None, hidden=1024, width=256, tokens=4 * floor, itemsize=4)
     assert chunk_choice.candidates([loss], [mlp], roofline) == [
-        Candidate("loss", 4), Candidate("mlp", 4), Candidate("loss", 128, below_floor=True)]
+        Candidate("loss", 4, tokens=loss.tokens, width=32000), Candidate("mlp", 4, tokens=mlp.tokens, width=1024),
+        Candidate("loss", 128, below_floor=True, tokens=loss.tokens, width=32000)]
     assert chunk_choice.min_rows(2, roofline) == floor // 2  # bf16: half the bytes per pass
     few = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=floor, itemsize=4, last=True)
-    assert chunk_choice.candidates([few], [], roofline) == [Candidate("loss", 128, below_floor=True)]
+    assert chunk_choice.candidates([few], [], roofline) == [
+        Candidate("loss", 128, below_floor=True, tokens=floor, width=32000)]
 
 
 def test_under_a_peak_limit_the_fewest_chunks_that_meet_it_are_taken():

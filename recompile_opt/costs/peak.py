@@ -18,6 +18,7 @@ as held for a later allocation only within ``POOL_SPAN`` kernels.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -72,7 +73,20 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
     return {"phase": phase, "kernel": trace.at, "kernels": trace.kernels,
             "kernel_ops": sorted({_op(n) for n in trace.kernel.nodes}) if trace.kernel else [],
             "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "total": peak,
-            "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]]}
+            "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
+            "shapes": _alive_shapes(trace)}
+
+
+def _alive_shapes(trace: PeakTrace, most: int = 32) -> list[list[int]]:
+    """The shapes of the buffers alive at the peak (pooled ones too), largest first, each once. Why:
+    a region whose full-length tensors are not among them cannot lower the peak by being chunked
+    (planner/chunk_choice.py)."""
+    shapes = set()
+    for buf in trace.alive:
+        val = None if isinstance(buf, str) else buf.meta.get("val")
+        if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
+            shapes.add(tuple(val.shape))
+    return [list(s) for s in sorted(shapes, key=lambda s: (-math.prod(s), s))[:most]]
 
 
 def peak_and_recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]

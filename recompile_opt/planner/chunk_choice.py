@@ -10,6 +10,10 @@ at a time (the loss first: it needs no recompute) and keep it only where the pla
 lower by at least :data:`GAIN` (against a chunked plan already taken: or no higher with a shorter
 estimated step; under ``peak_memory``: fits where the other does not, or fits with less recompute).
 
+A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's peak so far
+(:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try plans the
+graph again.
+
 Where the forward goes on after the loss (more than scalar ops), the loss is tried two ways: its
 gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in the backward (MST's,
 ``loss_recompute``), whose forward does a third of the head's work and holds no gradient.
@@ -52,6 +56,17 @@ class Candidate:
     kind: str  # "loss" or "mlp"
     chunks: int
     below_floor: bool = False  # chunks of fewer rows than min_rows: tried only to meet a peak limit
+    tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden): its full-length
+    width: int = 0  # tensors have tokens x width elements (logits, log-softmax, hidden, their gradients)
+
+    def alive_at_peak(self, plan: Plan) -> bool:
+        """Whether one of the region's full-length tensors is alive at ``plan``'s simulated peak: a
+        buffer with the region's width among its dims and at least tokens x width elements. Where
+        none is, chunking the region cannot lower that peak (so it is not planned). A plan without the shapes at its peak: unknown, so yes."""
+        shapes = plan.peak_breakdown.get("shapes")
+        if shapes is None:
+            return True
+        return any(self.width in shape and math.prod(shape) >= self.tokens * self.width for shape in shapes)
 
 
 def min_rows(itemsize: int, roofline: dict) -> int:
@@ -86,22 +101,30 @@ def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Ca
             kinds = [kind] if kind == "mlp" or all(r.last for r in regions) else [kind, "loss_recompute"]
             for way in kinds:
                 if floored >= 2:
-                    out.append(Candidate(way, floored))
+                    out.append(Candidate(way, floored, tokens=r.tokens, width=width(r)))
                 if liger > floored:
-                    out.append(Candidate(way, liger, below_floor=True))
+                    out.append(Candidate(way, liger, below_floor=True, tokens=r.tokens, width=width(r)))
     return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
 def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None
            ) -> tuple[dict, Plan, Plan, list[str]]:
     """Greedy over ``candidates`` (in order): ``plan_with(chunks)`` plans the graph chunked so; returns
-    the chunks taken, the unchunked plan, the plan taken, and one note line per candidate tried."""
+    the chunks taken, the unchunked plan, the plan taken, and one note line per candidate tried. A kind
+    not chunked yet is planned only where its full-length tensors are alive at the best plan's peak so
+    far (:meth:`Candidate.alive_at_peak`)."""
     taken: dict = {}
     unchunked = best = plan_with({})
-    notes = []
+    notes, passed = [], []
     for c in candidates:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
+        # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
+        # inside one op, whose buffers the peak does not list
+        chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
+        if not chunked and not c.alive_at_peak(best):
+            passed.append(c.kind)
+            continue
         others = {kind: k for kind, k in taken.items() if FAMILY[kind] != FAMILY[c.kind]}
         trial = plan_with({**others, c.kind: c.chunks})
         better = _better(trial, best, peak_limit)
@@ -110,6 +133,9 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
                      f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
         if better:
             taken, best = {**others, c.kind: c.chunks}, trial
+    if passed:
+        notes.append(f"chunks: {', '.join(dict.fromkeys(passed))} not tried: none of their full-length tensors is "
+                     "alive at the peak")
     return taken, unchunked, best, notes
 
 
