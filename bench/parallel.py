@@ -4,7 +4,7 @@ process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``paralleliz
 plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
 budgets, and the hand TP model compiled with ``options={"sequence_parallel": True}`` (made TP+SP by our
 backend; ``hand-tp+sp-option@budget``). Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
-three steps (the allocator's records above the step's start: activations, gradients, temporaries; the
+seven steps (the allocator's records above the step's start: activations, gradients, temporaries; the
 sharded parameters live before it), then the median of ``--steps`` timed steps, and the bytes one step
 keeps for backward (its saved tensors, parameters excluded).
 
@@ -130,11 +130,16 @@ def _model(name: str):
     return models.demo_gpt() if name == "gpt" else models.demo_llama()
 
 
+# steps whose peaks give the median: one step's peak varies between steps and runs of one configuration
+# here (gloo's own thread allocates, and frees land before or after the other rank's part of a
+# collective): ours at no budget on the Llama at 2 ranks peaked 29.82, 25.82 and 24.82 MiB in three steps
+# of one run (predicted 22.78), and medians of three differed by up to 4.5 MiB between fresh runs
+PEAK_STEPS = 7
+
+
 def _measure(step, steps: int) -> dict:
-    """The median of three steps' peaks: one step's peak varies between steps and runs of one
-    configuration here (gloo's own thread allocates, and frees land before or after the other rank's
-    part of a collective; up to 4.5 MiB between fresh runs, docs/parallel.md)."""
-    peak = statistics.median(peak_memory(step) for _ in range(3))
+    """The median of :data:`PEAK_STEPS` steps' peaks, then the median of ``steps`` timed steps."""
+    peak = statistics.median(peak_memory(step) for _ in range(PEAK_STEPS))
     times = step_time(step, steps=steps, warmup=0)
     return {"peak": peak, "step_s": statistics.median(times)}
 
