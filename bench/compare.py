@@ -15,9 +15,10 @@ Strategies (``--strategies``; the default set is :data:`DEFAULT_STRATEGIES`)
   (``torch._functorch.config.activation_memory_budget = B``, its knapsack);
   ``compile-full-ckpt`` (``torch.compile`` of the block-checkpointed model).
 * ``ours-B`` (``memory_budget=B``, the same budgets B as ``compile-amb-B``), ``ours-none``
-  (no budget: the ILP's fastest plan) and ``ours-<policy>`` for each fixed policy.
-* ``ours-...+chunks`` (any ``ours-`` strategy with ``chunks="auto"``, e.g. ``ours-0.0+chunks``): the
-  planner may also chunk the LM head + loss and the MLPs along the tokens.
+  (no budget: the fewest bytes within ``mip_gap`` of the fastest plan) and ``ours-<policy>`` for each fixed policy.
+* ``ours-...+nochunks`` (any ``ours-`` strategy with ``chunks=False``, e.g. ``ours-0.0+nochunks``):
+  the planner does not chunk the LM head + loss and the MLPs along the tokens (``chunks="auto"``, the
+  default, lets it where the goal is memory; ``+chunks`` says so explicitly).
 * ``ours-peak-SIZE`` (``peak_memory=SIZE``, any size with units, e.g. ``ours-peak-27MiB``): the
   least recompute whose predicted peak fits SIZE -- how a user asks for a peak rather than kept bytes.
 * ``rockmate``: ``bench/rockmate_runner.py`` run by another interpreter (``--rockmate-python``,
@@ -166,7 +167,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated subset of: " + ", ".join(STRATEGIES) + f", {PEAK_PREFIX}SIZE; any ours-* with +chunks")
+                   help="comma-separated subset of: " + ", ".join(STRATEGIES) + f", {PEAK_PREFIX}SIZE; any ours-* with +nochunks (chunks=False)")
     p.add_argument("--model", default="gpt", help="gpt, llama or both: gpt,llama")
     p.add_argument("--size", default="small", help=f"comma-separated presets from {list(SIZES)}")
     p.add_argument("--repeats", type=int, default=2, help="rounds of fresh processes")

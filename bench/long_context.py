@@ -39,9 +39,9 @@ STRATEGIES = {  # label -> bench/compare.py strategy
     "torch.compile": "compile",
     "torch.compile + full checkpointing": "compile-full-ckpt",
     "activation_memory_budget 0.0": "compile-amb-0.0",
-    "ours 0.0 (no chunks)": "ours-0.0",
-    "ours 0.0 (chunks auto)": "ours-0.0+chunks",
-    "ours peak_memory=cap (chunks auto)": "ours-peak-CAP+chunks",  # CAP: the --cap given
+    "ours 0.0 (no chunks)": "ours-0.0+nochunks",
+    "ours 0.0 (chunks auto)": "ours-0.0",  # chunks="auto" is the default
+    "ours peak_memory=cap (chunks auto)": "ours-peak-CAP",  # CAP: the --cap given
 }
 MODEL = {"model": "llama", "layers": 2, "heads": 4, "embd": 256, "vocab": 32000, "batch": 1, "dropout": 0.0}
 MiB = 2**20

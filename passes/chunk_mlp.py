@@ -118,14 +118,17 @@ class MLPRegion:
 def find_mlp_regions(gm: fx.GraphModule) -> list[MLPRegion]:
     """Every down-projection of ``gm`` fed by an activation of up-projections, each with its parts or
     the reason it cannot be chunked. A linear fed by anything else (attention's out-projection) is no
-    candidate and is not listed."""
-    regions = []
+    candidate and is not listed, nor is an MLP whose up-projection is the down-projection of an MLP
+    listed before it (a stack of linears and activations): the two would share that projection, and
+    the first one's rewrite replaces it."""
+    regions, downs = [], set()
     for node in gm.graph.nodes:
         down = projection(node)
         if down is not None:
             region = _region(down)
-            if region is not None:
+            if region is not None and not any(u.out in downs for u in region.ups):
                 regions.append(region)
+                downs.add(down.out)
     return regions
 
 

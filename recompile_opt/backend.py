@@ -88,6 +88,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         # read off that compile's code (finish_peak), not off a lowering of its own
         self.compiling = False
         self.unwalked = None  # what finish_peak needs: the plan, its graphs, its simulator, the start
+        # chunks="auto": the regions' candidates while the unchunked graph is planned; where one may lower
+        # its plan's peak, the partitioner raises ChunkingWanted (compile_with_chunk_choice)
+        self.chunk_candidates: list[chunk_choice.Candidate] = []
+        self.held_warnings: list = []  # the warnings of such a plan, until it is known to be the user's
+        self.strict_again = None  # under strict=True, how to plan it again to raise its error
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         start = time.perf_counter()
@@ -105,14 +110,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
         known = self.known.pop(gid, None)  # made (notes and walked peak too) by the chunk choice
-        plan = known or ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+        plan = known or self._make_plan(problem, options, gid, simulate)
         if split_note and not known:
             plan.notes.insert(0, split_note)
         if not known and not self.replay_random() and any(v.random for v in problem.values.values()):
             plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
                               "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
-        self.plans.append(plan)
-        check_same_plan(plan, gid)
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
         settled, _ = simulate.graph_for(plan.recomputed_names())  # markers replaced (approximate backward)
         fw, bw = partition(settled, saved=saved, recomputed=plan.recomputed_names(),
@@ -131,12 +134,52 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
         # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen).
         # Where Inductor is about to compile these graphs, its code is walked once it exists (finish_peak).
-        if walk and not self.compiling:
-            exact = simulate.exact(saved, plan.recomputed_names())
+        wanted = not known and self._wants_chunks(plan)
+        if wanted and exact is None or walk and not self.compiling:
+            exact = simulate.exact(saved, plan.recomputed_names())  # candidates are compared by walked peaks
+        if wanted:
+            self._set_peak(plan, exact, simulate, used, time.perf_counter() - start)
+            raise ChunkingWanted(plan)
+        self.plans.append(plan)
+        check_same_plan(plan, gid)
         self.unwalked = ((plan, fw, bw, output_names(fw), saved, simulate, used) if walk and self.compiling
                          else None)
-        self._set_peak(plan, exact, simulate, used, time.perf_counter() - start)
+        choice_s = known.solver.get("chunk_choice_s", 0.0) if known else 0.0
+        self._set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start)
         return fw, bw
+
+    def _make_plan(self, problem, options: Options, gid: str, simulate) -> Plan:
+        """The search's plan. Where chunks may still be tried under a ``peak_memory`` limit, a miss is
+        not yet the user's: planned without ``strict``, its limit warning held back (it is planned
+        again, strictly, if chunking cannot meet the limit either: :func:`_choose_chunks`)."""
+        if not (self.chunk_candidates and options.peak_memory is not None):
+            return ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+        with warnings.catch_warnings(record=True) as held:
+            warnings.simplefilter("always")
+            plan = ti.on_fresh_stack(make_plan, problem, dataclasses.replace(options, strict=False),
+                                     graph=gid, simulate=simulate)
+        plan.options = {**plan.options, "strict": options.strict}
+        self.held_warnings = held
+        if held and options.strict:  # if this plan is the user's after all, its strict error is raised
+            self.strict_again = lambda: ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+        return plan
+
+    def _wants_chunks(self, plan: Plan) -> bool:
+        """``chunks="auto"``: whether chunking may lower this unchunked plan's peak where the goal needs
+        it (:func:`chunk_choice.worth_trying`); where not, the plan's notes say why nothing was tried."""
+        if not self.chunk_candidates:
+            return False
+        why_not = chunk_choice.worth_trying(self.chunk_candidates, plan, plan.peak_breakdown["total"],
+                                            self.options.peak_memory)
+        held, strict_again = self.held_warnings, self.strict_again
+        self.held_warnings, self.strict_again = [], None
+        if why_not:
+            plan.notes.append(why_not)
+            if strict_again is not None:  # the plan is the user's after all: its error (strict=True)
+                strict_again()
+            for w in held:  # or its warnings
+                warnings.warn(w.message, w.category)
+        return why_not is None
 
     def finish_peak(self, compiled: list) -> None:
         """The exact peak of a plan whose walk waited for Inductor's compile: read off the code that
@@ -256,25 +299,31 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
     else:
-        chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=False)
-        offered = offer_approximations_of(gm, opts)
-        # where the plan taken is walked for its figures, the walk reads the code this compile
-        # generates; only there is the backward lowered with the forward (a model run with grad enabled
-        # but never backward, an evaluation, would otherwise build a backward it never runs)
-        defer = partitioner.walks_plan_taken()
-        with ti.compiled_wrapper_code() as lowered, \
-                ti.lower_backward_eagerly() if defer else contextlib.nullcontext():
-            partitioner.compiling = defer
-            try:
-                compiled = ti.compile_fx(gm, example_inputs,
-                                         config_patches={"custom_partitioner_fn": partitioner})
-            finally:
-                partitioner.compiling = False
-        partitioner.finish_peak(lowered)
-        note(partitioner, chunked)
-        note(partitioner, offered)
+        compiled = compile_with_chunk_choice(_compile_inductor, gm, example_inputs, partitioner, aten_random=False)
     note(partitioner, sequence)
     _record(partitioner, key, opts)
+    return compiled
+
+
+def _compile_inductor(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner,
+                      chosen: dict | None):
+    """Inductor's ``compile_fx`` with our partitioner, the graph chunked as ``chosen`` (or forced)."""
+    chunked = chunk_regions(gm, partitioner, chosen)
+    offered = offer_approximations_of(gm, partitioner.options)
+    # where the plan taken is walked for its figures, the walk reads the code this compile
+    # generates; only there is the backward lowered with the forward (a model run with grad enabled
+    # but never backward, an evaluation, would otherwise build a backward it never runs)
+    defer = partitioner.walks_plan_taken()
+    with ti.compiled_wrapper_code() as lowered, \
+            ti.lower_backward_eagerly() if defer else contextlib.nullcontext():
+        partitioner.compiling = defer
+        try:
+            compiled = ti.compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        finally:
+            partitioner.compiling = False
+    partitioner.finish_peak(lowered)
+    note(partitioner, chunked)
+    note(partitioner, offered)
     return compiled
 
 
@@ -287,6 +336,12 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     On the meta device SDPA calls become the target device's fused kernel first
     (:mod:`recompile_opt.passes.meta_attention`).
     """
+    once = functools.partial(_compile_eager_once, aten_random=aten_random)
+    return compile_with_chunk_choice(once, gm, example_inputs, partitioner, aten_random=aten_random)
+
+
+def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *, aten_random: bool):
+    """:func:`compile_eager` with the graph chunked as ``chosen`` (or forced)."""
     def nop(g, _inputs):
         return ti.make_boxed_func(g.forward)
 
@@ -295,7 +350,7 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
     patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
     # every caller's partitioner has options but torch's own (frontier's comparison)
     target = getattr(getattr(partitioner, "options", None), "target_device", Options.target_device)
-    chunked = chunk_regions(gm, example_inputs, partitioner, aten_random=aten_random)
+    chunked = chunk_regions(gm, partitioner, chosen)
     offered = offer_approximations_of(gm, getattr(partitioner, "options", Options()))
     fused = 0
     if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
@@ -332,6 +387,62 @@ def offer_approximations_of(gm: fx.GraphModule, options: Options) -> list[str]:
     return [offer_approximations(gm, options.approximate).note(options.approximate)]
 
 
+class ChunkingWanted(Exception):
+    """Raised by the partitioner under ``chunks="auto"`` where the unchunked graph's plan may peak lower
+    chunked (:func:`compile_with_chunk_choice` catches it); carries that plan."""
+
+    def __init__(self, plan: Plan):
+        super().__init__(f"chunks (auto): graph {plan.graph} may peak lower chunked")
+        self.plan = plan
+
+
+def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, partitioner, *,
+                              aten_random: bool):
+    """``compile_once(gm, example_inputs, partitioner, chosen)``, with ``chunks="auto"`` chosen lazily.
+
+    Where the plan's goal is memory and the graph has regions that can be chunked, the partitioner plans
+    the graph unchunked as usual, and only where a region's full-length tensors are alive at that plan's
+    peak (under ``peak_memory``: where it misses the limit) does it raise :class:`ChunkingWanted`; then
+    the graph's chunked versions are planned against that plan (:func:`chunk_choice.choose`) and the
+    graph is compiled again as chosen, its plan handed to the partitioner. Why lazily: a graph whose
+    peak holds none of the regions' tensors pays nothing for ``"auto"`` (it planned each graph at
+    least twice: measured 17.0 s against 7.6 on the benchmark GPT at 0.0, nothing taken)."""
+    candidates = _auto_candidates(gm, example_inputs, getattr(partitioner, "options", None))
+    if not candidates:
+        return compile_once(gm, example_inputs, partitioner, None)
+    pristine = copy.deepcopy(gm)  # the passes below and Inductor's change the graph they compile
+    partitioner.chunk_candidates = candidates
+    try:
+        return compile_once(gm, example_inputs, partitioner, None)
+    except ChunkingWanted as wanted:
+        unchunked = wanted.plan
+    finally:
+        partitioner.chunk_candidates = []
+    chosen = _choose_chunks(pristine, example_inputs, partitioner, candidates, unchunked, aten_random)
+    return compile_once(pristine, example_inputs, partitioner, chosen)
+
+
+def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None) -> list:
+    """``chunks="auto"``: the chunk candidates of the graph's regions where the plan's goal is memory
+    (``memory_budget=0.0``, the least-peak plan, or a ``peak_memory`` limit), else none."""
+    if options is None or options.chunks != "auto" or options.policy != "auto" or _symbolic(example_inputs):
+        return []
+    least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
+    if not (least_peak or options.peak_memory is not None):
+        return []
+    device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+    roofline = options.roofline_for(options.target_device if device == "meta" else device)
+    return chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
+
+
+def _symbolic(example_inputs) -> bool:
+    """Whether the graph has symbolic sizes (``dynamic=True``): ``"auto"`` leaves it unchunked, since
+    reading a region's tokens as a number would specialise the graph to this length (a recompile per
+    length); forced chunks work there."""
+    return any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor)
+               and any(isinstance(d, torch.SymInt) for d in x.shape) for x in example_inputs)
+
+
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
 # keywords that rewrite (and the region's description and plan entry) take
 CHUNKERS = {"loss": (find_loss_regions, chunk_loss, {}),
@@ -339,17 +450,17 @@ CHUNKERS = {"loss": (find_loss_regions, chunk_loss, {}),
             "mlp": (find_mlp_regions, chunk_mlp, {})}
 
 
-def chunk_regions(gm: fx.GraphModule, example_inputs, partitioner, *, aten_random: bool) -> Chunked:
+def chunk_regions(gm: fx.GraphModule, partitioner, chosen: dict | None) -> Chunked:
     """Mini-sequence chunking of the Dynamo graph before AOTAutograd (:mod:`recompile_opt.passes.chunking`,
-    :mod:`recompile_opt.passes.chunk_mlp`): forced by ``chunks={"loss": k, "mlp": k}``, or chosen by
-    planning the graph with and without (``chunks="auto"``, :mod:`recompile_opt.planner.chunk_choice`).
+    :mod:`recompile_opt.passes.chunk_mlp`): forced by ``chunks={"loss": k, "mlp": k}``, or ``chosen``
+    by :func:`_choose_chunks` (``{"chunks": {...}, "notes": [...], "saved": bytes}``).
     A forced region that cannot be chunked raises, naming it and why."""
     options = getattr(partitioner, "options", Options())  # torch's own partitioner (frontier) has none
     chunks, notes, saved = options.chunks, [], None
-    if chunks == "auto":
-        chunks, notes, saved = _choose_chunks(gm, example_inputs, partitioner, aten_random)
+    if chosen is not None:
+        chunks, notes, saved = chosen["chunks"], chosen["notes"], chosen["saved"]
     done = Chunked(notes=notes)
-    for kind, k in (chunks or {}).items():
+    for kind, k in (chunks if isinstance(chunks, dict) else {}).items():
         if k == 1:
             continue
         find, rewrite, how = CHUNKERS[kind]
@@ -371,24 +482,16 @@ class Chunked:
     records: list = dataclasses.field(default_factory=list)
 
 
-def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, aten_random: bool):
-    """``chunks="auto"``: where the plan's goal is memory (``memory_budget=0.0``, the least-peak plan, or
-    a ``peak_memory`` limit) and the graph has regions that can be chunked, plan it with and without
-    them (:func:`chunk_choice.choose`: a kind only where its tensors are alive at the peak); elsewhere
-    no chunks. The plan taken is handed to ``partitioner``, which then does not plan its graph again."""
+def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, candidates: list,
+                   unchunked: Plan, aten_random: bool) -> dict:
+    """Plan ``gm`` chunked as the candidates say, against its ``unchunked`` plan
+    (:func:`chunk_choice.choose`). The plan taken is handed to ``partitioner``, which then does not plan
+    its graph again."""
     options = partitioner.options
-    least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
-    if options.policy != "auto" or not (least_peak or options.peak_memory is not None):
-        return None, [], None
-    device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
-    roofline = options.roofline_for(options.target_device if device == "meta" else device)
-    candidates = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
-    if not candidates:
-        return None, [], None
 
     def plan_with(chunks: dict) -> Plan:
         # a candidate that misses a limit is not the user's plan: no warning, no strict error from it
-        trial = RecompilePartitioner(dataclasses.replace(options, chunks=chunks or None, strict=False))
+        trial = RecompilePartitioner(dataclasses.replace(options, chunks=chunks or False, strict=False))
         trial.walk = True
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -397,10 +500,14 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
         plan.options = {**plan.options, "strict": options.strict, "chunks": options.chunks}
         return plan
 
-    taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory)
+    start = time.perf_counter()
+    taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory, unchunked)
+    # the planning this choice took, the unchunked plan's included: the plan's planning time counts it
+    best.solver["chunk_choice_s"] = round(unchunked.solver["plan_s"] + time.perf_counter() - start, 3)
     if options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory:
         partitioner.known[best.graph] = best  # else planned again, to warn (or raise: strict) as usual
-    return taken, notes, unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
+    saved = unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
+    return {"chunks": taken, "notes": notes, "saved": saved}
 
 
 def note(partitioner, lines: list[str] | Chunked) -> None:

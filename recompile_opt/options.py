@@ -55,8 +55,9 @@ class Options:
     target_device: str = "cuda"
     # mini-sequence chunking (passes/chunking.py, chunk_mlp.py): {"loss": k, "mlp": k} forces k chunks on
     # every LM head + loss / MLP ("loss_recompute": the head recomputed in the backward instead of its
-    # gradients made in the forward); "auto": the planner chooses (planner/chunk_choice.py); None, False: none
-    chunks: dict | str | None = None
+    # gradients made in the forward); "auto" (the default): the planner chooses where the goal is memory
+    # (planner/chunk_choice.py); False: none
+    chunks: dict | str | bool = "auto"
     # approximate backward (passes/approximate.py), off by default: {"activations": bits (1-4) allowed for
     # GELU/SiLU codes, "linear": ratio in (0, 1] allowed for randomized linear backward}; the ILP chooses
     # per value where to use them. None (False): exact plans only
@@ -160,8 +161,9 @@ def parse_options(raw: dict | Options | None) -> Options:
         out["plan_dir"] = str(raw["plan_dir"])
     if "roofline" in raw:
         out["roofline"] = _parse_roofline(raw["roofline"])
-    if raw.get("chunks") not in (None, False):
-        out["chunks"] = "auto" if raw["chunks"] == "auto" else _parse_chunks(raw["chunks"])
+    if raw.get("chunks") is not None:
+        c = raw["chunks"]
+        out["chunks"] = c if c is False or c == "auto" else _parse_chunks(c)
     if raw.get("approximate") not in (None, False):
         out["approximate"] = _parse_approximate(raw["approximate"])
     return Options(**out)
@@ -189,7 +191,7 @@ CHUNK_REGIONS = ("loss", "loss_recompute", "mlp")  # loss_recompute: the head re
 
 def _parse_chunks(value) -> dict:
     if not isinstance(value, dict) or not value or set(value) - set(CHUNK_REGIONS):
-        raise OptionError(f"option 'chunks': got {value!r}; accepted values: False, None, 'auto', or a dict from "
+        raise OptionError(f"option 'chunks': got {value!r}; accepted values: 'auto' (the default), False, or a dict from "
                           f"{list(CHUNK_REGIONS)} to a number of chunks (e.g. {{'loss': 8}})")
     for region, k in value.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:

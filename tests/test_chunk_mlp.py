@@ -18,7 +18,7 @@ from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.options import parse_options
 from recompile_opt.passes.chunk_mlp import chunk_mlp, chunked_mlp, find_mlp_regions
 
-from helpers import tiny_gpt, tiny_llama, train_side_by_side
+from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 from test_chunking import EAGER, _assert_runs_alike, _dynamo_graph
 
 TOKENS, WIDTH = 2 * 16, 32  # tiny_gpt / tiny_llama: batch 2, block 16, n_embd 32
@@ -127,6 +127,20 @@ def test_a_linear_after_attention_is_no_mlp():
 
     gm, _ = _dynamo_graph(Attention(), (torch.randn(2, 6, 8),))
     assert find_mlp_regions(gm) == []
+
+
+def test_in_a_stack_of_linears_an_mlp_sharing_a_projection_with_the_one_before_is_not_listed():
+    """16 -> 64 -> 64 -> 8 with ReLUs: fc2 is the first MLP's down-projection and would be the second's
+    up-projection; only the first is a region (chunking both rewrote fc2 twice: a KeyError)."""
+    model, inputs = tiny_mlp()
+    gm, example_inputs = _dynamo_graph(model, inputs)
+    (region,) = find_mlp_regions(gm)
+    assert (region.tokens, region.hidden, len(region.ups)) == (8, 64, 1)
+    chunked = copy.deepcopy(gm)
+    chunk_mlp(chunked, find_mlp_regions(chunked)[0], 2)
+    _assert_runs_alike(chunked, gm, example_inputs)
+    plan = train_side_by_side(model, inputs, options={"chunks": {"mlp": 2}, **EAGER})
+    assert [n for n in plan.notes if n.startswith("chunk: mlp ")] != []
 
 
 # -- end to end -------------------------------------------------------------------------------------

@@ -358,6 +358,8 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
     assert not loss.alive_at_peak(plan["attention"])
     assert mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 256, 1024]]}))  # [b, s, hidden]
     assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[256, 1024]]}))  # a weight: fewer rows
+    # attention's scores where the sequence equals the width: not the region's
+    assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 16, 1024, 1024]]}))
     assert loss.alive_at_peak(SimpleNamespace(peak_breakdown={}))  # not known: planned
     for where, tried in (("attention", [{}]), ("loss", [{}, {"loss": 4}])):
         planned = []
@@ -369,7 +371,45 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
         taken, _, _, notes = chunk_choice.choose([loss, mlp], plan_with, None)
         assert (taken, planned) == ({}, tried), where
         skipped = "loss, mlp" if where == "attention" else "mlp"
-        assert notes[-1] == f"chunks: {skipped} not tried: none of their full-length tensors is alive at the peak"
+        assert notes[-1] == f"chunks (auto): {skipped} not tried: none of their full-length tensors is alive at the peak"
+
+
+def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_or_a_limit_is_missed():
+    """The lazy test of ``"auto"`` (the default) on the compile's own unchunked plan."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner.chunk_choice import Candidate, worth_trying
+
+    loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
+    small = Candidate("loss", 64, below_floor=True, tokens=128, width=8192)
+    at_loss, at_attention = (SimpleNamespace(peak_breakdown={"shapes": shapes})
+                             for shapes in ([[512, 8192]], [[2, 4, 256, 256]]))
+    assert worth_trying([loss, mlp], at_loss, 100, None) is None
+    assert worth_trying([loss, mlp], at_attention, 100, None) == (
+        "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak")
+    assert "shorter than two chunks of the floor's rows" in worth_trying([small], at_loss, 100, None)
+    assert worth_trying([small], at_attention, 101, 100) is None  # a missed limit: tried, whatever is alive
+    assert worth_trying([loss], at_loss, 100, 100) == "chunks (auto): not tried: the unchunked plan meets peak_memory"
+
+
+def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(monkeypatch):
+    """``chunks="auto"`` is the default and lazy: 16 heads over 512 tokens of width 64 and a vocabulary
+    of 128 peak in attention, so the compile plans its graph once and says why nothing was tried; a
+    logits-dominated GPT is chunked by the same default (and planned more than once)."""
+    from recompile_opt import backend
+
+    calls = []
+    real = backend.make_plan
+    monkeypatch.setattr(backend, "make_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = models.GPTConfig(n_layer=1, n_head=16, n_embd=64, block_size=256, vocab_size=128)
+    torch.manual_seed(0)
+    plan = train_side_by_side(models.GPT(cfg), models.example_batch(cfg, 2),
+                              options={"memory_budget": 0.0, **EAGER}, steps=1)
+    assert len(calls) == 1 and not plan.chunks
+    assert "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak" in plan.notes
+    calls.clear()
+    plan = train_side_by_side(*_logits_dominated(), options={"memory_budget": 0.0, **EAGER}, steps=1)
+    assert len(calls) > 1 and any(c["kind"] == "loss" for c in plan.chunks), plan.summary()
 
 
 def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():

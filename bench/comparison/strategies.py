@@ -43,7 +43,8 @@ STRATEGIES: dict[str, dict] = {
                  "note": "budget 0.5 x eager's saved bytes"},
 }
 PEAK_PREFIX = "ours-peak-"
-CHUNKS_SUFFIX = "+chunks"  # any ours-* strategy with chunks="auto" (the planner's mini-sequence chunking)
+# any ours-* strategy with option chunks set: "auto" is the default (the planner's mini-sequence chunking)
+CHUNKS_SUFFIXES = {"+nochunks": False, "+chunks": "auto"}
 
 
 def strategy(name: str) -> dict:
@@ -51,9 +52,10 @@ def strategy(name: str) -> dict:
     ``peak_memory`` accepts. Raises KeyError naming the accepted strategies otherwise."""
     if name in STRATEGIES:
         return STRATEGIES[name]
-    if name.endswith(CHUNKS_SUFFIX) and name.startswith("ours-"):
-        spec = strategy(name[:-len(CHUNKS_SUFFIX)])
-        return {**spec, "options": {**spec["options"], "chunks": "auto"}}
+    for suffix, chunks in CHUNKS_SUFFIXES.items():
+        if name.endswith(suffix) and name.startswith("ours-"):
+            spec = strategy(name[:-len(suffix)])
+            return {**spec, "options": {**spec["options"], "chunks": chunks}}
     if name.startswith(PEAK_PREFIX):
         from recompile_opt.options import OptionError, parse_bytes  # lazy: the driver needs no torch
 
@@ -64,7 +66,7 @@ def strategy(name: str) -> dict:
             raise KeyError(f"strategy {name!r}: {e}") from None
         return {"kind": "ours", "options": {"peak_memory": size}}
     raise KeyError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)} or {PEAK_PREFIX}SIZE "
-                   f"(SIZE with units, e.g. 27MiB), each ours-* also with {CHUNKS_SUFFIX}")
+                   f"(SIZE with units, e.g. 27MiB), each ours-* also with {' or '.join(CHUNKS_SUFFIXES)}")
 
 
 DEFAULT_STRATEGIES = [

@@ -12,7 +12,8 @@ estimated step; under ``peak_memory``: fits where the other does not, or fits wi
 
 A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's peak so far
 (:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try plans the
-graph again.
+graph again. The compile's own plan of the unchunked graph is the first (:func:`worth_trying`), so a
+graph where no kind is worth trying is planned once (``"auto"`` is the default).
 
 Where the forward goes on after the loss (more than scalar ops), the loss is tried two ways: its
 gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in the backward (MST's,
@@ -55,18 +56,22 @@ OVERHEAD = 1 / 8
 class Candidate:
     kind: str  # "loss" or "mlp"
     chunks: int
-    below_floor: bool = False  # chunks of fewer rows than min_rows: tried only to meet a peak limit
+    # chunks of fewer rows than min_rows: under a peak limit, tried only to meet it; at the least peak,
+    # only for a kind with chunks at the floor (tried first), so a region of fewer than twice the floor's
+    # rows is not chunked there (memory-bound chunks: 4-row chunks took 9x the loss's time)
+    below_floor: bool = False
     tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden): its full-length
     width: int = 0  # tensors have tokens x width elements (logits, log-softmax, hidden, their gradients)
 
     def alive_at_peak(self, plan: Plan) -> bool:
         """Whether one of the region's full-length tensors is alive at ``plan``'s simulated peak: a
-        buffer with the region's width among its dims and at least tokens x width elements. Where
+        buffer with the region's width among its dims and tokens x width elements (exactly: attention's
+        ``[b, heads, s, s]`` has a width among its dims where the sequence equals it). Where
         none is, chunking the region cannot lower that peak (so it is not planned). A plan without the shapes at its peak: unknown, so yes."""
         shapes = plan.peak_breakdown.get("shapes")
         if shapes is None:
             return True
-        return any(self.width in shape and math.prod(shape) >= self.tokens * self.width for shape in shapes)
+        return any(self.width in shape and math.prod(shape) == self.tokens * self.width for shape in shapes)
 
 
 def min_rows(itemsize: int, roofline: dict) -> int:
@@ -107,18 +112,41 @@ def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Ca
     return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
-def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None
-           ) -> tuple[dict, Plan, Plan, list[str]]:
+def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit: int | None) -> str | None:
+    """Whether chunking may lower the unchunked ``plan``'s peak (``peak`` bytes) where its goal needs it:
+    None where it may (a first candidate's full-length tensors are alive at that peak; under
+    ``peak_memory``, wherever the plan misses the limit: :func:`choose` tries the kinds alive at its
+    peak, and a plan that still misses is made again to warn as usual), else the note line that says
+    why nothing is tried. This
+    is the test that lets a compile plan its graph once where chunks cannot help
+    (:func:`recompile_opt.backend.compile_with_chunk_choice`)."""
+    if peak_limit is not None:
+        return None if peak > peak_limit else "chunks (auto): not tried: the unchunked plan meets peak_memory"
+    at_floor = [c for c in candidates if not c.below_floor]
+    if not at_floor:
+        return ("chunks (auto): not tried: every region is shorter than two chunks of the floor's rows "
+                "(smaller chunks are memory-bound; a peak_memory limit may still take them)")
+    if any(c.alive_at_peak(plan) for c in at_floor):
+        return None
+    kinds = ", ".join(dict.fromkeys(FAMILY[c.kind] for c in at_floor))
+    return f"chunks (auto): {kinds} not tried: none of their full-length tensors is alive at the peak"
+
+
+def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None,
+           unchunked: Plan | None = None) -> tuple[dict, Plan, Plan, list[str]]:
     """Greedy over ``candidates`` (in order): ``plan_with(chunks)`` plans the graph chunked so; returns
-    the chunks taken, the unchunked plan, the plan taken, and one note line per candidate tried. A kind
-    not chunked yet is planned only where its full-length tensors are alive at the best plan's peak so
-    far (:meth:`Candidate.alive_at_peak`)."""
+    the chunks taken, the unchunked plan (``unchunked`` where it is made already), the plan taken, and
+    one note line per candidate tried. A kind not chunked yet is planned only where its full-length
+    tensors are alive at the best plan's peak so far (:meth:`Candidate.alive_at_peak`)."""
     taken: dict = {}
-    unchunked = best = plan_with({})
+    unchunked = best = unchunked or plan_with({})
     notes, passed = [], []
     for c in candidates:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
+        if c.below_floor and peak_limit is None and not any(
+                FAMILY[o.kind] == FAMILY[c.kind] and not o.below_floor for o in candidates):
+            continue  # at the least peak, finer than the floor only after chunks at the floor
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
         chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
@@ -134,8 +162,8 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
         if better:
             taken, best = {**others, c.kind: c.chunks}, trial
     if passed:
-        notes.append(f"chunks: {', '.join(dict.fromkeys(passed))} not tried: none of their full-length tensors is "
-                     "alive at the peak")
+        notes.append(f"chunks (auto): {', '.join(dict.fromkeys(passed))} not tried: none of their full-length "
+                     "tensors is alive at the peak")
     return taken, unchunked, best, notes
 
 
