@@ -14,7 +14,6 @@ are also stored on disk under a key of the Dynamo graph, its inputs and that uui
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -410,7 +409,7 @@ def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, 
     candidates = _auto_candidates(gm, example_inputs, getattr(partitioner, "options", None))
     if not candidates:
         return compile_once(gm, example_inputs, partitioner, None)
-    pristine = copy.deepcopy(gm)  # the passes below and Inductor's change the graph they compile
+    pristine = ti.copy_dynamo_graph(gm)  # the passes below and Inductor's change the graph they compile
     partitioner.chunk_candidates = candidates
     try:
         return compile_once(gm, example_inputs, partitioner, None)
@@ -495,7 +494,7 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
         trial.walk = True
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            compile_eager(copy.deepcopy(gm), example_inputs, trial, aten_random=aten_random)
+            compile_eager(ti.copy_dynamo_graph(gm), example_inputs, trial, aten_random=aten_random)
         plan = trial.plans[-1]
         plan.options = {**plan.options, "strict": options.strict, "chunks": options.chunks}
         return plan

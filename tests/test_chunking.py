@@ -410,6 +410,18 @@ def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(
     calls.clear()
     plan = train_side_by_side(*_logits_dominated(), options={"memory_budget": 0.0, **EAGER}, steps=1)
     assert len(calls) > 1 and any(c["kind"] == "loss" for c in plan.chunks), plan.summary()
+    # the plan handed over was made on a copy of the graph: its parameters are still no kept bytes
+    assert not [e.name for e in plan.saved if e.op == "input" and e.bytes and e.dtype.startswith("float")]
+
+
+def test_a_copy_of_a_dynamo_graph_keeps_what_tells_aotautograd_its_parameters():
+    from recompile_opt import _torch_internals as ti
+
+    gm, _ = _dynamo_graph(*_logits_dominated())
+    copied = ti.copy_dynamo_graph(gm)
+    assert copied._param_name_to_source == gm._param_name_to_source
+    sources = [[getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")] for g in (gm, copied)]
+    assert sources[0] == sources[1] and None not in sources[0]
 
 
 def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
