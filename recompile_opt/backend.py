@@ -431,7 +431,8 @@ def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None
         return []
     device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
     roofline = options.roofline_for(options.target_device if device == "meta" else device)
-    return chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
+    every = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
+    return chunk_choice.for_goal(every, options.peak_memory)
 
 
 def _symbolic(example_inputs) -> bool:

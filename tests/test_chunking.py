@@ -378,7 +378,7 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
     """The lazy test of ``"auto"`` (the default) on the compile's own unchunked plan."""
     from types import SimpleNamespace
 
-    from recompile_opt.planner.chunk_choice import Candidate, worth_trying
+    from recompile_opt.planner.chunk_choice import Candidate, for_goal, worth_trying
 
     loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
     small = Candidate("loss", 64, below_floor=True, tokens=128, width=8192)
@@ -387,7 +387,10 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
     assert worth_trying([loss, mlp], at_loss, 100, None) is None
     assert worth_trying([loss, mlp], at_attention, 100, None) == (
         "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak")
-    assert "shorter than two chunks of the floor's rows" in worth_trying([small], at_loss, 100, None)
+    # a region shorter than two chunks of the floor's rows: not tried at the least peak, only under a limit
+    assert for_goal([small], None) == [] and for_goal([small], 100) == [small]
+    finer = Candidate("loss", 128, below_floor=True, tokens=512, width=8192)
+    assert for_goal([loss, mlp, finer], None) == [loss, mlp, finer]  # after chunks at the floor
     assert worth_trying([small], at_attention, 101, 100) is None  # a missed limit: tried, whatever is alive
     assert worth_trying([loss], at_loss, 100, 100) == "chunks (auto): not tried: the unchunked plan meets peak_memory"
 

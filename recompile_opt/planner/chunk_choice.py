@@ -56,10 +56,7 @@ OVERHEAD = 1 / 8
 class Candidate:
     kind: str  # "loss" or "mlp"
     chunks: int
-    # chunks of fewer rows than min_rows: under a peak limit, tried only to meet it; at the least peak,
-    # only for a kind with chunks at the floor (tried first), so a region of fewer than twice the floor's
-    # rows is not chunked there (memory-bound chunks: 4-row chunks took 9x the loss's time)
-    below_floor: bool = False
+    below_floor: bool = False  # chunks of fewer rows than min_rows: which goals try them, see for_goal
     tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden): its full-length
     width: int = 0  # tensors have tokens x width elements (logits, log-softmax, hidden, their gradients)
 
@@ -112,6 +109,17 @@ def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Ca
     return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
+def for_goal(candidates: list[Candidate], peak_limit: int | None) -> list[Candidate]:
+    """The candidates a goal tries: under a peak limit all (those below the floor only to meet it:
+    :func:`choose`); at the least peak, a kind below the floor only where the kind has chunks at the
+    floor too (tried first), so a region shorter than two chunks of the floor's rows is not chunked
+    there (its only chunks are memory-bound: 4-row chunks took 9x the loss's time)."""
+    if peak_limit is not None:
+        return candidates
+    at_floor = {FAMILY[c.kind] for c in candidates if not c.below_floor}
+    return [c for c in candidates if FAMILY[c.kind] in at_floor]
+
+
 def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit: int | None) -> str | None:
     """Whether chunking may lower the unchunked ``plan``'s peak (``peak`` bytes) where its goal needs it:
     None where it may (a first candidate's full-length tensors are alive at that peak; under
@@ -122,13 +130,9 @@ def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit:
     (:func:`recompile_opt.backend.compile_with_chunk_choice`)."""
     if peak_limit is not None:
         return None if peak > peak_limit else "chunks (auto): not tried: the unchunked plan meets peak_memory"
-    at_floor = [c for c in candidates if not c.below_floor]
-    if not at_floor:
-        return ("chunks (auto): not tried: every region is shorter than two chunks of the floor's rows "
-                "(smaller chunks are memory-bound; a peak_memory limit may still take them)")
-    if any(c.alive_at_peak(plan) for c in at_floor):
+    if any(c.alive_at_peak(plan) for c in candidates):
         return None
-    kinds = ", ".join(dict.fromkeys(FAMILY[c.kind] for c in at_floor))
+    kinds = ", ".join(dict.fromkeys(FAMILY[c.kind] for c in candidates))
     return f"chunks (auto): {kinds} not tried: none of their full-length tensors is alive at the peak"
 
 
@@ -144,9 +148,6 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
     for c in candidates:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
-        if c.below_floor and peak_limit is None and not any(
-                FAMILY[o.kind] == FAMILY[c.kind] and not o.below_floor for o in candidates):
-            continue  # at the least peak, finer than the floor only after chunks at the floor
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
         chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
