@@ -5,13 +5,18 @@ Usage::
     python bench/candidate_peaks.py --list                    # the candidates: index, predicted peak, recompute
     python bench/candidate_peaks.py --index 3                 # compile candidate 3 as the 0.0 plan, measure
     python bench/candidate_peaks.py --index 3 --keep add      # the same with the value ``add`` kept too
+    python bench/candidate_peaks.py --list --walk --vocab 2048 --chunks '{"loss": 4, "mlp": 4}'
+                                                              # each listed plan walked in Inductor's code
 
 The search (``least_peak._least_peak``, the 0.0 end of a fractional budget) ranks plans by the simulated
 peak; this swaps its choice for a chosen candidate (caches off, so the partitioner runs), compiles the
 benchmark's model through Inductor and measures its peak as ``bench/peak_accuracy.py`` does. Why: to
 see whether a plan that recomputes less than the chosen one really peaks higher, and where the
 simulator misses.
-Candidates are listed once per recompute set, by predicted peak, then estimated recompute.
+Candidates are listed once per recompute set, by predicted peak, then estimated recompute. ``--list``
+plans with ``compiler="eager"`` (the same partition, no code generated); ``--walk`` adds each listed
+plan's peak walked in the code Inductor generates for it (about 3 s a plan), to see how the simulator
+ranks the plans of a graph (``--vocab``: the model's vocabulary; ``--chunks``: option ``chunks``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--index", type=int, help="compile this candidate and measure its peak")
     p.add_argument("--keep", default="", help="comma-separated values to keep on top of the candidate")
     p.add_argument("--max-peak-mib", type=float, default=28.0, help="list only candidates predicted below")
+    p.add_argument("--walk", action="store_true", help="with --list: walk each plan in Inductor's code")
+    p.add_argument("--vocab", type=int, default=None, help="with --list: the model's vocabulary (default 512)")
+    p.add_argument("--chunks", default=None, help="with --list: option chunks, as JSON (default: the default)")
     return p.parse_args(argv)
 
 
@@ -54,13 +62,15 @@ def main(argv=None) -> None:
 
     search, chosen = least_peak._least_peak, {}
 
-    def pick(problem, reduction, kw, min_bytes, baseline, simulate, notes):
-        kept, sol, found = search(problem, reduction, kw, min_bytes, baseline, simulate, notes)
+    def pick(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify=True):
+        kept, sol, found = search(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
         cands = _candidates(found, args.max_peak_mib)
         if args.list:
             for i, c in enumerate(cands):
+                walked = simulate.exact(*least_peak._as_compiled(problem, c)) if args.walk else None
                 print(f"{i:3d}  predicted {c.peak / MiB:6.2f} MiB  recompute {c.recompute_s * 1e3:5.1f} ms"
-                      f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}")
+                      f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}"
+                      + (f"  walked {walked / MiB:6.2f} MiB" if walked is not None else ""), flush=True)
             raise SystemExit(0)
         c = cands[args.index]
         keep = {n for n in args.keep.split(",") if n}
@@ -69,10 +79,26 @@ def main(argv=None) -> None:
         return kept, sol, found
 
     least_peak._least_peak = pick
+    if args.list:
+        _plan(args)
     row = measure_one(args.model, "0.0", "inductor")
     print(json.dumps({**chosen, "kept_mib": round(row["kept_bytes"] / MiB, 2),
                       "predicted_mib": round(row["predicted_bytes"] / MiB, 2),
                       "measured_mib": round(row["measured_bytes"] / MiB, 2)}))
+
+
+def _plan(args) -> None:
+    """The benchmark's model planned at 0.0 with the eager compiler (its search lists, then exits)."""
+    import torch
+
+    import recompile_opt
+    from recompile_opt import models
+
+    cls, config = (models.GPT, models.GPTConfig) if args.model == "gpt" else (models.Llama, models.LlamaConfig)
+    cfg = config(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=args.vocab or 512)
+    torch.manual_seed(0)
+    options = {} if args.chunks is None else {"chunks": json.loads(args.chunks)}
+    recompile_opt.plan(cls(cfg), models.example_batch(cfg, 4), memory_budget=0.0, compiler="eager", **options)
 
 
 if __name__ == "__main__":

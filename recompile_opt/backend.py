@@ -33,7 +33,7 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split, chunk_choice
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.inductor_peak import output_names
-from recompile_opt.costs.peak import peak_breakdown
+from recompile_opt.costs.peak import inductor_pool, peak_breakdown
 from recompile_opt.plan import Plan
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
@@ -83,6 +83,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         # the one taken is not planned a second time when its graph is compiled
         self.known: dict[str, Plan] = {}
         self.walk = False  # walk the plan taken in Inductor's code (see walk_plan)
+        self.graph_chunked = False  # the graph compiled now is chunked along the sequence (chunk_regions)
         # set while Inductor compiles the graphs this partitioner returns: a plan's exact peak is then
         # read off that compile's code (finish_peak), not off a lowering of its own
         self.compiling = False
@@ -104,6 +105,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
                                  info=jg.info)
         simulate.offer(problem.sites)
+        simulate.chunked = self.graph_chunked
 
         used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
         gid = graph_id(gm)
@@ -120,7 +122,8 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         fw, bw = partition(settled, saved=saved, recomputed=plan.recomputed_names(),
                            num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
         self.last_forward, self.last_backward = fw, bw
-        plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
+        with inductor_pool(self.graph_chunked):
+            plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
         exact = simulate.known_exact(saved, plan.recomputed_names())
         if exact is None and known and known.solver.get("peak_from") == "inductor-code":
             exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
@@ -460,6 +463,8 @@ def chunk_regions(gm: fx.GraphModule, partitioner, chosen: dict | None) -> Chunk
     if chosen is not None:
         chunks, notes, saved = chosen["chunks"], chosen["notes"], chosen["saved"]
     done = Chunked(notes=notes)
+    if isinstance(partitioner, RecompilePartitioner):
+        partitioner.graph_chunked = isinstance(chunks, dict) and any(k != 1 for k in chunks.values())
     for kind, k in (chunks if isinstance(chunks, dict) else {}).items():
         if k == 1:
             continue

@@ -343,7 +343,8 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
 def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_alive_at_the_peak():
     """A candidate is planned only where a tensor of ``tokens x width`` elements with the region's width
     among its dims is alive at the best plan's peak: elsewhere chunking cannot lower that peak, and
-    each try plans the graph again."""
+    each try plans the graph again. (A kind passed over is tried once more with a trial not taken:
+    ``test_a_kind_passed_over_is_tried_with_a_trial_not_taken``.)"""
     from types import SimpleNamespace
 
     from recompile_opt.planner import chunk_choice
@@ -361,7 +362,7 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
     # attention's scores where the sequence equals the width: not the region's
     assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 16, 1024, 1024]]}))
     assert loss.alive_at_peak(SimpleNamespace(peak_breakdown={}))  # not known: planned
-    for where, tried in (("attention", [{}]), ("loss", [{}, {"loss": 4}])):
+    for where, tried in (("attention", [{}]), ("loss", [{}, {"loss": 4}, {"loss": 4, "mlp": 4}])):
         planned = []
 
         def plan_with(chunks):
@@ -370,8 +371,41 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
 
         taken, _, _, notes = chunk_choice.choose([loss, mlp], plan_with, None)
         assert (taken, planned) == ({}, tried), where
-        skipped = "loss, mlp" if where == "attention" else "mlp"
-        assert notes[-1] == f"chunks (auto): {skipped} not tried: none of their full-length tensors is alive at the peak"
+    assert notes[0].startswith("chunks (auto): loss in 4 chunks: ") and notes[0].endswith("not taken"), notes
+    assert notes[1].startswith("chunks (auto): loss in 4 + mlp in 4 chunks: "), notes
+    planned = []
+    chunk_choice.choose([loss, mlp], lambda chunks: planned.append(chunks) or plan["attention"], None)
+    assert planned == [{}]  # nothing tried, so nothing to try with
+    notes = chunk_choice.choose([loss, mlp], lambda chunks: plan["attention"], None)[3]
+    assert notes == ["chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak"]
+
+
+def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
+    """Chunking one region moves the peak to another, so neither alone may lower it (the GPT with
+    vocabulary 2048: its MLPs chunked, the peak moved to the logits' gradient; with the loss chunked
+    too, 3.8 MiB lower). The kind passed over is tried with the chunks of the trial not taken, and
+    taken where that peaks lower."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner import chunk_choice
+    from recompile_opt.planner.chunk_choice import Candidate
+
+    loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
+    at_mlp = [[512, 1024]]
+    peaks = {(): (100, at_mlp), (("mlp", 4),): (101, at_mlp), (("loss", 4), ("mlp", 4)): (80, at_mlp)}
+    planned = []
+
+    def plan_with(chunks):
+        planned.append(chunks)
+        peak, shapes = peaks[tuple(sorted(chunks.items()))]
+        return SimpleNamespace(peak_breakdown={"shapes": shapes}, predicted_peak_bytes=peak, chunks=list(chunks),
+                               step_s=1.0, recompute_s=0.0)
+
+    taken, unchunked, best, notes = chunk_choice.choose([loss, mlp], plan_with, None)
+    assert planned == [{}, {"mlp": 4}, {"mlp": 4, "loss": 4}]
+    assert taken == {"mlp": 4, "loss": 4} and best.predicted_peak_bytes == 80 and unchunked.predicted_peak_bytes == 100
+    assert notes[-1].startswith("chunks (auto): mlp in 4 + loss in 4 chunks: ") and notes[-1].endswith(": taken")
+    assert not loss.alive_at_peak(plan_with({"mlp": 4}))  # tried though the kernel model's peak does not show it
 
 
 def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_or_a_limit_is_missed():

@@ -24,7 +24,7 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.inductor_peak import exact_peak, supported
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
-from recompile_opt.costs.peak import peak_and_recomputed_at_peak
+from recompile_opt.costs.peak import inductor_pool, peak_and_recomputed_at_peak
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class PeakSimulator:
         # (passes/approximate.py), one graph per set of approximated sites
         self.has_markers = bool(approximate.markers(gm))
         self.choices: dict[str, str] = {}  # a site's choice -> its marker (set by the partitioner)
+        # a graph chunked along the sequence (set by the partitioner): Inductor's own pool rule is
+        # simulated (costs.peak.inductor_pool), and the least-peak search walks more of its plans
+        self.chunked = False
         self._settled: dict[frozenset, tuple] = {}
 
     def offer(self, sites) -> None:
@@ -160,7 +163,8 @@ class PeakSimulator:
             graphs = partition(gm, saved=saved, recomputed=recomputed,
                                num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
                                info=info, for_simulation=True)
-            self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
+            with inductor_pool(self.chunked):
+                self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
             self.seconds += time.perf_counter() - start
         return self.results[key]
 

@@ -12,7 +12,8 @@ estimated step; under ``peak_memory``: fits where the other does not, or fits wi
 
 A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's peak so far
 (:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try plans the
-graph again. The compile's own plan of the unchunked graph is the first (:func:`worth_trying`), so a
+graph again. Where a kind tried was not taken, the kinds passed over are tried with it once: its
+chunks may have moved the peak to them. The compile's own plan of the unchunked graph is the first (:func:`worth_trying`), so a
 graph where no kind is worth trying is planned once (``"auto"`` is the default).
 
 Where the forward goes on after the loss (more than scalar ops), the loss is tried two ways: its
@@ -141,10 +142,11 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
     """Greedy over ``candidates`` (in order): ``plan_with(chunks)`` plans the graph chunked so; returns
     the chunks taken, the unchunked plan (``unchunked`` where it is made already), the plan taken, and
     one note line per candidate tried. A kind not chunked yet is planned only where its full-length
-    tensors are alive at the best plan's peak so far (:meth:`Candidate.alive_at_peak`)."""
+    tensors are alive at the best plan's peak so far (:meth:`Candidate.alive_at_peak`); one passed
+    over is tried again with the chunks of a trial not taken (:func:`_combined`)."""
     taken: dict = {}
     unchunked = best = unchunked or plan_with({})
-    notes, passed = [], []
+    notes, passed, missed = [], [], []
     for c in candidates:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
@@ -152,20 +154,53 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
         # inside one op, whose buffers the peak does not list
         chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
         if not chunked and not c.alive_at_peak(best):
-            passed.append(c.kind)
+            passed.append(c)
             continue
         others = {kind: k for kind, k in taken.items() if FAMILY[kind] != FAMILY[c.kind]}
-        trial = plan_with({**others, c.kind: c.chunks})
+        chunks = {**others, c.kind: c.chunks}
+        trial = plan_with(chunks)
         better = _better(trial, best, peak_limit)
-        notes.append(f"chunks (auto): {c.kind} in {c.chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
-                     f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
-                     f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
+        notes.append(_tried(c.kind, c.chunks, best, trial, better))
         if better:
-            taken, best = {**others, c.kind: c.chunks}, trial
+            taken, best = chunks, trial
+        else:
+            missed.append((chunks, trial))
+    passed, (taken, best) = _combined(passed, missed, plan_with, peak_limit, taken, best, notes)
     if passed:
-        notes.append(f"chunks (auto): {', '.join(dict.fromkeys(passed))} not tried: none of their full-length "
-                     "tensors is alive at the peak")
+        notes.append(f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
+                     "of their full-length tensors is alive at the peak")
     return taken, unchunked, best, notes
+
+
+def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_with, peak_limit,
+              taken: dict, best: Plan, notes: list[str]) -> tuple[list[Candidate], tuple[dict, Plan]]:
+    """The candidates passed over, each tried once more with the chunks of the first trial not taken.
+    Why: chunking one region moves the peak to another, so neither alone may lower it (the GPT with
+    vocabulary 2048: its MLPs chunked moved the peak from the MLP's backward to the logits' gradient,
+    26.30 -> 27.34 MiB walked; the loss chunked too, 23.30). Not only where its tensors are alive at
+    the trial's peak: the kernel model locates a chunked plan's walked peak elsewhere."""
+    still = []
+    for c in passed:
+        for chunks, trial in missed:
+            if any(FAMILY[kind] == FAMILY[c.kind] for kind in chunks):
+                continue
+            both = {**chunks, c.kind: c.chunks}
+            combo = plan_with(both)
+            better = _better(combo, best, peak_limit)
+            notes.append(_tried(" + ".join(f"{kind} in {k}" for kind, k in chunks.items()) + f" + {c.kind}",
+                                c.chunks, best, combo, better))
+            if better:
+                taken, best = both, combo
+            break
+        else:
+            still.append(c)
+    return still, (taken, best)
+
+
+def _tried(what: str, chunks: int, best: Plan, trial: Plan, better: bool) -> str:
+    return (f"chunks (auto): {what} in {chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
+            f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
+            f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
 
 
 def _time(plan: Plan) -> float:
