@@ -493,6 +493,7 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
     (:func:`chunk_choice.choose`). The plan taken is handed to ``partitioner``, which then does not plan
     its graph again."""
     options = partitioner.options
+    planned = [unchunked]
 
     def plan_with(chunks: dict) -> Plan:
         # a candidate that misses a limit is not the user's plan: no warning, no strict error from it
@@ -503,12 +504,17 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
             compile_eager(ti.copy_dynamo_graph(gm), example_inputs, trial, aten_random=aten_random)
         plan = trial.plans[-1]
         plan.options = {**plan.options, "strict": options.strict, "chunks": options.chunks}
+        planned.append(plan)
         return plan
 
     start = time.perf_counter()
     taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory, unchunked)
     # the planning this choice took, the unchunked plan's included: the plan's planning time counts it
     best.solver["chunk_choice_s"] = round(unchunked.solver["plan_s"] + time.perf_counter() - start, 3)
+    planned = list({id(p): p for p in planned if p is not None}.values())
+    best.solver["chunk_choice"] = {"plannings": len(planned),
+                                   "simulations": sum(p.solver.get("simulations", 0) for p in planned),
+                                   "walks": sum(p.solver.get("exact_peaks", 0) for p in planned)}
     if options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory:
         partitioner.known[best.graph] = best  # else planned again, to warn (or raise: strict) as usual
     saved = unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None

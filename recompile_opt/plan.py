@@ -134,8 +134,12 @@ class Plan:
         if not s.get("solves") and not s.get("simulations"):
             return ""
         n, m = s.get("solves", 0), s.get("simulations", 0)
+        walks = f", {s['exact_peaks']} walked in Inductor's code, {s.get('exact_s', 0.0):.2f} s" if s.get("exact_peaks") else ""
+        choice = s.get("chunk_choice")  # the trials' own planning: the figures before count only the last
+        tried = (f"; choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated, "
+                 f"{choice['walks']} walked") if choice else ""
         return (f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
-                f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s)")
+                f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s{walks}{tried})")
 
     def communication_bytes(self) -> int:
         """Bytes one rank sends in a step: every collective once, and each re-gather a second time."""

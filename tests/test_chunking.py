@@ -335,6 +335,12 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
     assert loss["peak_saved_bytes"] > 0.1 * off.predicted_peak_bytes
     assert "chunked" in str(auto) and "chosen by the planner" in str(auto)
     assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), auto.notes
+    # the plan's planning line counts the trials' planning too (the unchunked plan and the loss's trial;
+    # their simulations and walks are those not found on disk already, so may be none here)
+    choice = auto.solver["chunk_choice"]
+    assert choice["plannings"] >= 2, choice
+    assert f"choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated" in str(auto)
+    assert "chunk_choice" not in off.solver
     assert "chunks" in off.diff(auto) and not off.chunks
     assert recompile_opt.Plan.from_json(auto.to_json()).chunks == auto.chunks
     assert not any("loss_recompute" in n for n in auto.notes)  # nothing runs after this loss
