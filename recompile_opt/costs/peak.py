@@ -275,30 +275,17 @@ def _span_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node],
     in place (a fused kernel's dying input of the same size), or from Inductor's pool of dead
     buffers (per dtype and size, last in first out), taken only within ``POOL_SPAN`` kernels of its
     death. Graph outputs and kept buffers are never freed."""
+    inplace = _inplace_takes(order, size, last, keep, keys)
     pool: dict[tuple, list] = {}
     free_after: dict[int, list] = {}
-    taken: dict = {}  # output -> the dead buffer it writes into
+    taken: dict = dict(inplace)  # output -> the dead buffer it writes into
     for i, k in enumerate(order):
-        dying = [keys.get(r, r) for r in k.reads if last.get(keys.get(r, r)) == i]
-        dying = [d for d in dict.fromkeys(dying) if d not in keep and size.get(d, 0)]
-        sole = _sole_readers(k, keys) if not k.extern else {}
         for n in k.outputs:
             key = _key(n, size)
-            same = [d for d in dying if _key(d, size) == key and sole.get(d) is n]
-            if same:  # in place
-                dying.remove(same[0])
-                taken[n] = same[0]
-            elif _wrapper_allocated(n) and pool.get(key) and i - pool[key][-1][1] <= POOL_SPAN:
+            if n not in taken and _wrapper_allocated(n) and pool.get(key) and i - pool[key][-1][1] <= POOL_SPAN:
                 taken[n] = pool[key].pop()[0]
-        dying += [n for n in k.outputs if n not in last and n not in keep]  # never read
-        for d in dying:
-            if _poolable(d):
-                pool.setdefault(_key(d, size), []).append((d, i))
-            else:
-                free_after.setdefault(i, []).append(d)
-    for key, bufs in pool.items():  # never taken: freed where they died
-        for d, _ in bufs:
-            free_after.setdefault(_death(d, last, order), []).append(d)
+        _release(_dying(k, i, last, keep, keys, size, inplace), i, size, pool, free_after)
+    _free_unclaimed(pool, last, order, free_after)
     return free_after, taken
 
 
@@ -329,15 +316,26 @@ def _inductor_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.No
                 held[died + 1:i] = [h + size.get(n, 0) for h in between]
             else:
                 pool[key].append((dead, died))
-        for d in _dying(k, i, last, keep, keys, size, inplace):
-            if _poolable(d):
-                pool.setdefault(_key(d, size), []).append((d, i))
-            else:
-                free_after.setdefault(i, []).append(d)
-    for key, bufs in pool.items():  # never taken: freed where they died
+        _release(_dying(k, i, last, keep, keys, size, inplace), i, size, pool, free_after)
+    _free_unclaimed(pool, last, order, free_after)
+    return free_after, taken
+
+
+def _release(dying: list, i: int, size: dict, pool: dict, free_after: dict) -> None:
+    """The buffers dying with kernel ``i``: into the pool (per dtype and size, with the kernel they
+    died at) where Inductor's wrapper pools them, else freed after ``i``."""
+    for d in dying:
+        if _poolable(d):
+            pool.setdefault(_key(d, size), []).append((d, i))
+        else:
+            free_after.setdefault(i, []).append(d)
+
+
+def _free_unclaimed(pool: dict, last: dict, order: list[Kernel], free_after: dict) -> None:
+    """Pooled buffers no later allocation took: freed where they died."""
+    for bufs in pool.values():
         for d, _ in bufs:
             free_after.setdefault(_death(d, last, order), []).append(d)
-    return free_after, taken
 
 
 def _dying(k: Kernel, i: int, last: dict, keep: set, keys: dict, size: dict, inplace: dict) -> list:
