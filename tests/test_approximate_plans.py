@@ -319,16 +319,19 @@ def test_chunked_regions_are_rewritten_first_and_offer_no_site(chunks, few_bit):
 
 @pytest.mark.slow
 def test_a_peak_limit_only_approximations_meet_is_met_with_them():
-    """The benchmark GPT under ``peak_memory="23MiB"``: no exact plan fits (the least exact peak walks
-    at 24.8 MiB), and with both approximations allowed the plan fits, approximating, its peak walked."""
+    """The benchmark GPT under ``peak_memory="23MiB"``, unchunked: no exact plan fits (the least exact
+    peak walks at 24.8 MiB), and with both approximations allowed the plan fits, approximating, its peak
+    walked. Unchunked because chunks meet the limit exactly (loss and MLPs chunked: 21.80 MiB), and what
+    is tested is the approximations' own reach."""
     torch._dynamo.reset()
     cfg = models.GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
     torch.manual_seed(0)
     model, inputs = models.GPT(cfg), models.example_batch(cfg, 4)
     with pytest.warns(UserWarning, match="peak_memory=23.00 MiB cannot be met"):
-        recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager")
+        recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", chunks=False)
     torch._dynamo.reset()
-    plan = recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", approximate=BOTH)
+    plan = recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", approximate=BOTH,
+                              chunks=False)
     assert plan.approximated and plan.predicted_peak_bytes <= 23 * MiB, plan.summary()
     assert "walked in Inductor's code" in " ".join(plan.notes), plan.notes
 

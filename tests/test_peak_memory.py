@@ -206,6 +206,39 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
     assert {e.name for e in plan.saved} == {"x"} | kept
 
 
+class _WalkingSimulator:
+    """Walks a plan (``exact``) to the peak ``walks`` gives its recomputed set; ``known`` holds the walks
+    a warm cache brought from the disk."""
+
+    def __init__(self, walks, known=()):
+        self.walks, self.known, self.lowered = walks, {k: walks[k] for k in known}, []
+
+    def exact(self, saved, recomputed):
+        self.lowered.append(frozenset(recomputed))
+        self.known[frozenset(recomputed)] = self.walks[frozenset(recomputed)]
+        return self.known[frozenset(recomputed)]
+
+    def known_exact(self, saved, recomputed):
+        return self.known.get(frozenset(recomputed))
+
+
+@pytest.mark.parametrize("known", [(), ({"a"},), ({"a"}, {"b"})], ids=["cold", "first-walk-known", "all-known"])
+def test_where_no_plan_fits_the_least_walked_peak_is_taken_whatever_the_cache_knows(known):
+    """No plan fits: the plan taken is the least walked, cold or warm. a is simulated lowest and walks
+    24.80 MiB; b, simulated next (24.54), walks 27.55. Before, a warm cache that knew a's walk compared
+    it with b's simulated figure, took b, and walked it to 27.55 (the benchmark's GPT under "23MiB")."""
+    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2), op("c", ["b"], 4, 4))
+    walks = {frozenset("a"): int(24.80 * MiB), frozenset("b"): int(27.55 * MiB), frozenset("c"): int(26 * MiB)}
+    simulate = _WalkingSimulator(walks, [frozenset(k) for k in known])
+    plans = [least_peak.Candidate(int(peak * MiB), 0.0, 0, least_peak.ilp.Solution({name}))
+             for name, peak in (("a", 23.79), ("b", 24.54), ("c", 26.5))]
+    check = least_peak._PeakCheck(chain, simulate)
+    assert check.first_fitting(plans, 23 * MiB) is None
+    least = check.least_walked(plans)
+    assert least.sol.recompute == {"a"} and least.peak == walks[frozenset("a")]
+    assert check.source(least) == "walked in Inductor's code"
+
+
 def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(monkeypatch):
     """Fractions, peak limits (which, with one kept-byte level, only the search's plans meet) and the
     compiler option share one search of a graph; a graph whose ops differ gets its own."""
