@@ -50,6 +50,37 @@ def _candidates(found, max_peak_mib: float) -> list:
                   key=lambda c: (c.peak, c.recompute_s))
 
 
+def _ranks(xs: list) -> list[float]:
+    """Each value's rank (ties: their mean rank)."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def _ranking(pairs: list[tuple[int, int]]) -> str:
+    """How the simulator ranks the listed plans against their walks: the rank correlation (Spearman's),
+    where the plans within 5% of the least walked peak (the search's tie) stand in the simulated order,
+    and the simulator's error."""
+    import statistics
+
+    sim, walked = zip(*pairs)
+    least = min(walked)
+    near = [i for i, w in enumerate(walked) if w <= least * 1.05]
+    errors = [abs(s - w) / w for s, w in pairs]
+    return (f"simulated against walked, {len(pairs)} plans: rank correlation "
+            f"{statistics.correlation(_ranks(list(sim)), _ranks(list(walked))):.2f}; the least walked "
+            f"({least / MiB:.2f} MiB) and its ties at simulated ranks {near}; |error| mean "
+            f"{100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"  # the patched choice must reach the partitioner
@@ -66,11 +97,16 @@ def main(argv=None) -> None:
         kept, sol, found = search(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
         cands = _candidates(found, args.max_peak_mib)
         if args.list:
+            pairs = []
             for i, c in enumerate(cands):
                 walked = simulate.exact(*least_peak._as_compiled(problem, c)) if args.walk else None
                 print(f"{i:3d}  predicted {c.peak / MiB:6.2f} MiB  recompute {c.recompute_s * 1e3:5.1f} ms"
                       f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}"
                       + (f"  walked {walked / MiB:6.2f} MiB" if walked is not None else ""), flush=True)
+                if walked is not None:
+                    pairs.append((c.peak, walked))
+            if len(pairs) > 1:
+                print(_ranking(pairs))
             raise SystemExit(0)
         c = cands[args.index]
         keep = {n for n in args.keep.split(",") if n}
