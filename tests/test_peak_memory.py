@@ -211,14 +211,16 @@ class _WalkingSimulator:
     a warm cache brought from the disk."""
 
     def __init__(self, walks, known=()):
-        self.walks, self.known, self.lowered = walks, {k: walks[k] for k in known}, []
+        self.walks, self.known, self.asked = walks, {k: walks[k] for k in known}, set()
 
     def exact(self, saved, recomputed):
-        self.lowered.append(frozenset(recomputed))
+        self.asked.add(frozenset(recomputed))
         self.known[frozenset(recomputed)] = self.walks[frozenset(recomputed)]
         return self.known[frozenset(recomputed)]
 
-    def known_exact(self, saved, recomputed):
+    def known_exact(self, saved, recomputed, *, asked=False):
+        if asked and frozenset(recomputed) not in self.asked:
+            return None
         return self.known.get(frozenset(recomputed))
 
 
@@ -237,6 +239,21 @@ def test_where_no_plan_fits_the_least_walked_peak_is_taken_whatever_the_cache_kn
     least = check.least_walked(plans)
     assert least.sol.recompute == {"a"} and least.peak == walks[frozenset("a")]
     assert check.source(least) == "walked in Inductor's code"
+
+
+@pytest.mark.parametrize("known", [(), ("g",)], ids=["cold", "warm"])
+def test_a_peak_limit_takes_the_plan_a_cold_compile_takes_whatever_the_cache_knows(known):
+    """Seven plans may fit, the cheapest first; the first six walk over the limit, which uses up the
+    walks (``PEAK_WALKS``), so a cold compile never walks g, the seventh, which fits: no plan fits.
+    A warm cache that knows g's walk must not take it either: the same graph, the same plan."""
+    names = "abcdefg"
+    chain = problem(inp("x", 1, needed=True), *[op(n, ["x"], 1, 1) for n in names])
+    walks = {frozenset(n): int((22 if n == "g" else 26) * MiB) for n in names}
+    plans = [least_peak.Candidate(int((24.4 - 0.01 * i) * MiB), i * 1e-3, 0, least_peak.ilp.Solution({n}))
+             for i, n in enumerate(names)]
+    check = least_peak._PeakCheck(chain, _WalkingSimulator(walks, [frozenset(k) for k in known]))
+    assert least_peak.PEAK_WALKS == 6
+    assert check.first_fitting(plans, 23 * MiB) is None
 
 
 def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(monkeypatch):

@@ -116,6 +116,8 @@ class PeakSimulator:
         self.exact_results: dict[tuple, int | None] = {}
         self.exact_seconds = 0.0
         self.exact_asked = 0  # questions to exact(), answered from exact_results or not
+        self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
+        self.asked_log: list[tuple] = []  # each question, in order (walked_keys)
         # the partition reads the recomputed set only for its random ops (replayed) and the users of
         # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
         # described (which lists every recomputed value) finds the candidate it was checked as
@@ -177,6 +179,8 @@ class PeakSimulator:
         ``backend.finish_peak``), walked as they are; the plan is lowered here only where they cannot be."""
         key = self._exact_key(saved, recomputed)
         self.exact_asked += 1
+        self.asked.add(key)
+        self.asked_log.append(key)
         if key not in self.exact_results or (compiled and self.exact_results[key] is None):
             start = time.perf_counter()
             result = self._walked(*compiled) if compiled else None
@@ -220,9 +224,25 @@ class PeakSimulator:
         """Plans simulated and walked so far, and the seconds each took (the figures a plan reports)."""
         return len(self.results), self.seconds, len(self.exact_results), self.exact_seconds
 
-    def known_exact(self, saved: set, recomputed: set) -> int | None:
-        """The exact peak of this plan if :meth:`exact` has been asked about it."""
-        return self.exact_results.get(self._exact_key(saved, recomputed))
+    def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None:
+        """The exact peak of this plan if :meth:`exact` has been asked about it (``asked=True``: by this
+        compile, not only by an earlier one whose figures are on disk). Why a planner's choice reads
+        only its own walks: a compile that takes a figure an earlier one left on the disk makes
+        choices a cold compile does not (a plan walked for free is one more under a walk budget), so
+        the same graph would get another plan from a warm cache. Asked again, such a walk costs
+        nothing: the figure is found."""
+        key = self._exact_key(saved, recomputed)
+        return None if asked and key not in self.asked else self.exact_results.get(key)
+
+    def mark_asked(self, keys) -> None:
+        """Count ``keys`` (:meth:`walked_keys` of an earlier search of this graph, reused by this compile)
+        as asked by this compile: a cold compile that searched again would have asked them."""
+        self.asked |= set(keys)
+
+    def walked_keys(self, since: int = 0) -> frozenset:
+        """The plans asked about since the ``since``-th question (``len(asked_log)`` then), for
+        :meth:`mark_asked`."""
+        return frozenset(self.asked_log[since:])
 
     def _exact_key(self, saved: set, recomputed: set) -> tuple:
         return frozenset(saved), frozenset(recomputed) & self.partition_reads

@@ -327,6 +327,7 @@ class _RangeEnds(NamedTuple):
     note: str | None
     found: list[Candidate]
     walked: bool = False  # the search checked plans in Inductor's generated code (_verified)
+    walked_keys: frozenset = frozenset()  # the plans it asked about (simulate.walked_keys)
 
 
 # The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
@@ -342,14 +343,17 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
     peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares."""
     key = _fingerprint(problem, options) + ("" if verify else ":unverified")
     if key in _RANGE_ENDS:
+        if hasattr(simulate, "mark_asked"):  # as if searched again: its walks are this compile's too
+            simulate.mark_asked(_RANGE_ENDS[key].walked_keys)
         return _RANGE_ENDS[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
-    asked = getattr(simulate, "exact_asked", 0)
+    asked = getattr(simulate, "exact_asked", 0)  # questions to exact() before the search
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      getattr(simulate, "exact_asked", 0) > asked)
+                      getattr(simulate, "exact_asked", 0) > asked,
+                      simulate.walked_keys(since=asked) if hasattr(simulate, "walked_keys") else frozenset())
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends
@@ -530,10 +534,12 @@ class _PeakCheck:
         return c.peak <= limit * (SIM_SLACK if self.walk is not None else 1.0)
 
     def _known(self, sets: tuple) -> int | None:
+        """The plan's walked peak if this compile walked it (not a figure left on the disk by an earlier
+        one: :meth:`recompile_opt.costs.simulator.PeakSimulator.known_exact`)."""
         if sets in self.walked:
             return self.walked[sets]
         known = getattr(self.simulate, "known_exact", None)
-        return known(*sets) if known is not None and self.walk is not None else None
+        return known(*sets, asked=True) if known is not None and self.walk is not None else None
 
     def how(self, c: Candidate) -> str:
         """How the chosen plan's peak was judged, for its note."""

@@ -41,8 +41,9 @@ class Simulate(Protocol):
     # optional: the exact peak from Inductor's generated code, None where unknown (see _verified)
     def exact(self, saved: set, recomputed: set) -> int | None: ...
 
-    # optional: the exact peak if exact() has been asked about this plan, else None (costs nothing)
-    def known_exact(self, saved: set, recomputed: set) -> int | None: ...
+    # optional: the exact peak if exact() has been asked about this plan (asked=True: by this compile),
+    # else None (costs nothing)
+    def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None: ...
 
 
 def solve_reduced(problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str],
