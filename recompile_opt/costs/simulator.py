@@ -115,9 +115,8 @@ class PeakSimulator:
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
         self.exact_results: dict[tuple, int | None] = {}
         self.exact_seconds = 0.0
-        self.exact_asked = 0  # questions to exact(), answered from exact_results or not
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
-        self.asked_log: list[tuple] = []  # each question, in order (walked_keys)
+        self.asked_log: list[tuple] = []  # each question to exact(), in order, answered from exact_results or not
         # the partition reads the recomputed set only for its random ops (replayed) and the users of
         # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
         # described (which lists every recomputed value) finds the candidate it was checked as
@@ -178,7 +177,6 @@ class PeakSimulator:
         and the code Inductor's compile generated for them (``fw, bw, (fw_code, bw_code, fw_outputs)``,
         ``backend.finish_peak``), walked as they are; the plan is lowered here only where they cannot be."""
         key = self._exact_key(saved, recomputed)
-        self.exact_asked += 1
         self.asked.add(key)
         self.asked_log.append(key)
         if key not in self.exact_results or (compiled and self.exact_results[key] is None):

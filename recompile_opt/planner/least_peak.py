@@ -326,8 +326,7 @@ class _RangeEnds(NamedTuple):
     least_peak: ilp.Solution | None
     note: str | None
     found: list[Candidate]
-    walked: bool = False  # the search checked plans in Inductor's generated code (_verified)
-    walked_keys: frozenset = frozenset()  # the plans it asked about (simulate.walked_keys)
+    walked_keys: frozenset = frozenset()  # the plans it checked in Inductor's generated code (_verified)
 
 
 # The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
@@ -349,11 +348,11 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
-    asked = getattr(simulate, "exact_asked", 0)  # questions to exact() before the search
+    log = getattr(simulate, "asked_log", None)
+    since = len(log) if log is not None else 0  # questions to exact() before the search
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      getattr(simulate, "exact_asked", 0) > asked,
-                      simulate.walked_keys(since=asked) if hasattr(simulate, "walked_keys") else frozenset())
+                      simulate.walked_keys(since) if log is not None else frozenset())
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends
@@ -364,7 +363,7 @@ def range_walked(problem: Problem, options: Options) -> bool:
     checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
     finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
     ends = _RANGE_ENDS.get(_fingerprint(problem, options))
-    return ends is not None and ends.walked
+    return ends is not None and bool(ends.walked_keys)
 
 
 def _fingerprint(problem: Problem, options: Options) -> str:
