@@ -88,9 +88,10 @@ def schedule(gm: fx.GraphModule) -> tuple[list[Kernel], dict[fx.Node, int], set[
 class _Groups:
     """Union-find over fusible nodes, refusing unions that would put another kernel inside a group."""
 
-    def __init__(self, fusible: list[fx.Node]):
+    def __init__(self, fusible: list[fx.Node], facts: _GraphFacts):
         self.root = {n: n for n in fusible}
         self.members = {n: [n] for n in fusible}
+        self.facts = facts
 
     def find(self, n: fx.Node) -> fx.Node:
         while self.root[n] is not n:
@@ -102,28 +103,31 @@ class _Groups:
         ra, rb = self.find(a), self.find(b)
         if ra is rb:
             return
-        both = self.members[ra] + self.members[rb]
-        pos = [m.meta["_pos"] for m in both]
-        if len(both) > MAX_FUSION or max(pos) - min(pos) > WINDOW:
+        pos, a, b = self.facts.pos, self.members[ra], self.members[rb]  # each in graph order
+        if len(a) + len(b) > MAX_FUSION or max(pos[a[-1]], pos[b[-1]]) - min(pos[a[0]], pos[b[0]]) > WINDOW:
             return
-        if self._path_between(ra, rb, min(pos)) or self._path_between(rb, ra, min(pos)):
+        if self._path_between(ra, rb) or self._path_between(rb, ra):
             return
         self.root[rb] = ra
-        self.members[ra] = sorted(both, key=lambda m: m.meta["_pos"])
+        self.members[ra] = sorted(a + b, key=pos.__getitem__)
         del self.members[rb]
 
-    def _path_between(self, src_root: fx.Node, dst_root: fx.Node, lo: int) -> bool:
+    def _path_between(self, src_root: fx.Node, dst_root: fx.Node) -> bool:
         """Is group ``dst`` reached from group ``src`` through something outside both (a cycle if
         they fused)? Another group counts as one kernel: reaching any of its nodes reaches all of
-        them. Views are indexing and do not count as outside. Only nodes from ``lo`` on can lie on
-        such a path (the graph's order is topological)."""
-        src, dst = set(self.members[src_root]), self.members[dst_root]
-        inside = src | set(dst)
-        stack = [(u, False) for d in dst for u in d.all_input_nodes]
+        them. Views are indexing and do not count as outside. A node before src's first (the graph's
+        order is topological) lies on such a path only through its group, where a later member of
+        that group is src's descendant: the search goes no further back than that."""
+        facts = self.facts
+        src, dst = self.members[src_root], self.members[dst_root]
+        lo, src, inside = facts.pos[src[0]], set(src), set(src).union(dst)
+        stack = [(u, False) for d in dst for u in facts.inputs[d]]
         seen: set[tuple[fx.Node, bool]] = set()
         while stack:
             u, outside = stack.pop()
-            if (u, outside) in seen or u.meta.get("_pos", -1) < lo or u.op != "call_function":
+            if (u, outside) in seen or u.op != "call_function":
+                continue
+            if facts.pos[u] < lo and (u not in self.root or facts.pos[self.members[self.find(u)][-1]] < lo):
                 continue
             seen.add((u, outside))
             if u in src:
@@ -132,22 +136,39 @@ class _Groups:
                 continue  # a direct edge from src
             if u in inside:
                 continue  # another dst node: its own inputs are on the stack already
-            through = outside or not is_view_node(u)
-            group = self.members.get(self.find(u), [u]) if u in self.root else [u]
-            stack.extend((w, through) for m in group for w in m.all_input_nodes)
+            through = outside or not facts.view[u]
+            group = self.members[self.find(u)] if u in self.root else (u,)
+            stack.extend((w, through) for m in group for w in facts.inputs[m])
         return False
 
 
+@dataclass
+class _GraphFacts:
+    """What the fusion's cycle checks ask of each node, computed once per graph: ``Node.all_input_nodes``
+    builds a new list per call, and the checks ask it of the same nodes thousands of times (the
+    Llama's 0.5 planning: 240k calls, half of its 1.7 s of scheduling, with the views asked the same way)."""
+    pos: dict[fx.Node, int]  # position in the graph
+    inputs: dict[fx.Node, list[fx.Node]]
+    view: dict[fx.Node, bool]
+
+    @classmethod
+    def of(cls, nodes: list[fx.Node]) -> _GraphFacts:
+        return cls({n: i for i, n in enumerate(nodes)}, {n: n.all_input_nodes for n in nodes},
+                   {n: is_view_node(n) for n in nodes})
+
+
 def _fuse(compute: list[fx.Node], nodes: list[fx.Node]) -> _Groups:
+    facts = _GraphFacts.of(nodes)
     fusible = [n for n in compute if not is_extern(n) and n.target is not operator.getitem]
-    groups = _Groups(fusible)
+    groups = _Groups(fusible, facts)
     readers: dict[fx.Node, list[fx.Node]] = {}  # buffer -> fusible nodes that read it, so far
+    size = {n: nbytes(n) for n in fusible}
     for n in fusible:
-        for u in dict.fromkeys(base_of(a) for a in n.all_input_nodes):  # in order (fusion is greedy)
+        for u in dict.fromkeys(base_of(a) for a in facts.inputs[n]):  # in order (fusion is greedy)
             if u in groups.root:
                 groups.try_union(n, u)  # vertical: a fusible producer
             for r in readers.get(u, []):  # horizontal: same buffer read, same size
-                if nbytes(r) == nbytes(n) and n.meta["_pos"] - r.meta["_pos"] <= WINDOW:
+                if size[r] == size[n] and facts.pos[n] - facts.pos[r] <= WINDOW:
                     groups.try_union(n, r)
             readers.setdefault(u, []).append(n)
     return groups
