@@ -44,10 +44,6 @@ class Kernel:
     # in the order of their addresses, and the buffer reuse that follows depends on the order
     reads: dict[fx.Node, None] = field(default_factory=dict)
 
-    @property
-    def first(self) -> int:
-        return self.nodes[0].meta.get("_pos", 0)
-
 
 def is_extern(node: fx.Node) -> bool:
     """A node Inductor runs as its own kernel (never fused)."""
@@ -72,17 +68,13 @@ def nbytes(node: fx.Node) -> int:
 def schedule(gm: fx.GraphModule) -> tuple[list[Kernel], dict[fx.Node, int], set[fx.Node]]:
     """Kernels in run order, the bytes of every buffer, and the buffers the graph returns."""
     nodes = list(gm.graph.nodes)
-    for i, n in enumerate(nodes):
-        n.meta["_pos"] = i
-    outs = {base_of(a) for a in nodes[-1].all_input_nodes}
-    compute = [n for n in nodes if n.op == "call_function" and not is_view_node(n)]
-    groups = _fuse(compute, nodes)
+    facts = _GraphFacts.of(nodes)
+    outs = {base_of(a) for a in facts.inputs[nodes[-1]]}
+    compute = [n for n in nodes if n.op == "call_function" and not facts.view[n]]
+    groups = _fuse(compute, facts)
     kernels = _kernels(compute, groups, outs)
     sizes = {n: nbytes(n) for k in kernels for n in k.outputs}
-    order = _order(kernels)
-    for n in nodes:  # the graph goes on to Inductor: leave its metadata as it was
-        n.meta.pop("_pos", None)
-    return order, sizes, outs
+    return _order(kernels, facts.pos), sizes, outs
 
 
 class _Groups:
@@ -157,8 +149,7 @@ class _GraphFacts:
                    {n: is_view_node(n) for n in nodes})
 
 
-def _fuse(compute: list[fx.Node], nodes: list[fx.Node]) -> _Groups:
-    facts = _GraphFacts.of(nodes)
+def _fuse(compute: list[fx.Node], facts: _GraphFacts) -> _Groups:
     fusible = [n for n in compute if not is_extern(n) and n.target is not operator.getitem]
     groups = _Groups(fusible, facts)
     readers: dict[fx.Node, list[fx.Node]] = {}  # buffer -> fusible nodes that read it, so far
@@ -213,14 +204,18 @@ def _kernels(compute: list[fx.Node], groups: _Groups, outs: set[fx.Node]) -> lis
     return kernels
 
 
-def _order(kernels: list[Kernel]) -> list[Kernel]:
-    """Sorted by first node, each kernel preceded by the kernels it depends on (iterative DFS)."""
+def _order(kernels: list[Kernel], pos: dict[fx.Node, int]) -> list[Kernel]:
+    """Sorted by first node (``pos``: each node's place in the graph), each kernel preceded by the
+    kernels it depends on (iterative DFS)."""
+    def first(k: Kernel) -> int:
+        return pos[k.nodes[0]]
+
     producer = {n: k for k in kernels for n in k.nodes}
-    deps = {id(k): sorted({id(producer[r]): producer[r] for r in k.reads if r in producer}.values(),
-                          key=lambda d: d.first) for k in kernels}
+    deps = {id(k): sorted({id(producer[r]): producer[r] for r in k.reads if r in producer}.values(), key=first)
+            for k in kernels}
     done: set[int] = set()
     result = []
-    for k in sorted(kernels, key=lambda k: k.first):
+    for k in sorted(kernels, key=first):
         stack = [(k, iter(deps[id(k)]))]
         active = {id(k)}
         while stack:
