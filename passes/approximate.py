@@ -66,7 +66,10 @@ def offer_approximations(gm: fx.GraphModule, allowed: dict) -> Offered:
                 skipped.append((node.name, why))
                 continue
             weight = _transposed(gm, node, kw["weight"]) if kw.get("transposed") else kw["weight"]
-            _replace(gm, node, actions.approximable_linear, (kw["input"], weight, kw["bias"], allowed["linear"]))
+            # the matmul's dtype as eager gives it (bf16 under bf16 autocast): compiled code runs with
+            # autocast off, so the Function casts itself
+            _replace(gm, node, actions.approximable_linear, (kw["input"], weight, kw["bias"], allowed["linear"],
+                                                             getattr(value_of(node), "dtype", None)))
             done.linears += 1
     done.skipped = tuple(skipped)
     if done.activations or done.linears:

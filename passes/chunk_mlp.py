@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from recompile_opt.passes import precision
 from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 ACTIVATIONS = {F.gelu, F.silu, F.relu, torch.relu, F.mish, F.softplus, F.relu6, F.leaky_relu, F.elu,
@@ -223,7 +224,7 @@ def chunk_mlp(gm: fx.GraphModule, region: MLPRegion, chunks: int) -> fx.Node:
                         for p in (*region.ups, down))
         biases = tuple(p.bias for p in region.ups)
         new = graph.call_function(chunked_mlp, (region.ups[0].x, weights[:-1], biases, weights[-1], down.bias, act),
-                                  {"chunks": chunks})
+                                  {"chunks": chunks, "mm_dtypes": mlp_dtypes(region)})
     new.meta = dict(down.out.meta)
     down.out.replace_all_uses_with(new)
     for node in [*reversed(down.nodes), *reversed(region.body), *(n for u in reversed(region.ups) for n in reversed(u.nodes))]:
@@ -247,58 +248,129 @@ def _add_body_module(gm: fx.GraphModule, region: MLPRegion) -> str:
     return name
 
 
-def chunked_mlp(x, up_weights, up_biases, down_weight, down_bias, act, *, chunks: int):
+def mlp_dtypes(region: MLPRegion) -> tuple[torch.dtype, ...]:
+    """The dtypes of the region's matmuls as eager gives them, read off Dynamo's example values (bf16
+    under bf16 autocast): each up-projection's, then the down-projection's."""
+    return tuple(value_of(p.out).dtype for p in (*region.ups, region.down))
+
+
+def chunked_mlp(x, up_weights, up_biases, down_weight, down_bias, act, *, chunks: int,
+                mm_dtypes: tuple[torch.dtype, ...] | None = None):
     """``linear(act(*[linear(x, w, b) for w, b in ups]), down_weight, down_bias)`` over ``chunks`` token
-    chunks, recomputed chunk by chunk in the backward (:class:`_ChunkedMLP`)."""
+    chunks, recomputed chunk by chunk in the backward (:class:`_ChunkedMLP`); each projection's matmul in
+    its ``mm_dtypes`` entry (default: the input's dtype), the activation under the autocast state of the
+    call, as eager runs them."""
     tokens = x.reshape(-1, x.shape[-1])
-    out = _ChunkedMLP.apply(tokens, down_weight, down_bias, act, chunks, len(up_weights),
-                            *up_weights, *up_biases)
+    mm_dtypes = mm_dtypes or (x.dtype,) * (len(up_weights) + 1)
+    out = _ChunkedMLP.apply(tokens, down_weight, down_bias, act, chunks, mm_dtypes, *up_weights, *up_biases)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class _ChunkedMLP(torch.autograd.Function):
+    """The chunks one after the other, only ``x`` kept; the backward recomputes each chunk. Autocast is
+    off inside but for the activation, which runs under the forward's autocast state; the matmuls cast
+    to their eager dtypes, the weights' gradients summed over the chunks in fp32 and rounded once
+    (:mod:`recompile_opt.passes.precision`)."""
+
     @staticmethod
-    def forward(ctx, tokens, down_weight, down_bias, act, chunks, n_up, *up_params):
-        weights, biases = up_params[:n_up], up_params[n_up:]
-        outs = [F.linear(act(*[F.linear(c, w, b) for w, b in zip(weights, biases)]), down_weight, down_bias)
-                for c in tokens.tensor_split(chunks)]
-        ctx.act, ctx.chunks, ctx.n_up = act, chunks, n_up
-        ctx.has_bias = [b is not None for b in biases], down_bias is not None
-        ctx.save_for_backward(tokens, down_weight, *weights, *biases)
+    def forward(ctx, tokens, down_weight, down_bias, act, chunks, mm_dtypes, *up_params):
+        n_up = len(mm_dtypes) - 1
+        device = tokens.device.type
+        ctx.autocast = precision.autocast_state(device)
+        ctx.act, ctx.chunks, ctx.mm_dtypes = act, chunks, mm_dtypes
+        ctx.has_bias = [b is not None for b in up_params[n_up:]], down_bias is not None
+        ctx.save_for_backward(tokens, down_weight, down_bias, *up_params)
+        with precision.autocast_off(device):
+            ups = _cast_params(up_params, mm_dtypes[:-1])
+            down_w, down_b = (_cast(p, mm_dtypes[-1]) for p in (down_weight, down_bias))
+            outs = []
+            for c in tokens.tensor_split(chunks):
+                hidden = [F.linear(c.to(dt), w, b) for (w, b), dt in zip(ups, mm_dtypes)]
+                with precision.autocast_as(device, ctx.autocast):
+                    activated = act(*hidden)
+                outs.append(F.linear(activated.to(mm_dtypes[-1]), down_w, down_b))
         return torch.cat(outs)
 
     @staticmethod
     def backward(ctx, grad_out):
-        tokens, down_weight, *ups = ctx.saved_tensors
-        weights, biases = ups[:ctx.n_up], ups[ctx.n_up:]
+        tokens, down_weight, down_bias, *up_params = ctx.saved_tensors
+        mm_dtypes, device = ctx.mm_dtypes, tokens.device.type
+        with precision.autocast_off(device):
+            return _ChunkedMLPBackward(ctx, tokens, down_weight, down_bias, up_params).run(grad_out.to(mm_dtypes[-1]))
+
+
+def _cast(tensor, dtype):
+    return None if tensor is None else tensor.to(dtype)
+
+
+def _cast_params(up_params, dtypes) -> list[tuple]:
+    """The up-projections' ``(weight, bias)`` in their matmuls' dtypes."""
+    n = len(dtypes)
+    return [(_cast(w, dt), _cast(b, dt)) for w, b, dt in zip(up_params[:n], up_params[n:], dtypes)]
+
+
+class _ChunkedMLPBackward:
+    """One backward of :class:`_ChunkedMLP`: per chunk, the up-projections and the activation again,
+    the activation's gradient by autograd, and the weights' gradients accumulated with matmuls only
+    (Inductor fuses pointwise sums of k chunk gradients into one kernel that reads all k alive)."""
+
+    def __init__(self, ctx, tokens, down_weight, down_bias, up_params):
+        self.ctx, self.tokens, self.mm_dtypes = ctx, tokens, ctx.mm_dtypes
+        self.down_weight, self.down_bias, self.up_params = down_weight, down_bias, up_params
+        n_up = len(self.mm_dtypes) - 1
+        self.weights, self.biases = up_params[:n_up], up_params[n_up:]
+        self.ups = _cast_params(up_params, self.mm_dtypes[:-1])
+        self.down_w = down_weight.to(self.mm_dtypes[-1])
+
+    def run(self, grad_out):
+        ctx, dts = self.ctx, self.mm_dtypes
         up_bias, down_has_bias = ctx.has_bias
+        grad_down = precision.accumulator(self.down_weight, dts[-1])
+        grad_ups = [precision.accumulator(w, dt) for w, dt in zip(self.weights, dts)]
+        grad_up_biases = [precision.accumulator(b, dt) if has else None
+                          for b, dt, has in zip(self.biases, dts, up_bias)]
         grad_tokens = []
-        grad_down = torch.zeros_like(down_weight)
-        grad_down_bias = grad_out.sum(0) if down_has_bias else None
-        grad_ups = [torch.zeros_like(w) for w in weights]
-        grad_up_biases = [None] * ctx.n_up
-        for x_c, g_c in zip(tokens.tensor_split(ctx.chunks), grad_out.tensor_split(ctx.chunks)):
-            with torch.enable_grad():
-                hidden = [F.linear(x_c, w, b).detach().requires_grad_() for w, b in zip(weights, biases)]
-                activated = ctx.act(*hidden)
-            grad_down = torch.addmm(grad_down, g_c.t(), activated.detach())
-            grad_hidden = torch.autograd.grad(activated, hidden, g_c @ down_weight)
+        for x_c, g_c in zip(self.tokens.tensor_split(ctx.chunks), grad_out.tensor_split(ctx.chunks)):
+            xs = [x_c.to(dt) for dt in dts[:-1]]
+            hidden, activated = self._recompute(xs)
+            grad_down = precision.add_product(grad_down, g_c.t(), activated.detach().to(dts[-1]))
+            grad_activated = (g_c @ self.down_w).to(activated.dtype)
+            grad_hidden = torch.autograd.grad(activated, hidden, grad_activated)
             grad_x = None
-            for i, (g_h, w) in enumerate(zip(grad_hidden, weights)):
-                grad_ups[i] = torch.addmm(grad_ups[i], g_h.t(), x_c)
+            for i, (g_h, x_mm, (w, _)) in enumerate(zip(grad_hidden, xs, self.ups)):
+                g_h = g_h.to(dts[i])
+                grad_ups[i] = precision.add_product(grad_ups[i], g_h.t(), x_mm)
                 if up_bias[i]:
                     grad_up_biases[i] = add_column_sums(grad_up_biases[i], g_h)
-                grad_x = g_h @ w if grad_x is None else torch.addmm(grad_x, g_h, w)
+                grad_x = _add_input_gradient(grad_x, g_h, w, self.tokens.dtype)
             grad_tokens.append(grad_x)
-        return (torch.cat(grad_tokens), grad_down, grad_down_bias, None, None, None, *grad_ups, *grad_up_biases)
+        grad_down_bias = grad_out.sum(0).to(self.down_bias.dtype) if down_has_bias else None
+        weights = [precision.rounded(g, dt, w.dtype) for g, w, dt in zip(grad_ups, self.weights, dts)]
+        biases = [None if g is None else precision.rounded(g, dt, b.dtype)
+                  for g, b, dt in zip(grad_up_biases, self.biases, dts)]
+        return (torch.cat(grad_tokens), precision.rounded(grad_down, dts[-1], self.down_weight.dtype),
+                grad_down_bias, None, None, None, *weights, *biases)
+
+    def _recompute(self, xs):
+        """The chunk's up-projections (leaves for autograd) and its activation, as the forward ran them."""
+        with torch.enable_grad():
+            hidden = [F.linear(x, w, b).detach().requires_grad_() for x, (w, b) in zip(xs, self.ups)]
+            with precision.autocast_as(self.tokens.device.type, self.ctx.autocast):
+                activated = self.ctx.act(*hidden)
+        return hidden, activated
 
 
-def add_column_sums(total: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
-    """``total + grad.sum(0)`` (``grad.sum(0)`` where ``total`` is None) as a matrix product with a row of
-    ones. Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
+def _add_input_gradient(total, g_h, w, dtype):
+    """``total + (g_h @ w)`` in the input's ``dtype``: each up-projection's product rounded and cast
+    back on its own, then summed, as autograd sums the gradients of an input read twice."""
+    part = (g_h @ w).to(dtype)
+    return part if total is None else total + part
+
+
+def add_column_sums(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``total + grad.sum(0)`` as a matrix product with a row of ones, accumulated in ``total``'s dtype.
+    Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
     that reads every chunk's gradient, so all k are alive at once (seen in the generated code of a
-    chunked MLP's backward); ``addmm`` is an extern kernel that runs alone, one chunk at a time."""
+    chunked MLP's backward); a matmul is an extern kernel that runs alone, one chunk at a time."""
     ones = grad.new_ones(1, grad.shape[0])
-    if total is None:
-        return torch.mm(ones, grad).squeeze(0)
-    return torch.addmm(total.unsqueeze(0), ones, grad).squeeze(0)
+    return precision.add_product(total.unsqueeze(0), ones, grad).squeeze(0)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.passes import precision
 from recompile_opt.costs.cost_model import register_traffic_formula, tensor_bytes
 
 LINEAR = {F.linear, torch._C._nn.linear}
@@ -91,8 +92,7 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: b
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     x, weight, bias = _linear_args(region.linear)
     target = _ce_arg(region.loss, "target")
-    kwargs = {"chunks": chunks, "dtype": value_of(region.chain[-1] if region.chain else region.linear).dtype,
-              "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
+    kwargs = {"chunks": chunks, **region_dtypes(region), "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
               "reduction": _ce_arg(region.loss, "reduction", "mean"),
               "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0), "recompute": recompute}
     graph = gm.graph
@@ -109,18 +109,31 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: b
     return new
 
 
+def region_dtypes(region: LossRegion) -> dict:
+    """The dtypes eager PyTorch gives the region, read off Dynamo's example values (so autocast's
+    decisions are in them): the head's matmul (``mm_dtype``: bf16 under bf16 autocast), the logits the
+    loss reads (``logits_dtype``: after the chain's casts) and the cross-entropy's (``dtype``: fp32 under
+    autocast, which runs the loss in fp32). Why: the chunked op runs outside autocast's reach, and a
+    loss computed in the logits' dtype trains another model (bf16 instead of fp32)."""
+    logits = value_of(region.chain[-1] if region.chain else region.linear)
+    return {"mm_dtype": value_of(region.linear).dtype, "logits_dtype": logits.dtype,
+            "dtype": value_of(region.loss).dtype}
+
+
 def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype: torch.dtype,
+                                 mm_dtype: torch.dtype | None = None, logits_dtype: torch.dtype | None = None,
                                  ignore_index: int = -100, reduction: str = "mean",
                                  label_smoothing: float = 0.0, recompute: bool = False):
-    """``F.cross_entropy(F.linear(x, weight, bias).to(dtype).view(-1, V), target.view(-1), ...)``
-    computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`, or
-    :class:`_RecomputedHeadLoss` with ``recompute``)."""
+    """``F.cross_entropy(F.linear(x, weight, bias).to(logits_dtype).view(-1, V).to(dtype), target.view(-1),
+    ...)`` computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`,
+    or :class:`_RecomputedHeadLoss` with ``recompute``); the head's matmul in ``mm_dtype`` (default: the
+    dtype of ``x``), the loss and its result in ``dtype``."""
     tokens = x.reshape(-1, x.shape[-1])
     flat_target = target.reshape(-1)
     count = (flat_target != ignore_index).sum() if reduction == "mean" else None
     function = _RecomputedHeadLoss if recompute else _ChunkedHeadLoss
-    return function.apply(tokens, weight, bias, flat_target, count, chunks, dtype, ignore_index,
-                          label_smoothing).to(x.dtype if reduction == "mean" else dtype)
+    dtypes = (mm_dtype or x.dtype, logits_dtype or dtype, dtype)
+    return function.apply(tokens, weight, bias, flat_target, count, chunks, dtypes, ignore_index, label_smoothing)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -136,18 +149,18 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     Kept: the gradients of the head's input ``[tokens, hidden]`` and of its parameters, not the logits."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
+    def forward(ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing):
         needs = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
+        mm_dtype, logits_dtype, dtype = dtypes
         total, *grads = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, *needs)
-        total, scale = _mean(total, count, dtype)
-        ctx.save_for_backward(scale, *(g if need else None for g, need in zip(grads, needs)))
-        return total
+            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, *needs, mm_dtype, logits_dtype,
+            _scale(count, dtype))
+        ctx.save_for_backward(*(g if need else None for g, need in zip(grads, needs)))
+        return _mean(total, count, dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        scale, *grads = ctx.saved_tensors
-        grads = _scaled(grads, grad_loss, scale)
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None)
 
 
@@ -158,71 +171,95 @@ class _RecomputedHeadLoss(torch.autograd.Function):
     to the backward, through whatever the forward still runs after the loss."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, bias, target, count, chunks, dtype, ignore_index, label_smoothing):
+    def forward(ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing):
+        mm_dtype, logits_dtype, dtype = dtypes
+        args = chunks, dtype, ignore_index, label_smoothing
         total = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, False, False, False)[0]
-        total, scale = _mean(total, count, dtype)
-        ctx.args = chunks, dtype, ignore_index, label_smoothing
-        ctx.save_for_backward(scale, tokens, weight, bias, target)
-        return total
+            tokens, weight, bias, target, *args, False, False, False, mm_dtype, logits_dtype)[0]
+        ctx.args, ctx.dtypes = args, (mm_dtype, logits_dtype)
+        ctx.save_for_backward(_scale(count, dtype), tokens, weight, bias, target)
+        return _mean(total, count, dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
         scale, tokens, weight, bias, target = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        _, *grads = torch.ops.recompile_opt.chunked_head_loss(tokens, weight, bias, target, *ctx.args, *needs)
-        grads = _scaled([g if need else None for g, need in zip(grads, needs)], grad_loss, scale)
-        return (*grads, None, None, None, None, None, None)
+        factor = grad_loss if scale is None else grad_loss * scale
+        _, *grads = torch.ops.recompile_opt.chunked_head_loss(tokens, weight, bias, target, *ctx.args, *needs,
+                                                              *ctx.dtypes, factor)
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
 
 
 def _mean(total, count, dtype):
-    """``(loss, scale)``: a ``mean`` reduction's loss and its gradients' scale (``1 / count``); the sum
-    and no scale where ``count`` is None (``sum``). 0 / 0 = nan where every token is ignored, as torch's."""
-    if count is None:
-        return total, None
-    return total / count.to(dtype), 1.0 / count.clamp(min=1).to(dtype)
+    """A ``mean`` reduction's loss; the sum where ``count`` is None (``sum``). 0 / 0 = nan where every
+    token is ignored, as torch's."""
+    return total if count is None else total / count.to(dtype)
 
 
-def _scaled(grads, grad_loss, scale):
-    """The kept (or recomputed) gradients of the summed loss, times the loss's incoming gradient."""
-    factor = grad_loss if scale is None else grad_loss * scale
-    return [None if g is None else g * factor.to(g.dtype) for g in grads]
+def _scale(count, dtype):
+    """The logits' gradients' factor of a ``mean`` reduction (``1 / count``; None for ``sum``), applied
+    before they are rounded to the matmul's dtype, as eager's backward applies it."""
+    return None if count is None else 1.0 / count.clamp(min=1).to(dtype)
 
 
 @torch.library.custom_op("recompile_opt::chunked_head_loss", mutates_args=())
 def chunked_head_loss(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                       chunks: int, dtype: torch.dtype, ignore_index: int, label_smoothing: float,
-                      need_tokens: bool, need_weight: bool, need_bias: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      need_tokens: bool, need_weight: bool, need_bias: bool,
+                      mm_dtype: torch.dtype | None = None, logits_dtype: torch.dtype | None = None,
+                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`head_loss_in_chunks` as one op: Inductor runs it as one extern kernel; its chunk-sized
+    working set is its workspace, which the peak model measures (``recompile_opt.costs.scratch``)."""
+    return head_loss_in_chunks(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing,
+                               need_tokens, need_weight, need_bias, mm_dtype, logits_dtype, scale)
+
+
+def head_loss_in_chunks(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing,
+                        need_tokens, need_weight, need_bias, mm_dtype=None, logits_dtype=None, scale=None):
     """The summed cross-entropy of ``F.linear(tokens, weight, bias)`` over ``chunks`` chunks of rows, and
-    its gradients with respect to the tokens, the weight and the bias (empty where not needed).
-    Inductor runs it as one extern kernel; its chunk-sized working set is its workspace, which the peak
-    model measures (``recompile_opt.costs.scratch``)."""
-    total = tokens.new_zeros((), dtype=dtype)
-    grad_tokens = []
-    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
-    grad_bias = None
-    for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
-        logits = F.linear(x_chunk, weight, bias).to(dtype)
-        loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
-        del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
-        total += loss
-        if need_tokens:
-            grad_tokens.append((grad_logits.to(weight.dtype) @ weight).to(tokens.dtype))
-        if grad_weight is not None:
-            grad_weight.addmm_(grad_logits.t(), x_chunk.to(dtype))
-        if need_bias:
-            grad_bias = grad_logits.sum(0) if grad_bias is None else grad_bias.add_(grad_logits.sum(0))
-        del grad_logits
+    its gradients with respect to the tokens, the weight and the bias (empty where not needed), those
+    scaled by ``scale`` (a ``mean``'s ``1 / count``, times the loss's gradient where known).
+
+    Each op runs in the dtype eager autocast gives it: the matmuls in ``mm_dtype`` (default: the
+    weight's), the logits rounded to ``logits_dtype``, the loss and its gradient in ``dtype``; the
+    weight's and bias's gradients summed over the chunks in fp32 and rounded once
+    (:mod:`recompile_opt.passes.precision`). The dtypes are explicit, since compiled code runs with
+    autocast off (AOTAutograd disables it around its graphs): left to autocast, the head's matmuls ran
+    in fp32 there (3 of the GPU GPT's 1.7 TFLOP products at fp32's rate)."""
+    mm_dtype = mm_dtype or weight.dtype
+    with precision.autocast_off(tokens.device.type):
+        w = weight.to(mm_dtype)  # once, not once a chunk
+        b = bias.to(mm_dtype) if bias is not None else None
+        total = tokens.new_zeros((), dtype=dtype)
+        grad_tokens = []
+        grad_weight = precision.accumulator(weight, mm_dtype) if need_weight else None
+        grad_bias = precision.accumulator(bias, mm_dtype) if need_bias else None
+        for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
+            x_mm = x_chunk.to(mm_dtype)
+            logits = F.linear(x_mm, w, b).to(logits_dtype or dtype).to(dtype)
+            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
+            del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
+            total += loss
+            if scale is not None:
+                grad_logits.mul_(scale)
+            grad_mm = grad_logits.to(logits_dtype or dtype).to(mm_dtype)  # the casts' backward, as eager
+            del grad_logits
+            if need_tokens:
+                grad_tokens.append((grad_mm @ w).to(tokens.dtype))
+            if need_weight:
+                precision.accumulate_(grad_weight, grad_mm.t(), x_mm)
+            if need_bias:
+                grad_bias += grad_mm.sum(0, dtype=grad_bias.dtype)
+            del grad_mm
     return (total,  # an empty tensor for a gradient not needed (an op's outputs may not alias)
             torch.cat(grad_tokens) if need_tokens else tokens.new_empty(0),
-            grad_weight.to(weight.dtype) if grad_weight is not None else tokens.new_empty(0),
-            grad_bias.to(bias.dtype) if need_bias else tokens.new_empty(0))
+            precision.rounded_(grad_weight, mm_dtype, weight.dtype) if need_weight else tokens.new_empty(0),
+            precision.rounded_(grad_bias, mm_dtype, bias.dtype) if need_bias else tokens.new_empty(0))
 
 
 @chunked_head_loss.register_fake
 def _(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, need_tokens, need_weight,
-      need_bias):
+      need_bias, mm_dtype=None, logits_dtype=None, scale=None):
     return (tokens.new_empty((), dtype=dtype),
             torch.empty_like(tokens) if need_tokens else tokens.new_empty(0),
             torch.empty_like(weight) if need_weight else tokens.new_empty(0),

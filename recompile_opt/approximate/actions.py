@@ -167,24 +167,38 @@ class ApproximableActivation(torch.autograd.Function):
 
 
 class ApproximableLinear(torch.autograd.Function):
-    """``F.linear(x, weight, bias)``, whose weight gradient is exact or randomized as the plan chooses;
-    the input's gradient is exact either way."""
+    """``F.linear(x, weight, bias)`` in ``mm_dtype``, whose weight gradient is exact or randomized as the
+    plan chooses; the input's gradient is exact either way. The casts are explicit, as eager autocast
+    makes them (the bf16 input and weight kept for the backward, each gradient cast back to its
+    tensor's dtype), since compiled code runs with autocast off."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, ratio: float, seed):
-        rows = x.reshape(-1, x.shape[-1])
-        projected = randomized_project(seed, rows, ratio)
+    def forward(ctx, x, weight, bias, ratio: float, seed, mm_dtype: torch.dtype):
+        with _autocast_off(x.device.type):
+            x_mm, w_mm = x.to(mm_dtype), weight.to(mm_dtype)
+            b_mm = bias.to(mm_dtype) if bias is not None else None
+            projected = randomized_project(seed, x_mm.reshape(-1, x.shape[-1]), ratio)
+            out = F.linear(x_mm, w_mm, b_mm)
         ctx.ratio, ctx.has_bias = ratio, bias is not None
-        ctx.save_for_backward(x, projected, seed, weight)
-        return F.linear(x, weight, bias)
+        ctx.dtypes = x.dtype, weight.dtype, bias.dtype if bias is not None else None
+        ctx.save_for_backward(x_mm, projected, seed, w_mm)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, projected, seed, weight = ctx.saved_tensors
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(grad, x, projected, seed, ctx.ratio) if ctx.needs_input_grad[1] else None
-        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        with _autocast_off(grad.device.type):
+            grad = grad.to(weight.dtype)
+            grad_x = (grad @ weight).to(x_dtype) if ctx.needs_input_grad[0] else None
+            grad_w = weight_grad(grad, x, projected, seed, ctx.ratio).to(w_dtype) if ctx.needs_input_grad[1] else None
+            grad_b = (grad.reshape(-1, grad.shape[-1]).sum(0).to(b_dtype)
+                      if ctx.has_bias and ctx.needs_input_grad[2] else None)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _autocast_off(device_type: str):
+    return torch.autocast(device_type, enabled=False)
 
 
 def approximable_activation(x: Tensor, name: str, bits: int) -> Tensor:
@@ -192,6 +206,7 @@ def approximable_activation(x: Tensor, name: str, bits: int) -> Tensor:
     return ApproximableActivation.apply(x, name, bits)
 
 
-def approximable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, ratio: float) -> Tensor:
+def approximable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, ratio: float,
+                        mm_dtype: torch.dtype | None = None) -> Tensor:
     seed = torch.randint(0, 2 ** 31 - 1, (), device=x.device)
-    return ApproximableLinear.apply(x, weight, bias, float(ratio), seed)
+    return ApproximableLinear.apply(x, weight, bias, float(ratio), seed, mm_dtype or x.dtype)

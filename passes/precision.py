@@ -1,0 +1,101 @@
+"""Autocast's dtype decisions inside the regions the chunking passes rewrite.
+
+Why: a rewritten region runs its ops where autocast no longer decides for them (inside a custom op, or
+in an autograd Function's backward, traced with whatever autocast state AOTAutograd gives it), and a
+chunk loop changes how a matmul's reduction is rounded. Eager autocast runs a head's or an MLP's
+weight gradient as one bf16 GEMM over every token: accumulated in fp32, rounded to bf16 once. Summed
+over k chunks in bf16 it is rounded k times (a 0.2-0.6% gradient error on a 2-layer GPT, where plain
+``torch.compile`` differs from eager by 3e-7). So the regions state their dtypes explicitly, read off
+Dynamo's example values (where autocast's choices are), run with autocast off, and accumulate reductions
+across chunks in fp32 with :func:`addmm_fp32`, rounding once at the end as eager's single GEMM does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from recompile_opt import _torch_internals as ti
+
+
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    """``(enabled, dtype)`` of autocast for ``device_type`` now (what a backward must run under to
+    recompute a forward's ops as eager autocast ran them)."""
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def autocast_as(device_type: str, state: tuple[bool, torch.dtype]):
+    """A context with autocast for ``device_type`` as ``state`` (:func:`autocast_state`)."""
+    enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype, enabled=enabled)
+
+
+def autocast_off(device_type: str):
+    """A context with autocast off for ``device_type`` (the ops inside state their dtypes)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else contextlib.nullcontext()
+
+
+@torch.library.custom_op("recompile_opt::addmm_fp32", mutates_args=())
+def addmm_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total + a @ b`` with ``a @ b`` accumulated in ``total``'s dtype (fp32) from low-precision
+    ``a`` and ``b``: on CUDA cuBLAS's GEMM with an fp32 output (bf16 speed), elsewhere the operands
+    upcast (bf16 and fp16 values are exact in fp32: the same products). One op, so that Inductor runs
+    each chunk's accumulation as its own extern kernel and never fuses k partial products into one
+    sum that holds all k alive."""
+    if a.dtype == total.dtype:
+        return torch.addmm(total, a, b)
+    if a.is_cuda:
+        return torch.addmm(total, a, b, out_dtype=total.dtype)
+    return torch.addmm(total, a.to(total.dtype), b.to(total.dtype))
+
+
+@addmm_fp32.register_fake
+def _(total, a, b):
+    return torch.empty_like(total)
+
+
+@ti.register_flop_formula(torch.ops.recompile_opt.addmm_fp32)
+def _flops(total_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total + a @ b`` for traced code, accumulated in ``total``'s dtype: ``aten.addmm`` where the
+    dtypes agree, else :func:`addmm_fp32`; both extern kernels, one chunk at a time."""
+    if a.dtype == total.dtype:
+        return torch.addmm(total, a, b)
+    return torch.ops.recompile_opt.addmm_fp32(total, a, b)
+
+
+def accumulate_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total += a @ b`` in place, eagerly (inside an op), accumulated in ``total``'s dtype."""
+    if a.dtype == total.dtype:
+        return total.addmm_(a, b)
+    if a.is_cuda:
+        return torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
+    return total.addmm_(a.to(total.dtype), b.to(total.dtype))
+
+
+def accumulator(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``like``'s shape for a sum over chunks: fp32 where ``dtype`` is narrower."""
+    return torch.zeros(like.shape, dtype=torch.promote_types(dtype, torch.float32), device=like.device)
+
+
+def rounded(total: torch.Tensor, mm_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """A sum over chunks as eager's single GEMM gives it: rounded once to ``mm_dtype``, then cast to
+    ``dtype`` (the parameter's, as autocast's cast backward does). For traced code: one pointwise
+    kernel, which Inductor may run in the dying accumulator's buffer."""
+    return total.to(mm_dtype).to(dtype)
+
+
+def rounded_(total: torch.Tensor, mm_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`rounded`, eagerly (inside an op): in place, an eighth at a time, where ``total`` (a fresh
+    accumulator) already has ``dtype``, so that no second weight-sized buffer is made."""
+    if total.dtype != dtype or not total.is_contiguous():
+        return rounded(total, mm_dtype, dtype)
+    if mm_dtype != dtype:
+        for piece in total.view(-1).split(max(1, total.numel() // 8)):
+            piece.copy_(piece.to(mm_dtype))
+    return total
