@@ -51,6 +51,10 @@ MAX_CHUNKS = {"loss": 256, "mlp": 8}
 FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp"}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
+# at the least peak, a chunked plan whose peak is the fraction g below the unchunked plan's may take
+# at most max(STEP_SLACK, g) more estimated step time: a similar peak is not bought with a far slower
+# step (the project's target for the least-peak step is 1.15x plain torch.compile's)
+STEP_SLACK = 0.15
 
 
 @dataclass(frozen=True)
@@ -159,13 +163,13 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
         others = {kind: k for kind, k in taken.items() if FAMILY[kind] != FAMILY[c.kind]}
         chunks = {**others, c.kind: c.chunks}
         trial = plan_with(chunks)
-        better = _better(trial, best, peak_limit)
-        notes.append(_tried(c.kind, c.chunks, best, trial, better))
+        better = _better(trial, best, peak_limit, unchunked)
+        notes.append(_tried(c.kind, c.chunks, best, trial, better, unchunked))
         if better:
             taken, best = chunks, trial
         else:
             missed.append((chunks, trial))
-    passed, (taken, best) = _combined(passed, missed, plan_with, peak_limit, taken, best, notes)
+    passed, (taken, best) = _combined(passed, missed, plan_with, peak_limit, taken, best, notes, unchunked)
     if passed:
         notes.append(f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
                      "of their full-length tensors is alive at the peak")
@@ -173,7 +177,7 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
 
 
 def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_with, peak_limit,
-              taken: dict, best: Plan, notes: list[str]) -> tuple[list[Candidate], tuple[dict, Plan]]:
+              taken: dict, best: Plan, notes: list[str], unchunked: Plan) -> tuple[list[Candidate], tuple[dict, Plan]]:
     """The candidates passed over, each tried once more with the chunks of the first trial not taken.
     Why: chunking one region moves the peak to another, so neither alone may lower it (the GPT with
     vocabulary 2048: its MLPs chunked moved the peak from the MLP's backward to the logits' gradient,
@@ -186,9 +190,9 @@ def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_wit
                 continue
             both = {**chunks, c.kind: c.chunks}
             combo = plan_with(both)
-            better = _better(combo, best, peak_limit)
+            better = _better(combo, best, peak_limit, unchunked)
             notes.append(_tried(" + ".join(f"{kind} in {k}" for kind, k in chunks.items()) + f" + {c.kind}",
-                                c.chunks, best, combo, better))
+                                c.chunks, best, combo, better, unchunked))
             if better:
                 taken, best = both, combo
             break
@@ -197,10 +201,12 @@ def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_wit
     return still, (taken, best)
 
 
-def _tried(what: str, chunks: int, best: Plan, trial: Plan, better: bool) -> str:
+def _tried(what: str, chunks: int, best: Plan, trial: Plan, better: bool, unchunked: Plan) -> str:
+    verdict = "taken" if better else "not taken" + (
+        "" if affordable(trial, unchunked) else ": its step is too slow for its peak (chunk_choice.STEP_SLACK)")
     return (f"chunks (auto): {what} in {chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
             f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
-            f" -> {_time(trial) * 1e3:.1f} ms: " + ("taken" if better else "not taken"))
+            f" -> {_time(trial) * 1e3:.1f} ms: " + verdict)
 
 
 def _time(plan: Plan) -> float:
@@ -208,14 +214,29 @@ def _time(plan: Plan) -> float:
     return plan.step_s + plan.recompute_s
 
 
-def _better(trial: Plan, best: Plan, peak_limit: int | None) -> bool:
+def _better(trial: Plan, best: Plan, peak_limit: int | None, unchunked: Plan) -> bool:
+    """Whether ``trial`` replaces ``best``: under a limit, it fits where ``best`` does not, or both fit
+    and it is faster; at the least peak, it peaks :data:`GAIN` lower (or no higher and faster, chunked
+    for chunked) at a step not far above ``unchunked``'s (:func:`affordable`)."""
     if peak_limit is not None:
         fits = trial.predicted_peak_bytes <= peak_limit, best.predicted_peak_bytes <= peak_limit
         if fits == (True, True):
             return _time(trial) < _time(best)
         if fits != (False, False):
             return fits[0]
+    if not affordable(trial, unchunked):
+        return False
     if trial.predicted_peak_bytes < (1 - GAIN) * best.predicted_peak_bytes:
         return True
     # one chunked plan for another: no higher peak and a shorter step
     return bool(best.chunks) and trial.predicted_peak_bytes <= best.predicted_peak_bytes and _time(trial) < _time(best)
+
+
+def affordable(trial: Plan, unchunked: Plan) -> bool:
+    """Whether ``trial``'s estimated step is at most ``1 + max(STEP_SLACK, g)`` times the unchunked
+    plan's, ``g`` the fraction by which its peak is lower (:data:`STEP_SLACK`)."""
+    base_peak, base_time = unchunked.predicted_peak_bytes, _time(unchunked)
+    if base_peak <= 0 or base_time <= 0:
+        return True
+    gain = 1 - trial.predicted_peak_bytes / base_peak
+    return _time(trial) <= (1 + max(STEP_SLACK, gain)) * base_time
