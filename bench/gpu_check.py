@@ -76,8 +76,10 @@ def command_for(args, parts: list[str]) -> str:
     argv = ["python", "bench/gpu_check.py", "--device", args.device, "--parts", ",".join(parts)]
     argv += ["--tiny"] if args.tiny else []
     argv += ["--compiler", args.compiler] if args.compiler != "inductor" else []
-    for flag in ("models", "dtypes", "options", "strategies"):
-        if getattr(args, flag) and (flag != "strategies" or "performance" in parts):
+    numeric = {"correctness", "fidelity"} & set(parts)
+    for flag, used in (("models", numeric), ("dtypes", numeric), ("options", numeric),
+                       ("strategies", "performance" in parts)):
+        if getattr(args, flag) and used:
             argv += [f"--{flag}", getattr(args, flag)]
     return shlex.join(argv)
 

@@ -80,8 +80,12 @@ def against_eager(model, fn, batch: tuple, *, device: str, dtype: str) -> dict:
 def verdict(row: dict, reference: dict | None) -> tuple[bool, str]:
     """Pass or fail of a correctness row, and why. fp32: elementwise within ``FP32_TOL``. bf16: loss and
     worst gradient within ``BF16_FACTOR`` x plain torch.compile's deviation, floor ``BF16_FLOOR``.
-    An approximating plan: the loss as above (the forward is exact) and gradients of eager's order."""
+    An approximating plan: the loss as above (the forward is exact), gradients of eager's order, and on
+    CUDA at least one launch of its Triton kernels."""
     approx = bool(row.get("approximated"))
+    launches = row.get("triton_launches")  # measured on CUDA only: the plan's Triton kernels must run there
+    if approx and launches is not None and not sum(launches.values()):
+        return False, "approximate: no Triton kernel of the approximate backward launched"
     if row["dtype"] == "fp32":
         loss_ok = row["loss_dev"] <= FP32_TOL["rtol"] + FP32_TOL["atol"]
         if not approx:
