@@ -50,7 +50,6 @@ def test_the_wheel_builds_and_installs_offline(tmp_path):
     assert Path(proc.stdout.strip()).resolve().is_relative_to(site.resolve())
 
 
-@pytest.mark.slow
 def test_the_tiny_cpu_check_passes_every_row(tmp_path):
     """Correctness and fidelity of the tiny GPT, fp32, at three options (one needs another's predicted
     peak), without code generation: every row passes or is measured, the header names the machine."""
