@@ -1,13 +1,17 @@
 """Every private PyTorch API recompile_opt depends on, in one place.
 
 A torch upgrade should touch only this module. Each name is re-exported under a stable local name
-and grouped by the torch module it comes from. Supported: ``2.13 <= torch < 2.16`` (checked on import,
-:func:`check_torch_version`; ``pyproject.toml`` states the same range).
+and grouped by the torch module it comes from. Supported: ``2.11 <= torch < 2.16`` (checked on import,
+:func:`check_torch_version`; ``pyproject.toml`` states the same range). Where an API changed inside the
+range, the wrapper here feature-detects the installed form (a parameter, an attribute) rather than
+comparing versions, and says which torch has which.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import re
 import threading
 import time
@@ -16,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-SUPPORTED_TORCH = ((2, 13), (2, 16))  # (major, minor): the first supported, the first not supported
+SUPPORTED_TORCH = ((2, 11), (2, 16))  # (major, minor): the first supported, the first not supported
 
 
 def parse_torch_version(version) -> tuple[int, int, int]:
@@ -48,6 +52,7 @@ from torch._dynamo import config as dynamo_config  # noqa: E402 (after the versi
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch import config as functorch_config
+from torch._functorch._aot_autograd import graph_compile as _graph_compile
 from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.aot_autograd import make_boxed_func
@@ -63,7 +68,6 @@ from torch._functorch.partitioners import (
     _must_be_in_forward,
     classify_nodes,
     functionalize_rng_ops,
-    is_opaque_node,
     min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
 )
@@ -71,6 +75,7 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 from torch._inductor import ir as inductor_ir
+from torch._inductor import compile_fx as _compile_fx_module
 from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
 from torch._inductor.compile_fx import fake_tensor_prop as inductor_fake_tensor_prop
 from torch._inductor.fx_passes.post_grad import view_to_reshape
@@ -87,6 +92,61 @@ from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+
+def _is_opaque_node(node) -> bool:
+    """Whether ``node``'s value is an opaque object (a script object, a registered opaque type such as a
+    process group) rather than a tensor or a symbol. torch 2.12 and later define this as
+    ``graph_compile.is_opaque_node``; this is the same test for 2.11, which lacks it."""
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch._library.opaque_object import is_opaque_value
+
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return False
+    val = node.meta["val"]
+    return is_opaque_value(val) or isinstance(val, (torch.ScriptObject, FakeScriptObject))
+
+
+is_opaque_node = getattr(_graph_compile, "is_opaque_node", _is_opaque_node)
+
+
+_EXTRACT_PARAMETERS = inspect.signature(_extract_fwd_bwd_modules).parameters
+
+
+def extract_fwd_bwd_modules(gm, saved_values, *, saved_sym_nodes, saved_opaque_nodes, num_fwd_outputs,
+                            static_lifetime_input_nodes=None):
+    """torch's ``_extract_fwd_bwd_modules``: the forward outputs the saved values, symbols and opaque
+    nodes, the backward takes them first. torch 2.12 and later take the opaque nodes apart
+    (``saved_opaque_nodes``); 2.11 has no such parameter and instead moves the fake script objects it
+    finds among ``saved_values`` after the tensors (and before the symbols), where its runtime looks for
+    them, so there they go in with the saved values."""
+    if "saved_opaque_nodes" in _EXTRACT_PARAMETERS:
+        return _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=saved_sym_nodes,
+                                        saved_opaque_nodes=saved_opaque_nodes, num_fwd_outputs=num_fwd_outputs,
+                                        static_lifetime_input_nodes=static_lifetime_input_nodes)
+    return _extract_fwd_bwd_modules(gm, [*saved_values, *saved_opaque_nodes], saved_sym_nodes,
+                                    num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_nodes=static_lifetime_input_nodes)
+
+
+def inductor_partition_fn_with(partitioner):
+    """Inductor's partition function (its joint-graph passes, then a partitioner) with ``partitioner``
+    in place of Inductor's own, for an ``aot_autograd`` backend that is not Inductor. torch 2.13 and
+    later take it as ``partitioner_fn_override``; on 2.11 and 2.12 the same steps are written out here
+    from their ``compile_fx.partition_fn``. Either way ``partitioner`` gets no ``compiler`` argument."""
+    if "partitioner_fn_override" in inspect.signature(inductor_partition_fn).parameters:
+        return functools.partial(inductor_partition_fn, partitioner_fn_override=partitioner)
+    return functools.partial(_partition_with, partitioner)
+
+
+def _partition_with(partitioner, gm, joint_inputs, **kwargs):
+    """torch 2.11/2.12's ``compile_fx.partition_fn`` up to its choice of partitioner, then ``partitioner``."""
+    with _compile_fx_module.get_cuda_device_context(gm):
+        devices = _compile_fx_module.get_inputs_devices(joint_inputs, gm)
+        gm = _compile_fx_module._recursive_joint_graph_passes(gm, skip_invoke_subgraph=True,
+                                                              input_device=next(iter(devices)))
+    return partitioner(gm, joint_inputs, **kwargs)
+
+
 __all__ = [
     "BackendCompilerFailed", "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
@@ -95,7 +155,7 @@ __all__ = [
     "dce_impure_random",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
     "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
-    "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func", "make_fx",
+    "inductor_config", "inductor_partition_fn", "inductor_partition_fn_with", "extract_fwd_bwd_modules", "is_sym_node", "make_boxed_func", "make_fx",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
@@ -509,6 +569,7 @@ def strided_shard(dim: int, pieces: int):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=pieces)
+
 
 
 def is_strided_shard(placement) -> bool:

@@ -113,7 +113,7 @@ def _saved_storages_shared(make, budget):
     from recompile_opt.costs.cost_model import base_of
 
     part = partitioned(*make(), {"memory_budget": budget})
-    outputs = next(reversed(part.last_forward.graph.nodes)).args[0]  # the loss, then what is kept
+    outputs = next(iter(reversed(part.last_forward.graph.nodes))).args[0]  # the loss, then what is kept
     by_base: dict[str, list[str]] = {}
     for node in outputs:
         if isinstance(node, torch.fx.Node) and base_of(node).op != "placeholder":
