@@ -10,6 +10,7 @@ comparing versions, and says which torch has which.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import re
@@ -275,7 +276,8 @@ def rename_node(node: torch.fx.Node, name: str) -> None:
 
 
 def on_fresh_stack(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on a thread of its own, under this thread's tracing context; waits.
+    """``fn(*args, **kwargs)`` on a thread of its own, under this thread's tracing context and
+    context variables; waits.
 
     Why: CPython 3.11 keeps frames in chunks of a per-thread stack and frees a chunk as soon as the
     stack drops back below it. A partitioner runs some 50 frames deep inside Dynamo and Inductor, and
@@ -284,15 +286,19 @@ def on_fresh_stack(fn, *args, **kwargs):
     instead of 4 s (900k page faults against 225k, almost all in ``_PyThreadState_BumpFramePointerSlow``;
     ``perf record -e page-faults``), depending only on how deep the caller's stack was. A fresh
     thread's stack starts empty. The tracing context is thread-local (``torch._guards``), so it is
-    carried over: the planning asks it what dead-code elimination keeps."""
-    context = TracingContext.try_get()
+    carried over: the planning asks it what dead-code elimination keeps. So are the context variables
+    (as ``asyncio.to_thread`` carries them): from torch 2.12 on, torch's config settings, patched or
+    assigned, live in them, and a bare thread saw the defaults (a compile's ``fallback_random``, the
+    walks' Inductor settings) where torch 2.11's global settings were seen. This thread waits
+    meanwhile, so the two never change the copied state at once."""
+    context, variables = TracingContext.try_get(), contextvars.copy_context()
 
     def run():
         with tracing(context):
             return fn(*args, **kwargs)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="recompile_opt-plan") as pool:
-        return pool.submit(run).result()
+        return pool.submit(variables.run, run).result()
 
 
 def dce_impure_random() -> bool:
