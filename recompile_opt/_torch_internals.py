@@ -16,7 +16,7 @@ import inspect
 import re
 import threading
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -161,7 +161,7 @@ __all__ = [
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "is_opaque_node",
+    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "functional_collectives", "FunctionalCollectives", "is_opaque_node",
     "layout_optimized",
 ]
 
@@ -566,6 +566,30 @@ def _input_layouts(buf, graph) -> list[tuple[tuple, tuple]] | None:
             return None
         out.append((size, stride))
     return out
+
+
+class FunctionalCollectives(NamedTuple):
+    """torch's functional collectives, which trace into graphs as ``_c10d_functional`` ops; each takes
+    the process group's name. torch 2.13 names them ``*_single``; 2.11 and 2.12 ``*_tensor``, which 2.13
+    keeps as deprecated aliases that warn outside a compile."""
+    all_gather: Callable  # (x, gather_dim, group): the ranks' x concatenated along gather_dim
+    all_gather_autograd: Callable  # the same, its gradient reduce-scattered
+    reduce_scatter_autograd: Callable  # (x, reduce_op, scatter_dim, group); its gradient all-gathered
+    all_reduce: Callable  # (x, reduce_op, group)
+
+
+def functional_collectives() -> FunctionalCollectives:
+    """The installed torch's :class:`FunctionalCollectives`. Imported here, when asked: torch.distributed
+    is not in every build."""
+    import torch.distributed._functional_collectives as funcol
+
+    def named(new: str, old: str):
+        return getattr(funcol, new, None) or getattr(funcol, old)
+
+    return FunctionalCollectives(
+        named("all_gather_single", "all_gather_tensor"),
+        named("all_gather_single_autograd", "all_gather_tensor_autograd"),
+        named("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"), funcol.all_reduce)
 
 
 def strided_shard(dim: int, pieces: int):
