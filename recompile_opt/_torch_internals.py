@@ -598,8 +598,36 @@ def strided_shard(dim: int, pieces: int):
     asked: torch.distributed is not in every build."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    _redistribute_strided_shards_without_order()
     return _StridedShard(dim, split_factor=pieces)
 
+
+def _redistribute_strided_shards_without_order() -> None:
+    """torch 2.13's redistribution of a strided shard that encodes no shard order, installed into 2.11
+    and 2.12 (which lack ``_dtensor_spec._StridedShardNotDecodableError``); once, nothing on 2.13.
+
+    Why: 2.11 and 2.12 read every ``_StridedShard`` as FSDP2 + TP's encoding of a shard order and plan
+    its redistribution by the graph-based planner, which raises ValueError where the split factor is
+    no product of mesh sizes, as ours on a 1-D mesh always is: ``full_tensor()`` of a fused QKV weight
+    failed. 2.13 falls back to the greedy planner there (``_gen_transform_infos_non_cached``); so does
+    this, for that error only."""
+    from torch.distributed.tensor import _dtensor_spec, _redistribute
+
+    original = _redistribute._gen_transform_infos_non_cached
+    if hasattr(_dtensor_spec, "_StridedShardNotDecodableError") or getattr(original, "_recompile_opt", False):
+        return
+
+    def gen_transform_infos(src_spec, dst_spec, use_graph_based_transform=None):
+        try:
+            return original(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as e:
+            if "unable to be interpreted into a corresponding shard_order" not in str(e):
+                raise
+            planner = _redistribute.get_redistribute_planner(src_spec.device_mesh, src_spec.tensor_meta)
+            return planner.generate_greedy_transform_infos(src_spec, dst_spec)
+
+    gen_transform_infos._recompile_opt = True
+    _redistribute._gen_transform_infos_non_cached = gen_transform_infos
 
 
 def is_strided_shard(placement) -> bool:
