@@ -7,6 +7,7 @@ node order (AOTAutograd emits it in autograd-engine order) is the schedule the p
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import operator
 import re
@@ -449,7 +450,15 @@ def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:
     return all(is_fusible_pointwise(u) for u in readers)
 
 
-_PARALLEL_DIR = str(Path(__file__).resolve().parents[1] / "recompile_opt" / "parallel")
+def _package_dir(name: str) -> str:
+    """The directory package ``name`` is imported from, as its modules' stack traces name it, found
+    without importing it (``recompile_opt.parallel`` imports torch.distributed). Why not a path
+    relative to this file: this module is ``passes/`` in the source tree but ``recompile_opt/passes/``
+    in an installed wheel."""
+    return importlib.util.find_spec(name).submodule_search_locations[0]
+
+
+_PARALLEL_DIR = _package_dir("recompile_opt.parallel")
 _DROPOUT_HELPERS = str(Path(_PARALLEL_DIR) / "dropout.py")
 
 

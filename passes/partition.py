@@ -46,7 +46,7 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
         if for_simulation:
             fw, bw = _extract_for_reading(gm, saved_values, saved_sym_nodes + saved_opaque, num_fwd_outputs)
         else:
-            fw, bw = ti._extract_fwd_bwd_modules(
+            fw, bw = ti.extract_fwd_bwd_modules(
                 gm, saved_values, saved_sym_nodes=saved_sym_nodes, saved_opaque_nodes=saved_opaque,
                 num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=info.static_lifetime_input_nodes)
         if replayed:

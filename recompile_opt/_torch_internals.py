@@ -1,22 +1,27 @@
 """Every private PyTorch API recompile_opt depends on, in one place.
 
 A torch upgrade should touch only this module. Each name is re-exported under a stable local name
-and grouped by the torch module it comes from. Supported: ``2.13 <= torch < 2.16`` (checked on import,
-:func:`check_torch_version`; ``pyproject.toml`` states the same range).
+and grouped by the torch module it comes from. Supported: ``2.11 <= torch < 2.16`` (checked on import,
+:func:`check_torch_version`; ``pyproject.toml`` states the same range). Where an API changed inside the
+range, the wrapper here feature-detects the installed form (a parameter, an attribute) rather than
+comparing versions, and says which torch has which.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import inspect
 import re
 import threading
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-SUPPORTED_TORCH = ((2, 13), (2, 16))  # (major, minor): the first supported, the first not supported
+SUPPORTED_TORCH = ((2, 11), (2, 16))  # (major, minor): the first supported, the first not supported
 
 
 def parse_torch_version(version) -> tuple[int, int, int]:
@@ -48,6 +53,7 @@ from torch._dynamo import config as dynamo_config  # noqa: E402 (after the versi
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch import config as functorch_config
+from torch._functorch._aot_autograd import graph_compile as _graph_compile
 from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.aot_autograd import make_boxed_func
@@ -63,7 +69,6 @@ from torch._functorch.partitioners import (
     _must_be_in_forward,
     classify_nodes,
     functionalize_rng_ops,
-    is_opaque_node,
     min_cut_rematerialization_partition,
     reordering_to_mimic_autograd_engine,
 )
@@ -71,6 +76,7 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 from torch._inductor import ir as inductor_ir
+from torch._inductor import compile_fx as _compile_fx_module
 from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
 from torch._inductor.compile_fx import fake_tensor_prop as inductor_fake_tensor_prop
 from torch._inductor.fx_passes.post_grad import view_to_reshape
@@ -87,6 +93,61 @@ from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+
+def _is_opaque_node(node) -> bool:
+    """Whether ``node``'s value is an opaque object (a script object, a registered opaque type such as a
+    process group) rather than a tensor or a symbol. torch 2.12 and later define this as
+    ``graph_compile.is_opaque_node``; this is the same test for 2.11, which lacks it."""
+    from torch._library.fake_class_registry import FakeScriptObject
+    from torch._library.opaque_object import is_opaque_value
+
+    if not isinstance(node, torch.fx.Node) or "val" not in node.meta:
+        return False
+    val = node.meta["val"]
+    return is_opaque_value(val) or isinstance(val, (torch.ScriptObject, FakeScriptObject))
+
+
+is_opaque_node = getattr(_graph_compile, "is_opaque_node", _is_opaque_node)
+
+
+_EXTRACT_PARAMETERS = inspect.signature(_extract_fwd_bwd_modules).parameters
+
+
+def extract_fwd_bwd_modules(gm, saved_values, *, saved_sym_nodes, saved_opaque_nodes, num_fwd_outputs,
+                            static_lifetime_input_nodes=None):
+    """torch's ``_extract_fwd_bwd_modules``: the forward outputs the saved values, symbols and opaque
+    nodes, the backward takes them first. torch 2.12 and later take the opaque nodes apart
+    (``saved_opaque_nodes``); 2.11 has no such parameter and instead moves the fake script objects it
+    finds among ``saved_values`` after the tensors (and before the symbols), where its runtime looks for
+    them, so there they go in with the saved values."""
+    if "saved_opaque_nodes" in _EXTRACT_PARAMETERS:
+        return _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=saved_sym_nodes,
+                                        saved_opaque_nodes=saved_opaque_nodes, num_fwd_outputs=num_fwd_outputs,
+                                        static_lifetime_input_nodes=static_lifetime_input_nodes)
+    return _extract_fwd_bwd_modules(gm, [*saved_values, *saved_opaque_nodes], saved_sym_nodes,
+                                    num_fwd_outputs=num_fwd_outputs,
+                                    static_lifetime_input_nodes=static_lifetime_input_nodes)
+
+
+def inductor_partition_fn_with(partitioner):
+    """Inductor's partition function (its joint-graph passes, then a partitioner) with ``partitioner``
+    in place of Inductor's own, for an ``aot_autograd`` backend that is not Inductor. torch 2.13 and
+    later take it as ``partitioner_fn_override``; on 2.11 and 2.12 the same steps are written out here
+    from their ``compile_fx.partition_fn``. Either way ``partitioner`` gets no ``compiler`` argument."""
+    if "partitioner_fn_override" in inspect.signature(inductor_partition_fn).parameters:
+        return functools.partial(inductor_partition_fn, partitioner_fn_override=partitioner)
+    return functools.partial(_partition_with, partitioner)
+
+
+def _partition_with(partitioner, gm, joint_inputs, **kwargs):
+    """torch 2.11/2.12's ``compile_fx.partition_fn`` up to its choice of partitioner, then ``partitioner``."""
+    with _compile_fx_module.get_cuda_device_context(gm):
+        devices = _compile_fx_module.get_inputs_devices(joint_inputs, gm)
+        gm = _compile_fx_module._recursive_joint_graph_passes(gm, skip_invoke_subgraph=True,
+                                                              input_device=next(iter(devices)))
+    return partitioner(gm, joint_inputs, **kwargs)
+
+
 __all__ = [
     "BackendCompilerFailed", "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
     "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
@@ -95,12 +156,12 @@ __all__ = [
     "dce_impure_random",
     "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
     "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
-    "inductor_config", "inductor_partition_fn", "is_sym_node", "make_boxed_func", "make_fx",
+    "inductor_config", "inductor_partition_fn", "inductor_partition_fn_with", "extract_fwd_bwd_modules", "is_sym_node", "make_boxed_func", "make_fx",
     "min_cut_rematerialization_partition", "raise_getitems",
     "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "is_opaque_node",
+    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "functional_collectives", "FunctionalCollectives", "is_opaque_node",
     "layout_optimized",
 ]
 
@@ -215,7 +276,8 @@ def rename_node(node: torch.fx.Node, name: str) -> None:
 
 
 def on_fresh_stack(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on a thread of its own, under this thread's tracing context; waits.
+    """``fn(*args, **kwargs)`` on a thread of its own, under this thread's tracing context and
+    context variables; waits.
 
     Why: CPython 3.11 keeps frames in chunks of a per-thread stack and frees a chunk as soon as the
     stack drops back below it. A partitioner runs some 50 frames deep inside Dynamo and Inductor, and
@@ -224,15 +286,19 @@ def on_fresh_stack(fn, *args, **kwargs):
     instead of 4 s (900k page faults against 225k, almost all in ``_PyThreadState_BumpFramePointerSlow``;
     ``perf record -e page-faults``), depending only on how deep the caller's stack was. A fresh
     thread's stack starts empty. The tracing context is thread-local (``torch._guards``), so it is
-    carried over: the planning asks it what dead-code elimination keeps."""
-    context = TracingContext.try_get()
+    carried over: the planning asks it what dead-code elimination keeps. So are the context variables
+    (as ``asyncio.to_thread`` carries them): from torch 2.12 on, torch's config settings, patched or
+    assigned, live in them, and a bare thread saw the defaults (a compile's ``fallback_random``, the
+    walks' Inductor settings) where torch 2.11's global settings were seen. This thread waits
+    meanwhile, so the two never change the copied state at once."""
+    context, variables = TracingContext.try_get(), contextvars.copy_context()
 
     def run():
         with tracing(context):
             return fn(*args, **kwargs)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="recompile_opt-plan") as pool:
-        return pool.submit(run).result()
+        return pool.submit(variables.run, run).result()
 
 
 def dce_impure_random() -> bool:
@@ -502,13 +568,66 @@ def _input_layouts(buf, graph) -> list[tuple[tuple, tuple]] | None:
     return out
 
 
+class FunctionalCollectives(NamedTuple):
+    """torch's functional collectives, which trace into graphs as ``_c10d_functional`` ops; each takes
+    the process group's name. torch 2.13 names them ``*_single``; 2.11 and 2.12 ``*_tensor``, which 2.13
+    keeps as deprecated aliases that warn outside a compile."""
+    all_gather: Callable  # (x, gather_dim, group): the ranks' x concatenated along gather_dim
+    all_gather_autograd: Callable  # the same, its gradient reduce-scattered
+    reduce_scatter_autograd: Callable  # (x, reduce_op, scatter_dim, group); its gradient all-gathered
+    all_reduce: Callable  # (x, reduce_op, group)
+
+
+def functional_collectives() -> FunctionalCollectives:
+    """The installed torch's :class:`FunctionalCollectives`. Imported here, when asked: torch.distributed
+    is not in every build."""
+    import torch.distributed._functional_collectives as funcol
+
+    def named(new: str, old: str):
+        return getattr(funcol, new, None) or getattr(funcol, old)
+
+    return FunctionalCollectives(
+        named("all_gather_single", "all_gather_tensor"),
+        named("all_gather_single_autograd", "all_gather_tensor_autograd"),
+        named("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"), funcol.all_reduce)
+
+
 def strided_shard(dim: int, pieces: int):
     """DTensor's interleaved shard: a fused ``[q | k | v]`` weight split so that each rank holds its heads
     of each of the ``pieces`` (private in torch 2.13, docs/parallel-design.md Q1). Imported here, when
     asked: torch.distributed is not in every build."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    _redistribute_strided_shards_without_order()
     return _StridedShard(dim, split_factor=pieces)
+
+
+def _redistribute_strided_shards_without_order() -> None:
+    """torch 2.13's redistribution of a strided shard that encodes no shard order, installed into 2.11
+    and 2.12 (which lack ``_dtensor_spec._StridedShardNotDecodableError``); once, nothing on 2.13.
+
+    Why: 2.11 and 2.12 read every ``_StridedShard`` as FSDP2 + TP's encoding of a shard order and plan
+    its redistribution by the graph-based planner, which raises ValueError where the split factor is
+    no product of mesh sizes, as ours on a 1-D mesh always is: ``full_tensor()`` of a fused QKV weight
+    failed. 2.13 falls back to the greedy planner there (``_gen_transform_infos_non_cached``); so does
+    this, for that error only."""
+    from torch.distributed.tensor import _dtensor_spec, _redistribute
+
+    original = _redistribute._gen_transform_infos_non_cached
+    if hasattr(_dtensor_spec, "_StridedShardNotDecodableError") or getattr(original, "_recompile_opt", False):
+        return
+
+    def gen_transform_infos(src_spec, dst_spec, use_graph_based_transform=None):
+        try:
+            return original(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as e:
+            if "unable to be interpreted into a corresponding shard_order" not in str(e):
+                raise
+            planner = _redistribute.get_redistribute_planner(src_spec.device_mesh, src_spec.tensor_meta)
+            return planner.generate_greedy_transform_infos(src_spec, dst_spec)
+
+    gen_transform_infos._recompile_opt = True
+    _redistribute._gen_transform_infos_non_cached = gen_transform_infos
 
 
 def is_strided_shard(placement) -> bool:

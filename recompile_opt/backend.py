@@ -347,7 +347,7 @@ def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *,
     def nop(g, _inputs):
         return ti.make_boxed_func(g.forward)
 
-    part = functools.partial(ti.inductor_partition_fn, partitioner_fn_override=partitioner)
+    part = ti.inductor_partition_fn_with(partitioner)
     fake_mode = ti.detect_fake_mode(example_inputs) or ti.FakeTensorMode(allow_non_fake_inputs=True)
     patches = {"fallback_random": True if aten_random else ti.inductor_config.fallback_random}
     # every caller's partitioner has options but torch's own (frontier's comparison)

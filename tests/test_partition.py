@@ -90,22 +90,29 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
     from recompile_opt import _torch_internals as ti
     from recompile_opt import backend
 
-    seen = []
-    make_plan = backend.make_plan
+    seen, in_compile = [], []
+    make_plan, on_fresh_stack = backend.make_plan, ti.on_fresh_stack
 
     def spy(*args, **kwargs):
         seen.append((threading.current_thread().name, ti.TracingContext.try_get() is not None,
                      ti.dce_impure_random()))
         return make_plan(*args, **kwargs)
 
+    def caller(fn, *args, **kwargs):  # what the compile's own thread has in force
+        in_compile.append(ti.dce_impure_random())
+        return on_fresh_stack(fn, *args, **kwargs)
+
     monkeypatch.setattr(backend, "make_plan", spy)
+    monkeypatch.setattr(ti, "on_fresh_stack", caller)
     model, inputs = tiny_gpt(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=False):
         compiled, part = _compile(model, {"memory_budget": 0.0})
         compiled(*inputs).backward()
     ((thread, has_context, impure_random),) = seen
     assert thread.startswith("recompile_opt-plan") and thread != threading.current_thread().name
-    assert has_context and impure_random is False  # the compile's context and Inductor's config seen
+    # the compile's context and Inductor's config seen: compile_eager patches fallback_random=True over
+    # the test's False (it replays aten's random ops), and from torch 2.12 on settings are per thread
+    assert has_context and [impure_random] == in_compile == [True]
 
 
 def _saved_storages_shared(make, budget):
@@ -113,7 +120,7 @@ def _saved_storages_shared(make, budget):
     from recompile_opt.costs.cost_model import base_of
 
     part = partitioned(*make(), {"memory_budget": budget})
-    outputs = next(reversed(part.last_forward.graph.nodes)).args[0]  # the loss, then what is kept
+    outputs = next(iter(reversed(part.last_forward.graph.nodes))).args[0]  # the loss, then what is kept
     by_base: dict[str, list[str]] = {}
     for node in outputs:
         if isinstance(node, torch.fx.Node) and base_of(node).op != "placeholder":

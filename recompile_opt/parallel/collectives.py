@@ -4,7 +4,8 @@ can see, cost and (for an all-gather) recompute.
 
 Why functions of our own: the transitions are conjugate pairs, and torch registers only some of them.
 An all-gather's registered backward is a reduce-scatter and a reduce-scatter's is an all-gather
-(``all_gather_single_autograd``, ``reduce_scatter_single_autograd``): those are used as they are.
+(``all_gather_single_autograd``, ``reduce_scatter_single_autograd``; ``_torch_internals.functional_collectives``):
+those are used as they are.
 An all-reduce's registered backward is another all-reduce, not Megatron's identity, so tensor
 parallelism without sequence parallelism needs its own pair (``f``: identity forward, all-reduce
 backward; ``g``: all-reduce forward, identity backward); ``f`` is also what makes the gradient of a
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+from recompile_opt import _torch_internals as ti
+
+funcol = ti.functional_collectives()
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
@@ -43,7 +47,7 @@ def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
 def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """Every rank's sequence shard, concatenated along ``dim`` (before a column-parallel layer); the
     gradient is reduce-scattered back to the shards."""
-    return funcol.all_gather_single_autograd(x.contiguous(), dim, _name(group))
+    return funcol.all_gather_autograd(x.contiguous(), dim, _name(group))
 
 
 def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
@@ -68,7 +72,7 @@ def gather_features_for_replicated(x: torch.Tensor, group, dim: int = -1, *, siz
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """The partial sums of a row-parallel layer added up and this rank's sequence shard kept (after a
     row-parallel layer); the gradient is all-gathered."""
-    return funcol.reduce_scatter_single_autograd(x.contiguous(), "sum", dim, _name(group))
+    return funcol.reduce_scatter_autograd(x.contiguous(), "sum", dim, _name(group))
 
 
 def split_sequence(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
@@ -158,14 +162,14 @@ class _SplitToShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return funcol.all_gather_single(grad.contiguous(), ctx.dim, ctx.name), None, None, None, None
+        return funcol.all_gather(grad.contiguous(), ctx.dim, ctx.name), None, None, None, None
 
 
 class _GatherToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, name, dim, size, rank):
         ctx.dim, ctx.rank, ctx.rows = dim, rank, x.shape[dim]
-        return funcol.all_gather_single(x.contiguous(), dim, name)
+        return funcol.all_gather(x.contiguous(), dim, name)
 
     @staticmethod
     def backward(ctx, grad):
