@@ -136,7 +136,7 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
         # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen).
         # Where Inductor is about to compile these graphs, its code is walked once it exists (finish_peak).
-        wanted = not known and self._wants_chunks(plan)
+        wanted = not known and self._wants_chunks(plan, exact)
         if wanted and exact is None or walk and not self.compiling:
             exact = simulate.exact(saved, plan.recomputed_names())  # candidates are compared by walked peaks
         if wanted:
@@ -166,13 +166,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             self.strict_again = lambda: ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
         return plan
 
-    def _wants_chunks(self, plan: Plan) -> bool:
+    def _wants_chunks(self, plan: Plan, exact: int | None) -> bool:
         """``chunks="auto"``: whether chunking may lower this unchunked plan's peak where the goal needs
-        it (:func:`chunk_choice.worth_trying`); where not, the plan's notes say why nothing was tried."""
+        it (:func:`chunk_choice.worth_trying`), judged by its walked peak where one is known (``exact``:
+        the figure a limit is finally checked against), else the kernel model's; where not, the plan's
+        notes say why nothing was tried."""
         if not self.chunk_candidates:
             return False
-        why_not = chunk_choice.worth_trying(self.chunk_candidates, plan, plan.peak_breakdown["total"],
-                                            self.options.peak_memory)
+        peak = plan.peak_breakdown["total"] if exact is None else exact
+        why_not = chunk_choice.worth_trying(self.chunk_candidates, plan, peak, self.options.peak_memory)
         held, strict_again = self.held_warnings, self.strict_again
         self.held_warnings, self.strict_again = [], None
         if why_not:
