@@ -329,11 +329,16 @@ class _ChunkedMLPBackward:
         grad_ups = [precision.accumulator(w, dt) for w, dt in zip(self.weights, dts)]
         grad_up_biases = [precision.accumulator(b, dt) if has else None
                           for b, dt, has in zip(self.biases, dts, up_bias)]
+        # the down-projection's bias too, summed from each chunk's gradient as an extern kernel reads it
+        # (Inductor fused a whole-length sum into the kernel making the gradient, before its rounding)
+        grad_down_bias = precision.accumulator(self.down_bias, dts[-1]) if down_has_bias else None
         grad_tokens = []
         for x_c, g_c in zip(self.tokens.tensor_split(ctx.chunks), grad_out.tensor_split(ctx.chunks)):
             xs = [x_c.to(dt) for dt in dts[:-1]]
             hidden, activated = self._recompute(xs)
             grad_down = precision.add_product(grad_down, g_c.t(), activated.detach().to(dts[-1]))
+            if down_has_bias:
+                grad_down_bias = add_column_sums(grad_down_bias, g_c)
             grad_activated = (g_c @ self.down_w).to(activated.dtype)
             grad_hidden = torch.autograd.grad(activated, hidden, grad_activated)
             grad_x = None
@@ -344,7 +349,8 @@ class _ChunkedMLPBackward:
                     grad_up_biases[i] = add_column_sums(grad_up_biases[i], g_h)
                 grad_x = _add_input_gradient(grad_x, g_h, w, self.tokens.dtype)
             grad_tokens.append(grad_x)
-        grad_down_bias = grad_out.sum(0).to(self.down_bias.dtype) if down_has_bias else None
+        grad_down_bias = (precision.rounded(grad_down_bias, dts[-1], self.down_bias.dtype)
+                          if down_has_bias else None)
         weights = [precision.rounded(g, dt, w.dtype) for g, w, dt in zip(grad_ups, self.weights, dts)]
         biases = [None if g is None else precision.rounded(g, dt, b.dtype)
                   for g, b, dt in zip(grad_up_biases, self.biases, dts)]

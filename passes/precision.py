@@ -83,18 +83,32 @@ def accumulator(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(like.shape, dtype=torch.promote_types(dtype, torch.float32), device=like.device)
 
 
+@torch.library.custom_op("recompile_opt::round_to", mutates_args=())
+def round_to(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``total.to(dtype)`` as one op. Why: Inductor elides a downcast inside a fused kernel whose value
+    is upcast again (``emulate_precision_casts`` is off by default: ``x.to(bf16).to(fp32)`` came back
+    unrounded, 8e-3 apart), so the one rounding eager's GEMM makes is made where Inductor cannot fuse."""
+    return total.to(dtype)
+
+
+@round_to.register_fake
+def _(total, dtype):
+    return torch.empty_like(total, dtype=dtype)
+
+
 def rounded(total: torch.Tensor, mm_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """A sum over chunks as eager's single GEMM gives it: rounded once to ``mm_dtype``, then cast to
-    ``dtype`` (the parameter's, as autocast's cast backward does). For traced code: one pointwise
-    kernel, which Inductor may run in the dying accumulator's buffer."""
-    return total.to(mm_dtype).to(dtype)
+    ``dtype`` (the parameter's, as autocast's cast backward does). For traced code (:func:`round_to`)."""
+    if mm_dtype == total.dtype:
+        return total.to(dtype)
+    return torch.ops.recompile_opt.round_to(total, mm_dtype).to(dtype)
 
 
 def rounded_(total: torch.Tensor, mm_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """:func:`rounded`, eagerly (inside an op): in place, an eighth at a time, where ``total`` (a fresh
     accumulator) already has ``dtype``, so that no second weight-sized buffer is made."""
     if total.dtype != dtype or not total.is_contiguous():
-        return rounded(total, mm_dtype, dtype)
+        return total.to(mm_dtype).to(dtype)
     if mm_dtype != dtype:
         for piece in total.view(-1).split(max(1, total.numel() // 8)):
             piece.copy_(piece.to(mm_dtype))
