@@ -165,8 +165,12 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                f"less): {', '.join(best.refined)}")
     same = (f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
             "block's kernels")
-    notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, predicted peak "
-                 f"{fmt_bytes(best.peak)} (keeping less only raises the peak). Searched by simulated peaks "
+    # the plan's predicted peak is walked in Inductor's code where the search walked this graph (the
+    # backend walks the plan taken too): a figure of the kernel model's says it is one
+    peak = (f"peak walked in Inductor's code {fmt_bytes(best.peak)}" if checked else
+            f"the kernel model's estimate of its peak {fmt_bytes(best.peak)}")
+    notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, {peak} "
+                 "(keeping less only raises the peak). Searched by simulated peaks "
                  f"(least {fmt_bytes(least)}; within {PEAK_TIE:.0%} are ties, the least recompute wins"
                  + (refined if best.refined else "") + (same if best.mirrored is not None else "") + ")"
                  + (f"; {checked}" if checked else ""))
