@@ -78,13 +78,17 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
             if problem.sites and budget == 0.0 and not fit_peak:
                 ends = _least_peak_approximating(problem, reduction, kw, baseline, simulate, options, ends)
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
-            notes.extend([ends.note] if ends.note else [])
         else:
             min_bytes = least_bytes(problem, reduction, kw)
             floor, least_peak = min_bytes, None
         if budget == 0.0 and least_peak is not None and not fit_peak:
+            notes.extend([ends.note] if ends.note else [])  # the search's note: this plan is its answer
             return least_peak, solver_info(options, least_peak), floor, min_bytes
-        budget = int(floor + budget * (baseline - floor))
+        fraction, budget = budget, int(floor + budget * (baseline - floor))
+        if least_peak is not None:  # a plan of the range, not the least-peak plan that is its 0.0 end
+            notes.append(f"memory_budget {fraction}: keeps at most {fmt_bytes(budget)}, {fraction:.0%} of the "
+                         f"way from the least-peak plan's {fmt_bytes(floor)} (memory_budget 0.0) to save-all's "
+                         f"{fmt_bytes(baseline)} (1.0)")
     if fit_peak:
         return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
     sol = solve_reduced(problem, reduction, budget, kw, notes)
