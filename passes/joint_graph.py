@@ -203,7 +203,10 @@ def module_path(node: fx.Node) -> str:
 
 
 def clean_module_path(path: str) -> str:
-    """``L['self'].blocks[0].attn`` or ``L__self___blocks_0`` -> ``blocks.0.attn``."""
+    """``L['self'].blocks[0].attn`` or ``L__self___blocks_0`` -> ``blocks.0.attn``; a model called with
+    keywords is ``L['args'][0]`` (Dynamo traces ``Module._call_impl(*args, **kwargs)``, its ``self`` the
+    first of ``args``), else every path would start with ``0.``."""
+    path = re.sub(r"^L\['args'\]\[0\]\.?", "", path)
     path = re.sub(r"^L\['[^']+'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)

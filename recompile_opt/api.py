@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
@@ -22,15 +23,22 @@ from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import InfeasibleBudget
 
 
-def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) -> Plan | list[Plan]:
+def plan(model: torch.nn.Module, example_inputs=(), memory_budget=None, *, kwargs: Mapping | None = None,
+         **options) -> Plan | list[Plan]:
     """Plan ``model`` (or its ``torch.compile`` wrapper) for ``example_inputs`` under the options.
+
+    ``example_inputs``: the positional inputs (a tuple or list, or one tensor), or a dict (any mapping:
+    a tokenizer's ``BatchEncoding`` too) of keyword inputs, as Hugging Face models are called:
+    ``plan(model, {"input_ids": ids, "labels": ids})`` runs ``model(input_ids=ids, labels=ids)``. A
+    model whose one positional input is a dict takes ``(batch,)``. ``kwargs``: keyword inputs beside
+    positional ones.
 
     A model that Dynamo breaks into several graphs gets a list, one plan per graph in execution order.
     An int budget is then one budget for the whole model: the graphs are learned first and the budget
     split over them (:mod:`recompile_opt.planner.budget_split`); the split is registered, so compiling the
     model with the same budget afterwards uses it."""
     module = getattr(model, "_orig_mod", model)
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    inputs = call_inputs(example_inputs, kwargs)
     # The options are the ones compilation would get (compiler too): capture runs no code generation
     # whatever the compiler, but whether random ops are replayed or kept depends on it (and on
     # Inductor's fallback_random), and the plan must be the one compilation makes.
@@ -45,7 +53,21 @@ def plan(model: torch.nn.Module, example_inputs, memory_budget=None, **options) 
     return plans[0] if len(plans) == 1 else plans
 
 
-def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Plan]:
+def call_inputs(example_inputs, kwargs: Mapping | None = None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` to call a model with: a mapping of ``example_inputs`` is keywords, a tuple or
+    list positional inputs, anything else the one positional input; ``kwargs`` adds keywords."""
+    if isinstance(example_inputs, Mapping):
+        args, keywords = (), dict(example_inputs)
+    else:
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        keywords = {}
+    twice = sorted(set(keywords) & set(kwargs or {}))
+    if twice:
+        raise TypeError(f"recompile_opt.plan: keyword inputs {twice} given in example_inputs and in kwargs")
+    return args, {**keywords, **(kwargs or {})}
+
+
+def _capture(module, inputs: tuple[tuple, dict], opts: Options, aten_random: bool) -> list[Plan]:
     """Run Dynamo over the model with a backend that plans each graph and computes nothing."""
     partitioner = RecompilePartitioner(opts)
 
@@ -60,7 +82,8 @@ def _capture(module, inputs: tuple, opts: Options, aten_random: bool) -> list[Pl
     limits = {"recompile_limit": 10**6, "accumulated_recompile_limit": 10**6}
     try:
         with torch.enable_grad(), ti.dynamo_config.patch(limits):
-            torch.compile(module, backend=capture, dynamic=False)(*inputs)
+            args, kwargs = inputs
+            torch.compile(module, backend=capture, dynamic=False)(*args, **kwargs)
     except ti.BackendCompilerFailed as e:  # show our own error, not Dynamo's wrapper
         if isinstance(e.inner_exception, OptionError):
             raise e.inner_exception from None

@@ -1,6 +1,7 @@
 """``recompile-opt``: plan a model, show or diff saved plans, and run the demo.
 
     recompile-opt plan recompile_opt.models:gpt3_175b_layer --budget 0.3 [--policy P] [--json out.json]
+        (FACTORY returns (model, example_inputs): a tuple of positional inputs, or a dict of keyword inputs)
     recompile-opt show plan.json
     recompile-opt diff a.json b.json
     recompile-opt demo [--budget 0.3]
@@ -14,6 +15,7 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from recompile_opt.options import POLICIES, SOLVERS, OptionError, parse_options
@@ -54,6 +56,8 @@ def load_factory(spec: str):
         raise UsageError(f"module {module_name!r} has no factory {attr!r}"
                          + (f"; its functions without required arguments: {', '.join(found)}" if found else ""))
     model, inputs = factory()
+    if isinstance(inputs, Mapping):  # keyword inputs, as Hugging Face models are called
+        return model, dict(inputs)
     return model, inputs if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
@@ -145,6 +149,9 @@ def cmd_frontier(args) -> None:
 
     budgets = frontier.BUDGETS if args.budgets is None else [_fraction(b) for b in args.budgets.split(",")]
     model, inputs = load_factory(args.factory)
+    if isinstance(inputs, dict):
+        raise UsageError(f"{args.factory} returns keyword inputs: 'recompile-opt plan' takes them, 'frontier' "
+                         "takes positional inputs only (return a tuple, or wrap the model)")
     t0 = time.perf_counter()
     points = frontier.sweep(model, inputs, budgets, measure=args.measure, steps=args.steps,
                             pytorch_budgets=() if args.no_pytorch else frontier.PYTORCH_BUDGETS,
@@ -172,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recompile-opt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan MODULE:FACTORY (returns model, inputs) and print the plan")
+    p = sub.add_parser("plan", help="plan MODULE:FACTORY (returns model and a tuple of inputs, or a dict of "
+                       "keyword inputs) and print the plan")
     p.add_argument("factory")
     p.add_argument("--budget", help="bytes, a size like 512MiB, or a fraction in [0, 1]")
     p.add_argument("--peak", help="limit on the predicted step peak (bytes or size with units)")

@@ -45,10 +45,12 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
         recompute, keep = sol.recompute, sol.keep
     else:  # the user's MUST_* tags hold under a fixed policy too
         tagged = {t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")}
-        recompute = (POLICIES[options.policy](problem) | tagged["must_recompute"]) - tagged["must_save"]
+        own = POLICIES[options.policy](problem)
+        recompute = (own | tagged["must_recompute"]) - tagged["must_save"]
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
-        _note_policy(problem, options.policy, notes)
+        acts = problem.kept_bytes(*problem.needed_closure(own)) < baseline
+        _note_policy(problem, options.policy, acts, notes)
     saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
@@ -180,35 +182,45 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
 
 
 
-def _note_policy(problem: Problem, policy: str, notes: list[str]) -> None:
-    if policy == "full":
-        _note_blocks(problem, notes)
-    if policy != "megatron-selective":
-        return
-    cores = attention_cores(problem)
-    if not cores:
-        notes.append("megatron-selective: no attention core found; nothing is recomputed")
-    elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
-        notes.append("megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
-                     "the SDPA call itself is recomputed")
-
-
-def _note_blocks(problem: Problem, notes: list[str]) -> None:
-    """Warn where ``full`` has no blocks to checkpoint, or only blocks named by module indices whose
-    subgraphs are not copies of one another (a split that may not be the model's layers)."""
-    blocks, origin = blocks_and_origin(problem)
-    found = {b for b in blocks.values() if b}
+def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str]) -> None:
+    """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
+    a silent save-all), or acts on blocks it is unsure of; ``acts``: the policy alone keeps less than
+    ``save-all``."""
     msg = None
-    if not found:
-        msg = ("policy='full': no repeated blocks found (by the graph's structure or by indexed module "
-               "names); nothing is recomputed")
-    elif origin == "names":
-        msg = (f"policy='full': {len(found)} blocks taken from indexed module names ({', '.join(sorted(found)[:3])}"
-               f"{', ...' if len(found) > 3 else ''}), but no module's children repeat in the graph: check "
-               "that these are the model's layers")
+    if policy == "full":
+        msg = _blocks_message(problem, acts)
+    elif policy == "megatron-selective":
+        cores = attention_cores(problem)
+        if not acts:
+            why = ("no attention core found (no QK^T matmul feeding softmax and @V, no SDPA call)" if not cores
+                   else f"none of the {len(cores)} attention cores found can be recomputed")
+            msg = f"policy='megatron-selective': {why}; nothing is recomputed, as under save-all"
+        elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
+            notes.append("megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
+                         "the SDPA call itself is recomputed")
     if msg:
         warnings.warn("recompile_opt: " + msg)
         notes.append(msg)
+
+
+def _blocks_message(problem: Problem, acts: bool) -> str | None:
+    """Where ``full`` has no blocks to checkpoint, has blocks with nothing inside to recompute, or only
+    blocks named by module indices whose subgraphs are not copies of one another (a split that may not
+    be the model's layers)."""
+    blocks, origin = blocks_and_origin(problem)
+    found = sorted({b for b in blocks.values() if b})
+    named = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
+    if not found:
+        return ("policy='full': no repeated blocks found (by the graph's structure or by indexed module "
+                "names); nothing is recomputed, as under save-all")
+    if not acts:
+        return (f"policy='full': every value inside the {len(found)} blocks found ({named}) is read outside "
+                "its block (each makes only its outputs, as a single linear does), so nothing is recomputed, "
+                "as under save-all")
+    if origin == "names":
+        return (f"policy='full': {len(found)} blocks taken from indexed module names ({named}), but no "
+                "module's children repeat in the graph: check that these are the model's layers")
+    return None
 
 
 def _note_prefer_tags(problem: Problem, saved: set[str], recomputed: set[str], notes: list[str]) -> None:

@@ -13,6 +13,13 @@ and dtypes wired the same way (a Weisfeiler-Lehman hash of the subgraph, network
 are the shallowest whose repeated children hold at least ``MIN_FLOP_SHARE`` of the forward's FLOPs,
 so a pair of identical embeddings or norms does not count, and an encoder and a decoder are each a
 stack of their own.
+
+The indexed children of a ``ModuleList`` or ``nn.Sequential`` (``encoder.block.3``, ``model.layers.3``)
+are taken as layers before that, copies or not, when their submodules are named alike: T5's block 0
+alone owns ``relative_attention_bias`` and Gemma2 alternates sliding and global attention, so their
+layers are not copies, and the repeated q/k/v/o linears inside them were taken instead (``full`` then
+kept every linear's output and recomputed nothing). Neither rule takes a child that makes one tensor
+(a linear makes its output and nothing else): checkpointing it recomputes nothing.
 """
 
 from __future__ import annotations
@@ -43,15 +50,33 @@ def structural_blocks(problem: Problem) -> dict[str, str | None]:
             if len(path) >= depth and not any(path[:len(c)] == c for c in chosen):
                 children[path[:depth - 1]][path[:depth]].append(n)
         for kids in children.values():
-            repeated = _repeated(problem, kids)
-            if sum(problem.values[n].flops for k in repeated for n in kids[k]) >= MIN_FLOP_SHARE * total:
-                chosen.extend(repeated)
+            kids = {k: names for k, names in kids.items() if _makes_several(problem, names)}
+            taken = _layers(kids, modules) or _repeated(problem, kids)
+            if sum(problem.values[n].flops for k in taken for n in kids[k]) >= MIN_FLOP_SHARE * total:
+                chosen.extend(taken)
     owner = {c: ".".join(c) for c in chosen}
     return {n: next((owner[m[:len(c)]] for c in chosen if m[:len(c)] == c), None) for n, m in modules.items()}
 
 
 def _path(module: str) -> tuple[str, ...]:
     return tuple(module.split(".")) if module else ()
+
+
+def _makes_several(problem: Problem, names: list[str]) -> bool:
+    """The values make two tensors or more (a view or a tuple's item is not one): inside a module that
+    makes only its output there is nothing for a checkpoint to recompute."""
+    return sum(problem.values[n].storage == n for n in names) >= 2
+
+
+def _layers(kids: dict[tuple[str, ...], list[str]], modules: dict[str, tuple[str, ...]]
+            ) -> list[tuple[str, ...]]:
+    """The indexed children (``layers.0``, ``layers.1``: a ``ModuleList``'s or ``nn.Sequential``'s
+    entries) whose submodule names half match another's at least, in their order; none if fewer than
+    two. Why the names: ``nn.Sequential(backbone, head)`` is indexed too, and its entries are no layers."""
+    subs = {k: {modules[n][len(k):] for n in names} for k, names in kids.items() if k[-1].isdigit()}
+    alike = [k for k, s in subs.items()
+             if any(len(s & t) >= 0.5 * min(len(s), len(t)) for j, t in subs.items() if j != k)]
+    return alike if len(alike) >= 2 else []
 
 
 def _repeated(problem: Problem, kids: dict[tuple[str, ...], list[str]]) -> list[tuple[str, ...]]:
