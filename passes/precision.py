@@ -19,22 +19,28 @@ import torch
 from recompile_opt import _torch_internals as ti
 
 
-def autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype | None]:
     """``(enabled, dtype)`` of autocast for ``device_type`` now (what a backward must run under to
-    recompute a forward's ops as eager autocast ran them)."""
+    recompute a forward's ops as eager autocast ran them); ``(False, None)`` on a device autocast does
+    not know (``meta``: planning without a step)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return False, None
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-def autocast_as(device_type: str, state: tuple[bool, torch.dtype]):
+def autocast_as(device_type: str, state: tuple[bool, torch.dtype | None]):
     """A context with autocast for ``device_type`` as ``state`` (:func:`autocast_state`)."""
     enabled, dtype = state
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
 def autocast_off(device_type: str):
     """A context with autocast off for ``device_type`` (the ops inside state their dtypes)."""
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
-        else contextlib.nullcontext()
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 @torch.library.custom_op("recompile_opt::addmm_fp32", mutates_args=())
