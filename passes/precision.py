@@ -13,6 +13,7 @@ across chunks in fp32 with :func:`addmm_fp32`, rounding once at the end as eager
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -52,9 +53,16 @@ def addmm_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
     sum that holds all k alive."""
     if a.dtype == total.dtype:
         return torch.addmm(total, a, b)
-    if a.is_cuda:
+    if a.is_cuda and _gemm_out_dtype():
         return torch.addmm(total, a, b, out_dtype=total.dtype)
     return torch.addmm(total, a.to(total.dtype), b.to(total.dtype))
+
+
+@functools.cache
+def _gemm_out_dtype() -> bool:
+    """Whether this torch's ``addmm`` takes ``out_dtype`` (a bf16 GEMM with an fp32 result: its
+    ``dtype`` overload, in torch 2.11 to 2.15); elsewhere the operands are upcast."""
+    return "dtype" in torch.ops.aten.addmm.overloads()
 
 
 @addmm_fp32.register_fake
@@ -79,7 +87,7 @@ def accumulate_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.
     """``total += a @ b`` in place, eagerly (inside an op), accumulated in ``total``'s dtype."""
     if a.dtype == total.dtype:
         return total.addmm_(a, b)
-    if a.is_cuda:
+    if a.is_cuda and _gemm_out_dtype():
         return torch.addmm(total, a, b, out_dtype=total.dtype, out=total)
     return total.addmm_(a.to(total.dtype), b.to(total.dtype))
 
