@@ -316,7 +316,7 @@ class _ChunkedMLPBackward:
 
     def __init__(self, ctx, tokens, down_weight, down_bias, up_params):
         self.ctx, self.tokens, self.mm_dtypes = ctx, tokens, ctx.mm_dtypes
-        self.down_weight, self.down_bias, self.up_params = down_weight, down_bias, up_params
+        self.down_weight, self.down_bias = down_weight, down_bias
         n_up = len(self.mm_dtypes) - 1
         self.weights, self.biases = up_params[:n_up], up_params[n_up:]
         self.ups = _cast_params(up_params, self.mm_dtypes[:-1])
