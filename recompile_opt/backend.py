@@ -33,8 +33,8 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.planner import budget_split, chunk_choice
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.inductor_peak import output_names
-from recompile_opt.costs.peak import inductor_pool, peak_breakdown
-from recompile_opt.plan import Plan
+from recompile_opt.costs.peak import caller_outputs_bytes, inductor_pool, peak_breakdown
+from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
@@ -124,18 +124,16 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         self.last_forward, self.last_backward = fw, bw
         with inductor_pool(self.graph_chunked):
             plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
+        plan.outputs_bytes = caller_outputs_bytes(fw, num_fwd_outputs)
         exact = simulate.known_exact(saved, plan.recomputed_names())
         if exact is None and known and known.solver.get("peak_from") == "inductor-code":
             exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
         searched = fraction and options.peak_memory is None and range_walked(problem, options)
         walk = exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan())
-        # the search walked this graph's code (a fraction's range): walk the plan taken too, so its
-        # predicted peak is exact (a peak limit was held to the simulated peak, which its plan keeps);
-        # and where Inductor copies convolutions' inputs channels-last, which only its code shows
-        # and where the graph is chunked by force or is a candidate of the chunk choice (compared by
-        # this peak): the kernel model fuses chunks that the generated code runs apart (2x, seen).
-        # Where Inductor is about to compile these graphs, its code is walked once it exists (finish_peak).
+        # walked: every plan Inductor compiles (its own code, once it exists: finish_peak), a plan made
+        # without a compile that answers a memory request (walk_plan), one whose search walked this
+        # graph, and where Inductor copies convolutions' inputs channels-last (only its code shows it)
         wanted = not known and self._wants_chunks(plan, exact)
         if wanted and exact is None or walk and not self.compiling:
             exact = simulate.exact(saved, plan.recomputed_names())  # candidates are compared by walked peaks
@@ -148,6 +146,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
                          else None)
         choice_s = known.solver.get("chunk_choice_s", 0.0) if known else 0.0
         self._set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start)
+        if self.unwalked is None:  # its figures are final now (else: finish_peak)
+            self._check_limit(plan, None if exact is not None else
+                              simulate.why_unwalked(saved, plan.recomputed_names()) if walk else
+                              f"compiler={self.options.compiler!r} runs no Inductor code"
+                              if self.options.compiler != "inductor" else
+                              "planned without a compile; compiling it walks its code")
         return fw, bw
 
     def _make_plan(self, problem, options: Options, gid: str, simulate) -> Plan:
@@ -197,6 +201,30 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         walked = (fw, bw, (codes[False], codes[True], outputs)) if len(codes) == 2 else None
         exact = simulate.exact(saved, plan.recomputed_names(), compiled=walked)
         self._set_peak(plan, exact, simulate, used, plan.solver["plan_s"] + time.perf_counter() - start)
+        self._check_limit(plan, None if exact is not None else simulate.why_unwalked(saved, plan.recomputed_names()))
+
+    def _check_limit(self, plan: Plan, unwalked: str | None) -> None:
+        """The plan taken against its figures' promise: a ``peak_memory`` limit over the code's walked
+        peak, or held to the kernel model's estimate where the code could not be walked (``unwalked``:
+        why), is said so in a warning and a note. Why: a user's hard limit is the one check README
+        promises in Inductor's code; a miss must never be silent."""
+        if unwalked:
+            plan.solver["unwalked"] = unwalked
+        limit = self.options.peak_memory
+        if limit is None or plan.predicted_peak_bytes is None:
+            return
+        msg = None
+        if self.options.compiler != "inductor":  # its figures are the kernel model's, and say so
+            return
+        if unwalked:
+            msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
+                   f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}")
+        elif plan.predicted_peak_bytes > limit:
+            msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
+                   f"peaks at {fmt_bytes(plan.predicted_peak_bytes)} (walked)")
+        if msg and not any(msg[len("recompile_opt: "):] in n for n in plan.notes):
+            warnings.warn(msg)
+            plan.notes.append(msg)
 
     @staticmethod
     def _set_peak(plan: Plan, exact, simulate, used, seconds: float) -> None:
@@ -220,19 +248,26 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         return str, (self.uuid(),)
 
     def walks_plan_taken(self) -> bool:
-        """Whether the plan taken may be walked in Inductor's code for its figures (see ``__call__``):
-        under a fraction below 1.0 without ``peak_memory`` (the search walks), or :meth:`walk_plan`.
-        (A graph Inductor lays out channels-last is walked too; not known before its partition, its
-        walk lowers the plan itself.)"""
-        budget = self.options.memory_budget
-        fraction = isinstance(budget, float) and budget < 1.0 and self.options.peak_memory is None
-        return (fraction and self.options.policy == "auto") or self.walk_plan()
+        """Whether Inductor's compile of the plan taken is walked for its figures (``__call__`` defers
+        that walk to the compile's own code: no lowering of its own, so every plan Inductor compiles is
+        walked; the peak a user reads, and a limit is held to, is the code's: the kernel model alone
+        was 14-58% off on models the tests had not seen)."""
+        return self.options.compiler == "inductor"
 
     def walk_plan(self) -> bool:
         """Whether the plan taken is walked in Inductor's generated code for its predicted peak even
-        where the search did not walk: every candidate of the chunk choice (compared by that peak), and
-        graphs chunked by force that Inductor compiles (under ``compiler="eager"`` no such code runs)."""
-        return self.walk or (isinstance(self.options.chunks, dict) and self.options.compiler == "inductor")
+        where the search did not walk: in Inductor's compile (:meth:`walks_plan_taken`); where a plan
+        is made without one (``recompile_opt.plan``), a plan that answers a memory request (a byte
+        budget, a fraction below 1.0, ``peak_memory``: one lowering, seconds) and every candidate of
+        the chunk choice (compared by that peak). A fixed policy's or save-all's plan made without a
+        compile, and any under ``compiler="eager"`` (no such code runs), give the kernel model's
+        figures, and say so."""
+        if self.walk or self.compiling:
+            return True
+        budget, options = self.options.memory_budget, self.options
+        request = (options.peak_memory is not None or isinstance(budget, int)
+                   or (isinstance(budget, float) and budget < 1.0)) and options.policy == "auto"
+        return options.compiler == "inductor" and request
 
     def replay_random(self) -> bool:
         """Replaying a random op from a saved CPU RNG state (``run_with_rng_state``) works in the eager

@@ -43,6 +43,9 @@ class Plan:
     recompute_s: float  # estimated recompute time
     step_s: float  # estimated forward + backward time without recompute
     predicted_peak_bytes: int
+    # the forward's outputs to the caller that the backward does not read (costs.peak.caller_outputs_bytes):
+    # the predicted peak assumes the caller drops them before the backward
+    outputs_bytes: int = 0
     # where the predicted peak lies and what is alive there, by kind (recompile_opt.costs.peak.peak_breakdown)
     peak_breakdown: dict = field(default_factory=dict)
     # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
@@ -112,7 +115,12 @@ class Plan:
              f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline")
             + (f" (walked in Inductor's generated code; the kernel model below says "
                f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
-               if self.solver.get("peak_from") == "inductor-code" else ""),
+               if self.solver.get("peak_from") == "inductor-code" else
+               f" (the kernel model's estimate, not walked in Inductor's code: {self.solver['unwalked']})"
+               if self.solver.get("unwalked") else ""),
+            *([f"  outputs held      : the peak assumes the caller drops the forward's outputs but the loss "
+               f"({fmt_bytes(self.outputs_bytes)}) before backward; holding them adds up to that"]
+              if self.outputs_bytes else []),
             *self._peak_lines(),
             *self._communication_lines(),
             *self._chunk_lines(),

@@ -103,6 +103,43 @@ class ViT(nn.Module):
         return F.cross_entropy(self.heads(self.encoder(x)[:, 0]), target)
 
 
+class ResidualBlock(nn.Module):
+    """torchvision's ``BasicBlock``: two 3x3 conv-bn, a 1x1 conv-bn shortcut where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.downsample(x))
+
+
+class ResNet(nn.Module):
+    """A ResNet-18-style net in small (torchvision's names): a conv-bn-relu stem, a plain and a strided
+    residual block, pooling, a 10-class head, cross-entropy, on 32x32 images."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width)
+        self.layer1 = ResidualBlock(width, width, 1)
+        self.layer2 = ResidualBlock(width, 2 * width, 2)
+        self.fc = nn.Linear(2 * width, CLASSES)
+
+    def forward(self, images, target):
+        h = self.layer2(self.layer1(F.relu(self.bn1(self.conv1(images)))))
+        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1)), target)
+
+
+def _resnet():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return ResNet(), (torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, CLASSES, (8,), generator=g))
+
+
 def _encoder():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -124,6 +161,7 @@ def _vit():
 
 
 MODELS = {"encoder": _encoder, "decoder": _decoder, "vit": _vit}
+CONV_MODELS = {"resnet": _resnet}  # no attention, no identical layers: the peak tests only
 # each model's layers, as module paths (what `full` must checkpoint)
 LAYERS = {"encoder": ("encoder.layers.0", "encoder.layers.1"),
           "decoder": ("decoder.layers.0", "decoder.layers.1"),
@@ -203,7 +241,7 @@ def _predicted_and_measured(name, setting, with_source=False):
     """The plan's predicted peak and the measured peak of a step compiled by Inductor (one more step
     after one of training, entered with gradients None as the prediction assumes); with
     ``with_source``, also where the prediction came from (bench/outside_peaks.py prints it)."""
-    model, inputs = MODELS[name]()
+    model, inputs = {**MODELS, **CONV_MODELS}[name]()
     torch._dynamo.reset()
     plan, measured = train_side_by_side(model, inputs, options=setting, steps=1, measure_peak=True)
     if with_source:

@@ -419,3 +419,37 @@ def test_a_cnns_notes_give_the_plans_walked_peak_or_label_the_kernel_models(cnn_
     assert not any("least-peak plan: keeps" in n for n in half.notes), half.notes
     assert any(n.startswith(f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way "
                             f"from the least-peak plan's {fmt_bytes(least.budget_bytes)}") for n in half.notes), half.notes
+
+
+@pytest.mark.slow
+def test_a_deep_stacks_limit_is_checked_in_inductors_code_and_held_on_the_measured_step():
+    """Four identical layers are solved as block groups (planner.blocks), whose limit was held to the
+    kernel model's estimate alone ("simulated peak (not checked in Inductor's code: not walked for
+    this graph)"): T5, its q/k/v/o linears then taken for blocks, measured 2.4% over its limit. The
+    plan under the limit is walked in Inductor's code, and the measured step keeps to it."""
+    cfg = models.GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
+    least = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert least.solver["peak_from"] == "inductor-code", least.summary()
+    limit = int(least.predicted_peak_bytes * 1.05)
+    torch._dynamo.reset()
+    plan, measured = train_side_by_side(model, inputs, options={"peak_memory": limit}, steps=1,
+                                        measure_peak=True)
+    (note,) = [n for n in plan.notes if n.startswith("peak_memory")]
+    assert "peak walked in Inductor's code" in note, plan.notes
+    assert plan.solver["peak_from"] == "inductor-code" and plan.predicted_peak_bytes <= limit, plan.summary()
+    assert measured <= limit, (measured, limit)
+
+
+def test_a_limit_the_code_cannot_be_checked_against_says_so():
+    """On the meta device no Inductor code exists to walk: the plan under ``peak_memory`` is held to
+    the kernel model's estimate, and a warning, the note and the summary say so (never "checked")."""
+    model, inputs = tiny_gpt()
+    model, inputs = model.to("meta"), tuple(t.to("meta") for t in inputs)
+    with pytest.warns(UserWarning, match="held to the kernel model's estimate .* not checked in Inductor's "
+                                         "code: the meta device has no Inductor code"):
+        plan = recompile_opt.plan(model, inputs, peak_memory="1MiB")
+    assert plan.solver["peak_from"] == "simulator", plan.summary()
+    assert "the kernel model's estimate, not walked in Inductor's code: the meta device" in plan.summary()
+    assert not any("walked in Inductor's code" in n and "not walked" not in n for n in plan.notes), plan.notes

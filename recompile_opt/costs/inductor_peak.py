@@ -138,19 +138,20 @@ def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict
     return live.peak
 
 
-def supported(fw: fx.GraphModule, bw: fx.GraphModule) -> bool:
-    """Static shapes on a device Inductor generates code for. Symbolic shapes: the saved symints shift
-    the backward's inputs and sizes are hints, not bytes; the meta device (a plan without a step)
-    has no code generator."""
+def why_not_walkable(fw: fx.GraphModule, bw: fx.GraphModule) -> str | None:
+    """Why the code Inductor generates for these graphs cannot be walked, or None where it can (static
+    shapes on a device Inductor generates code for). Symbolic shapes: the saved symints shift the
+    backward's inputs and sizes are hints, not bytes; the meta device (a plan without a step) has no
+    code generator."""
     for g in (fw, bw):
         for node in g.graph.find_nodes(op="placeholder"):
             val = node.meta.get("val")
-            if isinstance(val, torch.SymInt):
-                return False
-            if isinstance(val, torch.Tensor) and (val.device.type not in ("cpu", "cuda")
-                                                  or any(isinstance(d, torch.SymInt) for d in val.shape)):
-                return False
-    return True
+            if isinstance(val, torch.SymInt) or (isinstance(val, torch.Tensor)
+                                                 and any(isinstance(d, torch.SymInt) for d in val.shape)):
+                return "symbolic shapes"
+            if isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "cuda"):
+                return f"the {val.device.type} device has no Inductor code"
+    return None
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.inductor_peak import exact_peak, supported
+from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
 from recompile_opt.costs.peak import inductor_pool, peak_and_recomputed_at_peak
@@ -114,6 +114,8 @@ class PeakSimulator:
         self.results: dict[tuple, tuple[int, list[str]]] = {}
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
         self.exact_results: dict[tuple, int | None] = {}
+        self.unwalkable: str | None = None  # why the last walk gave no peak
+        self.unwalked_why: dict[tuple, str] = {}  # why exact() gave a plan no peak
         self.exact_seconds = 0.0
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
         self.asked_log: list[tuple] = []  # each question to exact(), in order, answered from exact_results or not
@@ -187,17 +189,28 @@ class PeakSimulator:
                 result = self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
                                                  num_fwd_outputs=self.num_fwd_outputs,
                                                  static_lifetime_input_indices=self.static))
+            if result is None:
+                self.unwalked_why[key] = self.unwalkable or "not walked"
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
 
+    def why_unwalked(self, saved: set, recomputed: set) -> str:
+        """Why :meth:`exact` gave this plan no peak (for its figures' label)."""
+        why = self.unwalked_why.get(self._exact_key(saved, recomputed))
+        # a figure from the disk keeps no reason: the joint graph's inputs tell symbolic shapes and devices
+        return why or why_not_walkable(self.gm, self.gm) or "its walk failed (an earlier compile's record)"
+
     def _walked(self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None) -> int | None:
-        if not supported(fw, bw):
+        """The walked peak, or None with the reason in ``unwalkable`` (the plan's figures say it)."""
+        self.unwalkable = why_not_walkable(fw, bw)
+        if self.unwalkable:
             return None
         try:
             return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes)
         except Exception as e:  # noqa: BLE001 - a refinement: any failure leaves the simulated peak
             log.info("recompile_opt: Inductor's code for a plan could not be walked: %r", e)
+            self.unwalkable = f"walking its code failed: {type(e).__name__}"
             return None
 
     def store(self) -> None:

@@ -69,6 +69,9 @@ PEAK_SEARCH_PROBE = 0.025
 # estimates it, and the next one by recompute usually fits. Where none of them fits, up to PEAK_WALKS + 1
 # more walk toward the least peak (_PeakCheck.least_walked), and a plan among those that fits is taken.
 PEAK_WALKS = 6
+# On a deep stack solved as block groups a walk lowers the whole graph (~1.5 s per 2 blocks here): its
+# limit is checked in Inductor's code on this many plans.
+DEEP_PEAK_WALKS = 2
 # Ops that allocate scratch inside the kernel, and the share of the limit kept free on their graphs: the
 # walk counts their workspace as measured once per layout (costs/scratch.py; the stored plans measured
 # at most 4 bytes above their walks and up to 0.4% below), and the margin is insurance for what such
@@ -416,7 +419,7 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
         budget = min_bytes
     top = baseline if budget is None else min(budget, baseline)
     limit = options.peak_memory
-    check = _PeakCheck(problem, simulate, walk=reduction is None)  # deep stacks: see _least_peak
+    check = _PeakCheck(problem, simulate, walks=PEAK_WALKS if reduction is None else DEEP_PEAK_WALKS)
 
     def at_level(f: float) -> Candidate | None:
         sol = solve_reduced(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, [])
@@ -484,14 +487,15 @@ class _PeakCheck:
     lowering each (~1.5 s per graph here): at most ``PEAK_WALKS`` per graph, cheapest plan first, none
     of a plan simulated at or above one that walked over the limit (on the benchmark's Llama at
     "36MiB" the four cheapest walked 0.3 to 5 MiB over, using up the walks).
-    Where the walk cannot tell (symbolic shapes, the meta device) or is not asked (``walk=False``: deep
-    stacks solved as block groups, whose lowering takes ~1.5 s per 2 blocks) the simulated peak
-    decides, and the plan's note says so. Like every predicted peak, it is the peak of the code
-    Inductor generates (``compiler="eager"`` runs the same graphs unfused)."""
+    Where the walk cannot tell (symbolic shapes, the meta device) the simulated peak decides, and the
+    plan's note says so. ``walks``: at most this many lowerings (deep stacks get fewer). Like every
+    predicted peak, it is the peak of the code Inductor generates (``compiler="eager"`` runs the same
+    graphs unfused)."""
 
-    def __init__(self, problem: Problem, simulate: Simulate, walk: bool = True):
+    def __init__(self, problem: Problem, simulate: Simulate, walks: int = PEAK_WALKS):
         self.problem, self.simulate = problem, simulate
-        self.walk = getattr(simulate, "exact", None) if walk else None
+        self.walk = getattr(simulate, "exact", None) if walks else None
+        self.walks = walks
         scratch = any(op in v.info.get("op", "") for v in problem.values.values() for op in SCRATCH_OPS)
         self.margin = SCRATCH_MARGIN if scratch else 0.0
         self.walked: dict[tuple, int | None] = {}
@@ -513,7 +517,7 @@ class _PeakCheck:
         compile, knowing that walk from the disk, took the next, simulated at 24.54, which walked
         27.55: the same graph got a different plan from a warm cache."""
         least = None
-        for _ in range(PEAK_WALKS + 1):
+        for _ in range(self.walks + 1):
             least = min(candidates, key=self.peak, default=None)
             if least is None or self.walk is None:
                 break
@@ -551,7 +555,7 @@ class _PeakCheck:
             sets = _as_compiled(self.problem, c)
             walked = self._known(sets)
             if walked is None and sets not in self.walked:
-                if len(self.walked) >= PEAK_WALKS or c.peak >= self.failed_at:
+                if len(self.walked) >= self.walks or c.peak >= self.failed_at:
                     continue  # no walks left, or a plan simulated lower walked over the limit
                 walked = self.walked[sets] = self.walk(*sets)
             if walked is None:  # the walk cannot tell for this graph: the simulation decides
@@ -579,7 +583,10 @@ class _PeakCheck:
     def how(self, c: Candidate) -> str:
         """How the chosen plan's peak was judged, for its note."""
         if self.source(c) == "simulated":
-            return "simulated peak (not checked in Inductor's code: not walked for this graph)"
+            why = getattr(self.simulate, "why_unwalked", None)
+            sets = _as_compiled(self.problem, c)
+            return ("simulated peak (not checked in Inductor's code: "
+                    + (why(*sets) if why and self.walk else "no walk for this graph") + ")")
         return "peak walked in Inductor's code" + (f", {self.margin:.0%} under the limit for the scratch of "
                                                    "extern kernels" if self.margin else "")
 
