@@ -643,6 +643,34 @@ def layout_optimized(gm: torch.fx.GraphModule) -> bool:
 
 
 @contextlib.contextmanager
+def layout_optimization(enabled: bool):
+    """Inductor's channels-last layout for convolutions (``config.layout_optimization``) switched on or
+    off while the block runs (a plan's graphs walked in either layout)."""
+    with inductor_config.patch(layout_optimization=enabled):
+        yield
+
+
+def layout_setting_restored():
+    """A block at whose end Inductor's layout setting is what it was at its start: around a compile
+    whose partitioner may switch the layout off for the rest of that compile
+    (:func:`switch_layout_optimization_off`)."""
+    return inductor_config.patch(layout_optimization=inductor_config.layout_optimization)
+
+
+def switch_layout_optimization_off() -> None:
+    """Inductor's channels-last layout off for the rest of the compile that calls our partitioner: the
+    forward and backward it lowers next read the setting (``GraphLowering.decide_layout_opt``). The one
+    place where our choice crosses into Inductor's compile other than through the graphs; the backend
+    restores it (:func:`layout_setting_restored`)."""
+    inductor_config.layout_optimization = False
+
+
+def layout_settings() -> str:
+    """Inductor's layout settings, for keys of figures that depend on them."""
+    return repr((inductor_config.layout_optimization, inductor_config.force_layout_optimization))
+
+
+@contextlib.contextmanager
 def _scalar_cpp_kernels():
     """C++ kernels written as scalar loops only, while a wrapper is generated for reading.
 

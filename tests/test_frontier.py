@@ -118,7 +118,8 @@ def test_graph_breaks_sum_over_the_graphs():
     assert len(plans) == 2
     ilp = next(p for p in pts if p.kind == "ilp")
     assert ilp.kept_bytes == sum(p.saved_bytes for p in plans)
-    assert ilp.predicted_peak_bytes == sum(p.predicted_peak_bytes for p in plans)
+    # the sweep ranks every point, torch's too, by the kernel model; a plan's predicted peak is walked
+    assert ilp.predicted_peak_bytes == sum(p.peak_breakdown["total"] for p in plans)
     knapsack = next(p for p in pts if p.kind == "pytorch")
     assert knapsack.kept_bytes > 0 and not knapsack.notes, knapsack.notes
 

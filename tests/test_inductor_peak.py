@@ -332,13 +332,15 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         assert again.predicted_peak_bytes == plan.predicted_peak_bytes
 
 
-def test_the_backward_is_lowered_with_the_forward_only_where_the_plans_walk_waits_for_it(monkeypatch):
-    """A budget whose plan is not walked (here none) leaves AOTAutograd's lazy backward as it is: a model
-    run with grad enabled but never backward (an evaluation) builds no backward."""
+def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without_grad(monkeypatch):
+    """Every plan Inductor compiles is walked in its own code, so its backward is lowered with its
+    forward, whatever the budget (before, a plan without one kept AOTAutograd's lazy backward and gave
+    the kernel model's figures); a model run under ``no_grad`` builds no backward and plans nothing."""
     import contextlib
 
     import torch
 
+    import recompile_opt
     from recompile_opt import backend
     from helpers import tiny_gpt
 
@@ -348,13 +350,20 @@ def test_the_backward_is_lowered_with_the_forward_only_where_the_plans_walk_wait
     def recording():
         with real() as records:
             yield records
-        recorded.extend(backward for backward, _ in records)
+        recorded.append([backward for backward, _ in records])
 
     monkeypatch.setattr(backend.ti, "compiled_wrapper_code", recording)
     model, inputs = tiny_gpt()
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
+        recompile_opt.reset_plans()
         torch.compile(model, backend="recompile_opt", options={"memory_budget": None})(*inputs)
+        assert recompile_opt.last_plans()[-1].solver["peak_from"] == "inductor-code"
         torch._dynamo.reset()
-    assert recorded == [False], recorded  # the forward's code only
+        recompile_opt.reset_plans()
+        with torch.no_grad():
+            torch.compile(model, backend="recompile_opt", options={"memory_budget": None})(*inputs)
+        torch._dynamo.reset()
+    assert recorded[0] == [False, True] and True not in recorded[1], recorded
+    assert not recompile_opt.last_plans()

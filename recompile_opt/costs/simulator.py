@@ -116,6 +116,7 @@ class PeakSimulator:
         self.exact_results: dict[tuple, int | None] = {}
         self.unwalkable: str | None = None  # why the last walk gave no peak
         self.unwalked_why: dict[tuple, str] = {}  # why exact() gave a plan no peak
+        self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
         self.exact_seconds = 0.0
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
         self.asked_log: list[tuple] = []  # each question to exact(), in order, answered from exact_results or not
@@ -194,6 +195,20 @@ class PeakSimulator:
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
+
+    def exact_in_plain_layout(self, saved: set, recomputed: set) -> int | None:
+        """:meth:`exact` with Inductor's channels-last layout for convolutions switched off: the peak of
+        the plan compiled in the convolutions' own layout (lowered here; kept for this process only)."""
+        key = self._exact_key(saved, recomputed)
+        if key not in self.plain_layout_results:
+            start = time.perf_counter()
+            gm, info = self.graph_for(recomputed)
+            with ti.layout_optimization(False):
+                self.plain_layout_results[key] = self._walked(*partition(
+                    gm, saved=saved, recomputed=recomputed, info=info, num_fwd_outputs=self.num_fwd_outputs,
+                    static_lifetime_input_indices=self.static))
+            self.exact_seconds += time.perf_counter() - start
+        return self.plain_layout_results[key]
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
         """Why :meth:`exact` gave this plan no peak (for its figures' label)."""
