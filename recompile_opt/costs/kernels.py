@@ -29,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt._torch_internals import flop_registry
-from recompile_opt.costs.cost_model import base_of, is_view_node, tensor_bytes
+from recompile_opt.costs.cost_model import base_of, tensor_bytes
+from recompile_opt.ops import is_view_node
 
 MAX_FUSION = 64
 WINDOW = 96  # nodes; Inductor fuses near neighbours in practice, and this bounds the cycle checks
