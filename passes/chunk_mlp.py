@@ -26,27 +26,23 @@ from outside the region that is not a scalar.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from recompile_opt import ops
+from recompile_opt.ops import op_name
 from recompile_opt.passes import precision
 from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
-ACTIVATIONS = {F.gelu, F.silu, F.relu, torch.relu, F.mish, F.softplus, F.relu6, F.leaky_relu, F.elu,
-               torch.tanh, torch.sigmoid, F.sigmoid, torch.erf, F.hardswish}
-ACTIVATION_METHODS = {"relu", "tanh", "sigmoid", "erf"}
-POINTWISE = ACTIVATIONS | {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow, operator.neg,
-                           torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.exp, torch.square,
-                           torch.neg}
-# elementwise but random: not chunked (a chunk would draw other numbers than the whole), but an MLP with
-# dropout inside is still found, so that a forced ``chunks`` names it and says why
-RANDOM = {F.dropout, torch.dropout, F.alpha_dropout, F.feature_alpha_dropout}
-POINTWISE_METHODS = ACTIVATION_METHODS | {"mul", "add", "sub", "div", "pow", "exp", "float", "to", "type_as",
-                                          "neg", "square"}
+# elementwise ops a chunk may run (by name: Dynamo's graph has no tags): the class less random ops (a chunk
+# would draw other numbers than the whole; an MLP with dropout inside is still found, so that a forced
+# ``chunks`` names it and says why) and the ops the chunked body was never tried with
+POINTWISE = (ops.ELEMENTWISE - ops.RANDOM
+             - {"_to_copy", "alias", "lift_fresh_copy", "gelu_", "iadd", "imul", "half", "bfloat16", "rsqrt", "sqrt",
+                "clone", "contiguous", "detach", "where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"})
 
 
 @dataclass(frozen=True)
@@ -148,7 +144,7 @@ def _region(down: Projection) -> MLPRegion | None:
             ups[node] = up
             continue
         if not _is_pointwise(node):
-            return _refuse(region, f"{node.name} ({_target_name(node)}) between the projections is not an "
+            return _refuse(region, f"{node.name} ({op_name(node) or node.target}) between the projections is not an "
                                    "elementwise op (dropout and other random ops are not chunked)")
         body.add(node)
         for arg in node.all_input_nodes:
@@ -182,7 +178,7 @@ def _feeds_from_activation(node) -> bool:
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen or not (_is_pointwise(n) or n.target in RANDOM):
+        if not isinstance(n, fx.Node) or n in seen or not (_is_pointwise(n) or op_name(n) in ops.RANDOM):
             continue
         if _is_activation(n):
             return True
@@ -192,17 +188,11 @@ def _feeds_from_activation(node) -> bool:
 
 
 def _is_activation(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in ACTIVATIONS) or (
-        node.op == "call_method" and node.target in ACTIVATION_METHODS)
+    return op_name(node) in ops.ACTIVATIONS
 
 
 def _is_pointwise(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in POINTWISE) or (
-        node.op == "call_method" and node.target in POINTWISE_METHODS)
-
-
-def _target_name(node: fx.Node) -> str:
-    return getattr(node.target, "__name__", str(node.target))
+    return op_name(node) in POINTWISE
 
 
 def _refuse(region: MLPRegion, why: str) -> MLPRegion:

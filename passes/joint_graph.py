@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.cost_model import (base_of, collective_bytes, demanded_fraction, is_fusible_pointwise,
-                                            is_generated_random, is_view_node, node_cost,
+from recompile_opt.costs.cost_model import (base_of, collective_bytes, demanded_fraction, node_cost,
                                             storage_bytes, tensor_bytes)
 from recompile_opt.costs.kernels import consumers
+from recompile_opt.ops import (TORCH_SCRATCH, is_fusible_pointwise, is_generated_random, is_pointwise, is_random_op,
+                               is_seeded_op, is_view_node, op_name)
 from recompile_opt.planner.policies import block_of
 from recompile_opt.approximate.actions import MARKERS
 from recompile_opt.planner.problem import Problem, Site, Value
@@ -215,22 +216,14 @@ def clean_module_path(path: str) -> str:
 
 def _info(node: fx.Node) -> dict:
     val = node.meta.get("val")
-    info = {"op": _op_name(node), "module": module_path(node), "source": _source(node)}
+    info = {"op": op_name(node, qualified=True), "module": module_path(node), "source": _source(node)}
+    if op_name(node) in TORCH_SCRATCH:
+        info["scratch"] = True  # the least-peak check keeps a margin on such graphs (planner/least_peak.py)
     if isinstance(val, torch.Tensor):
         info["shape"] = [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in val.shape]
         info["dtype"] = str(val.dtype).replace("torch.", "")
         info["nbytes"] = tensor_bytes(val)
     return info
-
-
-def _op_name(node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return "input"
-    if node.target is operator.getitem:
-        return "getitem"
-    packet = getattr(node.target, "_overloadpacket", None)
-    return str(packet).replace("aten.", "").replace("_c10d_functional.", "c10d.") if packet is not None \
-        else str(node.target)
 
 
 def _user_tag(node: fx.Node) -> str | None:
@@ -378,7 +371,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
     is_primal = node.op == "placeholder"
     target = node.target
     # a wait is "impure" to FX (DCE must not drop it); whether it may run again is _unrepeatable_collective's call
-    impure = node.op == "call_function" and (node.is_impure() and not ti.is_seeded_op(target)
+    impure = node.op == "call_function" and (node.is_impure() and not is_seeded_op(target)
                                              and not ti.is_wait_tensor(target))
     return Value(
         name=node.name, storage=storage,
@@ -388,7 +381,7 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
         can_recompute=not (is_primal or node.op == "get_attr" or impure or _unrepeatable_collective(node)
                            or _upcasts_low_precision(node)),
         in_forward=_made_by_forward(jg, node),
-        random=node.op == "call_function" and ti.is_random_op(node),
+        random=node.op == "call_function" and is_random_op(node),
         recompute_s=cost.seconds * share, flops=int(cost.flops * share),
         last_use=max(bwd_uses, default=-1),
         tag=_user_tag(node), info=_info(node),
@@ -529,14 +522,10 @@ def _own_bytes(node: fx.Node) -> int:
 
 
 def _materialised(node: fx.Node) -> bool:
-    if not _is_pointwise(node):
+    if not is_pointwise(node):
         return True
     users = _consumers_through_getitem(node)
-    return len(users) > 1 or any(not _is_pointwise(u) for u in users if u.op != "output")
-
-
-def _is_pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+    return len(users) > 1 or any(not is_pointwise(u) for u in users if u.op != "output")
 
 
 def _consumers_through_getitem(node: fx.Node) -> list[fx.Node]:

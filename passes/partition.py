@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.ops import is_random_op
 
 
 def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_fwd_outputs: int,
@@ -178,7 +179,7 @@ def _tag_replayed_random_ops(nodes: list[fx.Node], recomputed: set[str]) -> list
     """Mark the random ops we recompute so ``functionalize_rng_ops`` wraps them; clear stale marks."""
     replayed = []
     for n in nodes:
-        if n.op != "call_function" or not ti.is_random_op(n):
+        if n.op != "call_function" or not is_random_op(n):
             continue
         if n.name in recomputed:
             n.meta["recompute"] = ti.CheckpointPolicy.MUST_RECOMPUTE

@@ -158,7 +158,7 @@ __all__ = [
     "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
     "inductor_config", "inductor_partition_fn", "inductor_partition_fn_with", "extract_fwd_bwd_modules", "is_sym_node", "make_boxed_func", "make_fx",
     "min_cut_rematerialization_partition", "raise_getitems",
-    "reordering_to_mimic_autograd_engine", "select_decomp_table", "is_seeded_op", "is_random_op", "is_collective_op",
+    "reordering_to_mimic_autograd_engine", "select_decomp_table", "schema_argument", "is_collective_op",
     "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
     "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
     "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "functional_collectives", "FunctionalCollectives", "is_opaque_node",
@@ -307,26 +307,14 @@ def dce_impure_random() -> bool:
     return bool(inductor_config.fallback_random) if TracingContext.try_get() else True
 
 
-def is_seeded_op(target) -> bool:
-    """Ops tagged as drawing from the RNG, which FX therefore calls impure (never dead-code
-    eliminated); recomputable all the same, replayed when they do draw (:func:`is_random_op`)."""
-    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
-
-
-def is_random_op(node) -> bool:
-    """A call whose result depends on the global RNG: recomputing it must replay a saved RNG state.
-    An op tagged ``nondeterministic_seeded`` whose ``dropout_p`` argument is 0 draws nothing (SDPA
-    without dropout): treated as random, each recomputed SDPA kept a 5 KiB CPU RNG state for nothing,
-    and with ``fallback_random`` (no replay) it could not be recomputed at all."""
-    target = getattr(node, "target", None)
-    if not is_seeded_op(target):
-        return False
-    schema = getattr(target, "_schema", None)
+def schema_argument(node, name: str) -> tuple[bool, object]:
+    """``(True, value)`` of the argument ``name`` an op's schema declares (from the call's keywords, its
+    positional arguments, else the schema's default); ``(False, None)`` where the schema has none."""
+    schema = getattr(node.target, "_schema", None)
     for i, arg in enumerate(schema.arguments if schema is not None else ()):
-        if arg.name == "dropout_p":
-            p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
-            return not (isinstance(p, (int, float)) and p == 0)
-    return True
+        if arg.name == name:
+            return True, node.kwargs.get(name, node.args[i] if i < len(node.args) else arg.default_value)
+    return False, None
 
 
 def is_collective_op(target) -> bool:

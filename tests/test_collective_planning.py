@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from recompile_opt.costs.cost_model import base_of, collective_bytes, is_view_node, node_cost
+from recompile_opt.costs.cost_model import base_of, collective_bytes, node_cost
+from recompile_opt.ops import is_view_node
 from recompile_opt.options import DEFAULT_ROOFLINE, Options
 from recompile_opt.plan import Plan
 from recompile_opt.planner import ilp

@@ -50,7 +50,8 @@ def _mask_slice_graph():
 
 def test_a_fused_chain_a_gather_reads_costs_the_slice_it_reads():
     # Inductor draws rand inside the gather's kernel, only at the rank's heads: the chain costs 2/8
-    from recompile_opt.costs.cost_model import demanded_fraction, is_fusible_pointwise, is_generated_random
+    from recompile_opt.costs.cost_model import demanded_fraction
+    from recompile_opt.ops import is_fusible_pointwise, is_generated_random
 
     gm = _mask_slice_graph()
     nodes = {n.name: n for n in gm.graph.nodes}

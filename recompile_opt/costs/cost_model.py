@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass
 
@@ -32,7 +31,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from recompile_opt._torch_internals import collective_name, concrete_size, flop_registry, group_size, is_wait_tensor
+from recompile_opt._torch_internals import collective_name, concrete_size, flop_registry, group_size
+from recompile_opt.ops import is_fusible_pointwise, is_view_node
 
 
 @dataclass(frozen=True)
@@ -68,25 +68,6 @@ def storage_bytes(t: torch.Tensor) -> int:
         return _hint(nbytes)
     except (NotImplementedError, RuntimeError):
         return tensor_bytes(t)
-
-
-def is_view_node(node: fx.Node) -> bool:
-    """True when the node's output aliases its first tensor input (views, and getitem of views; a
-    collective's ``wait_tensor``, which returns the collective's buffer once it is filled)."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is operator.getitem:
-        parent = node.args[0]
-        return isinstance(parent, fx.Node) and is_view_node(parent)
-    return _aliasing_op(target)
-
-
-@functools.lru_cache(maxsize=None)
-def _aliasing_op(target) -> bool:
-    """Whether an op's output aliases its first input, once per op: the peak model asks it of every
-    node of every plan it simulates (150k times in a 2-layer GPT's planning)."""
-    return isinstance(target, torch._ops.OpOverload) and (target.is_view or is_wait_tensor(target))
 
 
 def base_of(node: fx.Node) -> fx.Node:
@@ -171,26 +152,6 @@ _SAME_FLOPS_AS = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward:
         _aten._scaled_dot_product_flash_attention_backward,
 }
-
-
-def is_fusible_pointwise(node: fx.Node) -> bool:
-    """A pointwise ATen op (not random: Inductor keeps those as fallback kernels of their own)."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags)
-
-
-# Random ops that make their values from the RNG alone, which Inductor's own RNG (not ``fallback_random``)
-# generates element by element inside the kernel that reads them, as it does pointwise ops.
-_GENERATED_RANDOM = {"rand", "randn", "rand_like", "randn_like", "inductor_random"}
-
-
-def is_generated_random(node: fx.Node) -> bool:
-    """``rand``/``randn`` (and Inductor's ``inductor_prims.random``, packet ``inductor_random``): no
-    tensor read, each element drawn on its own; Inductor's own RNG fuses them into their reader like a
-    pointwise op."""
-    packet = getattr(node.target, "_overloadpacket", None)
-    return node.op == "call_function" and getattr(packet, "__name__", "") in _GENERATED_RANDOM
 
 
 _SLICING_VIEWS = {"slice", "select", "narrow"}

@@ -32,7 +32,8 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.kernels import nbytes
 from recompile_opt.costs.peak import forward_state
-from recompile_opt.costs.scratch import has_scratch, scratch_bytes
+from recompile_opt.costs.scratch import scratch_bytes
+from recompile_opt.ops import has_scratch
 
 _ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
 _ALIASES = {"reinterpret_tensor", "as_strided"}

@@ -29,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from recompile_opt._torch_internals import flop_registry
-from recompile_opt.costs.cost_model import base_of, is_view_node, tensor_bytes
+from recompile_opt.costs.cost_model import base_of, tensor_bytes
+from recompile_opt.ops import is_seeded_op, is_view_node
 
 MAX_FUSION = 64
 WINDOW = 96  # nodes; Inductor fuses near neighbours in practice, and this bounds the cycle checks
@@ -57,7 +58,7 @@ def is_extern(node: fx.Node) -> bool:
     name = str(target)
     if target._overloadpacket in flop_registry or "scaled_dot_product" in name or "convolution" in name:
         return True
-    return torch.Tag.nondeterministic_seeded in target.tags  # random ops: fallbacks with fallback_random
+    return is_seeded_op(target)  # random ops: fallbacks with fallback_random
 
 
 def nbytes(node: fx.Node) -> int:

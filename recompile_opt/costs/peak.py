@@ -29,7 +29,8 @@ import torch.fx as fx
 
 from recompile_opt.costs.cost_model import base_of
 from recompile_opt.costs.kernels import Kernel, is_extern, nbytes, schedule
-from recompile_opt.costs.scratch import has_scratch, scratch_bytes
+from recompile_opt.costs.scratch import scratch_bytes
+from recompile_opt.ops import has_scratch, op_name
 
 SCRATCH = " (workspace)"  # the name of a kernel's workspace among the buffers alive at the peak
 
@@ -73,7 +74,7 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
         kinds[kind] = kinds.get(kind, 0) + size
         largest.append((size, buf if isinstance(buf, str) else buf.name, kind))
     return {"phase": phase, "kernel": trace.at, "kernels": trace.kernels,
-            "kernel_ops": sorted({_op(n) for n in trace.kernel.nodes}) if trace.kernel else [],
+            "kernel_ops": sorted({op_name(n, qualified=True) for n in trace.kernel.nodes}) if trace.kernel else [],
             "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "total": peak,
             "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
             "shapes": _alive_shapes(trace)}
@@ -115,11 +116,6 @@ def _kind(buf, phase: str, outs: set, recomputed: set[str]) -> str:
     if buf in outs:
         return "gradients"
     return "recomputed" if buf.name in recomputed else "temporaries"
-
-
-def _op(node: fx.Node) -> str:
-    packet = getattr(node.target, "_overloadpacket", None)
-    return str(packet).replace("aten.", "") if packet is not None else getattr(node.target, "__name__", "?")
 
 
 def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int, int, str]]:

@@ -12,7 +12,7 @@ caching allocator's peak counter), and its
 peak within the call less the bytes of its outputs is the scratch. A few milliseconds per distinct
 layout, cached for the process.
 
-Only ops known to allocate workspace are measured (``SCRATCH_OPS``): every other kernel's outputs are
+Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other kernel's outputs are
 all it allocates. The meta device (planning without a step) has no kernel to measure: 0.
 """
 
@@ -24,26 +24,11 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.ops import has_scratch
 
 log = logging.getLogger(__name__)
 
-# ops (overload packets) whose kernels allocate workspace of their own
-SCRATCH_OPS = frozenset({
-    "convolution", "convolution_backward",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "chunked_head_loss",  # recompile_opt.passes.chunking: one chunk's logits and their gradient
-})
-
 _MEASURED: dict[tuple, int] = {}
-
-
-def has_scratch(node: fx.Node) -> bool:
-    """Whether ``node`` runs a kernel that may allocate workspace (``SCRATCH_OPS``)."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._overloadpacket.__name__ in SCRATCH_OPS
 
 
 def scratch_bytes(node: fx.Node, layouts: list[tuple[tuple, tuple]] | None = None) -> int:

@@ -25,6 +25,7 @@ from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
 from recompile_opt.costs.peak import inductor_pool, peak_and_recomputed_at_peak
+from recompile_opt.ops import is_random_op
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ def _code_hash() -> str:
     from recompile_opt import passes
 
     here = Path(__file__).parent
-    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py"), here.parent / "_torch_internals.py"])
+    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py"), here.parent / "_torch_internals.py",
+                    here.parent / "ops.py"])
     return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:12]
 
 
@@ -123,7 +125,7 @@ class PeakSimulator:
         # the partition reads the recomputed set only for its random ops (replayed) and the users of
         # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
         # described (which lists every recomputed value) finds the candidate it was checked as
-        self.partition_reads = {n.name for n in gm.graph.nodes if ti.is_random_op(n)} | {
+        self.partition_reads = {n.name for n in gm.graph.nodes if is_random_op(n)} | {
             u.name for n in gm.graph.nodes if ti.is_sym_node(n) for u in n.users}
         # approximate backward: a plan's graph is the joint graph with its markers settled
         # (passes/approximate.py), one graph per set of approximated sites

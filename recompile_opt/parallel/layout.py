@@ -15,26 +15,24 @@ propagated through the ATen graph.
 
 from __future__ import annotations
 
-import operator
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
+from recompile_opt.ops import ELEMENTWISE, NORMS, PYTHON_SPELLINGS, op_name
+
 aten = torch.ops.aten
 
-# ops that act on each element (or broadcast), so a sharded operand stays sharded the same way
-_ELEMENTWISE = {
-    "add", "sub", "mul", "div", "neg", "gelu", "silu", "relu", "tanh", "sigmoid", "exp", "pow", "sqrt", "rsqrt",
-    "dropout", "native_dropout", "where", "masked_fill", "scalar_tensor", "clone", "contiguous", "_to_copy", "to",
-    "type_as", "alias", "detach", "lift_fresh_copy", "logical_not", "bitwise_not", "erf", "mish", "gelu_",
-}
+# ops that act on each element (or broadcast), so a sharded operand stays sharded the same way: the
+# elementwise class as the exported graph spells it, less the activations no layout was tried with
+_ELEMENTWISE = ELEMENTWISE - PYTHON_SPELLINGS - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
 _LINEAR = {"linear"}
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
-_NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
+_NORMS = NORMS
 
 
 @dataclass
@@ -247,7 +245,7 @@ class _Finder:
             self._union(first.group, state[other].group)
         group = self._find(first.group)
         if isinstance(first, _Partial):
-            if op in ("dropout", "native_dropout") or (op is None and node.args[1] == 0):
+            if op in ("dropout", "native_dropout") or (op == "getitem" and node.args[1] == 0):
                 return _Partial(group)  # a mask is linear: applied to each rank's partial sum
             if op == "add":
                 return None  # the reduction point (Megatron's g): whole sums, replicated
@@ -257,7 +255,7 @@ class _Finder:
             raise _Failed(group, f"{op} combines values sharded on different dimensions")
         if op in _ELEMENTWISE or op in ("matmul", "bmm") or op in _ATTENTION:
             self._check_replicated_operands(node, op, ins, _out_dim(node, ins[0], dim), group)
-        if op is None:  # getitem: every piece of a split, else a multi-output op's first output
+        if op == "getitem":  # every piece of a split, else a multi-output op's first output
             whole = op_name(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
             return _Sharded(dim, group) if whole else None
         if op in _ELEMENTWISE:
@@ -413,15 +411,6 @@ def from_input(node: fx.Node) -> bool:
     while node.op == "call_function" and op_name(node) in _VIEWS | {"slice", "_to_copy", "clone"}:
         node = node.args[0]
     return node.op == "placeholder"
-
-
-def op_name(node: fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        return None
-    packet = getattr(node.target, "_overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
 
 
 def _addmm_as_linear(gm: fx.GraphModule, params: dict) -> None:

@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from recompile_opt.parallel import collectives as C
 from recompile_opt.parallel import dropout as D
-from recompile_opt.parallel.layout import Layout, from_input, op_name
+from recompile_opt.ops import PER_TOKEN, PYTHON_SPELLINGS, op_name
+from recompile_opt.parallel.layout import Layout, from_input
 
 aten = torch.ops.aten
 # ops whose literal size arguments name the sharded dimension's global size
@@ -151,10 +152,14 @@ class _TracedGraph(fx.Graph):
         return node
 
 
-# ops that act on each token alone, so they run on a rank's rows of the sequence
-_PER_TOKEN = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "mean", "layer_norm", "native_layer_norm",
-              "rms_norm", "dropout", "native_dropout", "_to_copy", "to", "type_as", "clone", "alias", "detach",
-              "gelu", "silu", "relu", "tanh"}
+# ops that act on each token alone, so they run on a rank's rows of the sequence: the per-token class as
+# the exported graph spells it, less the ops the sequence plan was never tried with (of the reductions only
+# ``mean``, whose dimension it does not check)
+_PER_TOKEN = (PER_TOKEN - PYTHON_SPELLINGS - {"sum", "amax", "softmax", "log_softmax"}
+              - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish", "mish", "erf", "exp", "sigmoid",
+                 "gelu_"}
+              - {"contiguous", "lift_fresh_copy", "where", "masked_fill", "scalar_tensor", "logical_not",
+                 "bitwise_not"})
 
 
 class _SequencePlan:
@@ -184,7 +189,7 @@ class _SequencePlan:
             elif layout.roles.get(node.name) == "row":
                 self.sharded.add(node)  # reduce-scattered; its bias is then added on the rank's rows
                 self.summed |= {a for a in node.args[2:3] if isinstance(a, fx.Node) and a.name in params}
-            elif op is None and node.args[0] in self.sharded and layout.roles.get(node.args[0].name) != "column":
+            elif op == "getitem" and node.args[0] in self.sharded and layout.roles.get(node.args[0].name) != "column":
                 self.sharded.add(node)  # getitem of a per-token multi-output op (its output, mean, rstd)
             elif op in _PER_TOKEN and any(a in self.sharded for a in node.all_input_nodes) \
                     and layout.roles.get(node.name) is None:

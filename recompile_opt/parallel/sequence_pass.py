@@ -30,6 +30,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from recompile_opt import ops
+from recompile_opt.ops import op_name
 from recompile_opt.options import OptionError
 from recompile_opt.parallel import collectives as C
 from recompile_opt.parallel.dropout import sliced_dropout
@@ -37,11 +39,13 @@ from recompile_opt.parallel.dropout import sliced_dropout
 SEQ = 1  # the sequence dimension of a [b, s, h] activation (torchtitan's and Hugging Face's layout)
 
 # ops whose every output row depends only on the same row of their inputs (reductions only over the
-# last dimension, checked by :func:`_per_token`), by their function's or method's name
-PER_TOKEN = {"add", "iadd", "sub", "mul", "imul", "truediv", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "tanh",
-             "sigmoid", "relu", "gelu", "silu", "dropout", "layer_norm", "rms_norm", "float", "half", "bfloat16",
-             "to", "type_as", "contiguous", "clone", "mean", "sum", "amax", "softmax", "log_softmax"}
-_LAST_DIM = {"mean", "sum", "amax", "softmax", "log_softmax"}
+# last dimension, checked by :func:`_per_token`): the per-token class as Dynamo's graph spells it (functions'
+# and methods' names), less the ops this pass was never tried with
+PER_TOKEN = (ops.PER_TOKEN - {"_to_copy", "alias", "detach", "lift_fresh_copy", "gelu_", "native_dropout",
+                              "native_layer_norm"}
+             - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish", "mish", "erf"}
+             - {"where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"})
+_LAST_DIM = ops.DIM_REDUCTIONS
 
 
 def add_sequence_parallel(gm: fx.GraphModule) -> list[str]:
@@ -107,7 +111,7 @@ class _Rewrite:
     def _on_rows(self, node: fx.Node) -> None:
         """``node`` runs on the rank's rows: its full-length operands split, its broadcast ones summed."""
         out_ndim, length = _ndim(node), _shape(node)[SEQ]
-        operands = node.all_input_nodes[:1] if _name(node) == "type_as" else node.all_input_nodes  # (a dtype)
+        operands = node.all_input_nodes[:1] if op_name(node) == "type_as" else node.all_input_nodes  # (a dtype)
         for a in list(operands):
             if a in self.rows:
                 continue
@@ -116,7 +120,7 @@ class _Rewrite:
                 node.replace_input_with(a, self._split(a, node, d))
             elif _requires_grad(a):
                 node.replace_input_with(a, self._summed(a))
-        if _name(node) == "dropout":
+        if op_name(node) == "dropout":
             self._slice_dropout(node)
         self.rows.add(node)
 
@@ -208,7 +212,7 @@ def _per_token(node: fx.Node) -> bool:
     """Whether each row of ``node``'s value depends only on the same row of its inputs: a reduction or
     norm only over dimensions after the sequence's (a mean over the last dimension of a ``[b, s]`` value
     is a mean over the sequence); an in-place op is not rewritten."""
-    name = _name(node)
+    name = op_name(node)
     if name not in PER_TOKEN or _arg(node, 3, "inplace", False):
         return False
     ndim = _ndim(_arg(node, 0, "input", None))
@@ -226,17 +230,6 @@ def _arg(node: fx.Node, i: int, name: str, default):
     if name in node.kwargs:
         return node.kwargs[name]
     return node.args[i] if i < len(node.args) else default
-
-
-def _name(node: fx.Node) -> str | None:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        if node.target in (operator.add, operator.iadd, operator.mul, operator.imul, operator.sub,
-                           operator.truediv, operator.neg, operator.pow):
-            return node.target.__name__
-        return getattr(node.target, "__name__", None)
-    return None
 
 
 def _dropout_args(node: fx.Node) -> tuple:

@@ -72,11 +72,10 @@ PEAK_WALKS = 6
 # On a deep stack solved as block groups a walk lowers the whole graph (~1.5 s per 2 blocks here): its
 # limit is checked in Inductor's code on this many plans.
 DEEP_PEAK_WALKS = 2
-# Ops that allocate scratch inside the kernel, and the share of the limit kept free on their graphs: the
+# The share of the limit kept free on graphs with kernels that allocate scratch inside them: the
 # walk counts their workspace as measured once per layout (costs/scratch.py; the stored plans measured
 # at most 4 bytes above their walks and up to 0.4% below), and the margin is insurance for what such
 # a measurement alone may miss (a workspace that depends on the allocator's state or the data).
-SCRATCH_OPS = ("scaled_dot_product", "convolution")
 SCRATCH_MARGIN = 0.01
 # Plans simulated up to this factor over a peak_memory limit are walked too: the simulator is off by
 # -10%..+9% on the stored plans, and on the benchmark's GPT the plan simulated at 26.85 MiB walks to
@@ -483,7 +482,7 @@ class _PeakCheck:
     The walk gives the measured peak of the 16 stored plans within 0.4% (``bench/peak_accuracy.py
     --check bench/measured_peaks.json --exact``), 14 within 4 bytes, extern kernels' workspace measured
     (:mod:`recompile_opt.costs.scratch`). A graph with such kernels must fit ``SCRATCH_MARGIN`` under the
-    limit (insurance: ``SCRATCH_OPS``). Walks cost a
+    limit (insurance: values marked ``scratch``, ``recompile_opt.ops.TORCH_SCRATCH``). Walks cost a
     lowering each (~1.5 s per graph here): at most ``PEAK_WALKS`` per graph, cheapest plan first, none
     of a plan simulated at or above one that walked over the limit (on the benchmark's Llama at
     "36MiB" the four cheapest walked 0.3 to 5 MiB over, using up the walks).
@@ -496,7 +495,7 @@ class _PeakCheck:
         self.problem, self.simulate = problem, simulate
         self.walk = getattr(simulate, "exact", None) if walks else None
         self.walks = walks
-        scratch = any(op in v.info.get("op", "") for v in problem.values.values() for op in SCRATCH_OPS)
+        scratch = any(v.info.get("scratch") for v in problem.values.values())
         self.margin = SCRATCH_MARGIN if scratch else 0.0
         self.walked: dict[tuple, int | None] = {}
         self.failed_at = float("inf")  # the least simulated peak of a plan that walked over the limit
