@@ -35,6 +35,7 @@ from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.inductor_peak import output_names
 from recompile_opt.costs.peak import caller_outputs_bytes, inductor_pool, peak_breakdown
 from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.provenance import code_hash
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.costs.simulator import simulator_for
@@ -50,9 +51,6 @@ from recompile_opt.parallel.sequence_pass import add_sequence_parallel
 log = logging.getLogger(__name__)
 
 _PLANS: list[Plan] = []
-# every source file of ours that can change a partition, sub-packages included (their hash enters the
-# compile caches' key through the partitioner's uuid())
-_SOURCES = tuple(str(p) for p in sorted(Path(__file__).parent.rglob("*.py")))
 
 
 def last_plans() -> list[Plan]:
@@ -65,10 +63,8 @@ def reset_plans() -> None:
 
 
 def _code_hash(options: Options) -> str:
-    from recompile_opt import passes
-
-    files = _SOURCES + tuple(str(p) for p in sorted(Path(passes.__file__).parent.glob("*.py")))
-    return ti.get_hash_for_files(files, options.key()).hex()[:16]
+    """Our code and the options: through the partitioner's uuid() it enters the compile caches' key."""
+    return hashlib.sha256((code_hash() + options.key()).encode()).hexdigest()[:16]
 
 
 class RecompilePartitioner(ti.CustomPartitionerFn):

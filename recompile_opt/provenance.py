@@ -1,4 +1,5 @@
-"""One header line for every measured table: the versions, the machine and the date it was made on.
+"""One header line for every measured table: the versions, the machine and the date it was made on;
+and the hash of this package's code, which keys every cache of figures it computed (plans, peaks).
 
 Why: docs/ holds tables written by the command above each; a reader must tell a measured figure from
 prose and know whether a figure could still hold on their setup, without a commit hash or time of day.
@@ -7,9 +8,22 @@ prose and know whether a figure could still hold on their setup, without a commi
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import os
 import platform
+from pathlib import Path
+
+
+@functools.cache
+def code_hash() -> str:
+    """A hash of every source file of the package and of ``passes``: a cached plan or peak is only
+    reused by the code that computed it."""
+    from recompile_opt import _torch_internals as ti
+    from recompile_opt import passes
+
+    files = sorted([*Path(__file__).parent.rglob("*.py"), *Path(passes.__file__).parent.glob("*.py")])
+    return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:16]
 
 
 def _version(package: str) -> str:

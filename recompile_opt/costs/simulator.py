@@ -8,7 +8,6 @@ simulated once, however often the searches meet it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -21,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.provenance import code_hash
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
@@ -69,17 +69,7 @@ def _disk_path(key: str) -> Path:
     """Where a graph's figures are kept: under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``),
     by the graph's key and a hash of the code that computes them (the cost and pass modules and
     ``_torch_internals``, which lowers the walks: a changed simulator or walk finds none of the old figures)."""
-    return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{_code_hash()}.json"
-
-
-@functools.cache
-def _code_hash() -> str:
-    from recompile_opt import passes
-
-    here = Path(__file__).parent
-    files = sorted([*here.glob("*.py"), *Path(passes.__file__).parent.glob("*.py"), here.parent / "_torch_internals.py",
-                    here.parent / "ops.py"])
-    return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:12]
+    return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{code_hash()[:12]}.json"
 
 
 def _load(key: str) -> tuple[dict, dict] | None:
