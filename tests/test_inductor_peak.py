@@ -11,6 +11,7 @@ import pytest
 from recompile_opt.costs import inductor_peak
 from recompile_opt.planner import least_peak, search
 from recompile_opt.options import parse_options
+from recompile_opt.planner.solving import SimulateOnly
 
 from helpers import forget_searches
 from test_ilp import MiB, inp, op, problem
@@ -75,11 +76,14 @@ def chain():
                    op("c", ["b"], 4, 4), bwd_steps=0)
 
 
-class _ScriptedSimulator:
+class _ScriptedSimulator(SimulateOnly):
     """Simulated peaks: 8 MiB keeping x alone, 9 MiB keeping a too (within VERIFY_RANGE of 8), more
     for more. Exact peaks: 20 MiB for the least-peak plan, ``rival`` MiB for the plan that keeps a."""
 
+    can_walk = True
+
     def __init__(self, rival):
+        super().__init__()
         self.rival, self.asked = rival, []
 
     def __call__(self, saved, recomputed):

@@ -16,6 +16,7 @@ from recompile_opt.planner import least_peak, search
 from recompile_opt.options import parse_options
 from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner.search import InfeasibleBudget
+from recompile_opt.planner.solving import SimulateOnly
 
 from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
@@ -160,7 +161,7 @@ def test_the_stored_26mib_limit_holds_on_the_measured_step_of_the_benchmarks_gpt
     assert plan.solver["peak_from"] == "inductor-code" and plan.predicted_peak_bytes <= 26 * MiB
 
 
-class _FakeSimulator:
+class _FakeSimulator(SimulateOnly):
     """Peaks by rule, not by partition: 8 MiB, or 6 MiB when ``b`` is kept (as if keeping it let the
     backward recompute ``a`` after its peak instead of before), plus 1 MiB per other value kept."""
 
@@ -185,10 +186,11 @@ def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(mon
                for n in plan.notes)
 
 
-class _FlatSimulator:
+class _FlatSimulator(SimulateOnly):
     """Every plan peaks at 8 MiB; ``at_peak`` names the recomputed values the refinement may keep."""
 
     def __init__(self, at_peak):
+        super().__init__()
         self.at_peak = at_peak
 
     def __call__(self, saved, recomputed):
@@ -212,11 +214,14 @@ def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(mon
     assert {e.name for e in plan.saved} == {"x"} | kept
 
 
-class _WalkingSimulator:
+class _WalkingSimulator(SimulateOnly):
     """Walks a plan (``exact``) to the peak ``walks`` gives its recomputed set; ``known`` holds the walks
     a warm cache brought from the disk."""
 
+    can_walk = True
+
     def __init__(self, walks, known=()):
+        super().__init__()
         self.walks, self.known, self.asked = walks, {k: walks[k] for k in known}, set()
 
     def exact(self, saved, recomputed):

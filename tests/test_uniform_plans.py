@@ -4,6 +4,7 @@ to every identical block (``blocks.BlockMirror``), because Inductor builds ident
 from recompile_opt.planner import least_peak, search
 from recompile_opt.planner.blocks import block_mirror
 from recompile_opt.options import parse_options
+from recompile_opt.planner.solving import SimulateOnly
 from recompile_opt.planner.policies import block_of
 
 from helpers import forget_searches, tiny_gpt, train_side_by_side
@@ -55,10 +56,11 @@ def test_blocks_that_differ_have_no_mirror():
     assert block_mirror(two_blocks(second_shape=(8,))) is None
 
 
-class _PeakOf:
+class _PeakOf(SimulateOnly):
     """A fake simulator: every plan peaks at 8 MiB, or at 6 MiB where ``low(recomputed)``."""
 
     def __init__(self, low=lambda recomputed: False):
+        super().__init__()
         self.low = low
 
     def __call__(self, saved, recomputed):

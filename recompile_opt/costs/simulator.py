@@ -97,7 +97,10 @@ def _graph_key(gm: fx.GraphModule, num_fwd_outputs: int, static) -> str | None:
 
 
 class PeakSimulator:
-    """``simulator(saved, recomputed)`` -> predicted peak bytes of that plan of ``gm``."""
+    """``simulator(saved, recomputed)`` -> predicted peak bytes of that plan of ``gm`` (the planner's
+    ``Simulate``)."""
+
+    can_walk = True
 
     def __init__(self, gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
                  info=None):

@@ -190,10 +190,10 @@ def _verified(problem: Problem, best: Candidate, found: list[Candidate], simulat
     recompute, est.) 13% above the least-peak plan (24.80 MiB measured, 28.8 ms), and plans that
     measured 28.56 MiB between them. Inductor's own code is exact but costs a lowering per plan, so
     only up to ``VERIFY_MAX`` rivals are lowered, cheapest first."""
-    exact = getattr(simulate, "exact", None)
-    if exact is None:
+    if not simulate.can_walk:
         return best, None
-    if getattr(simulate, "chunked", False):
+    exact = simulate.exact
+    if simulate.chunked:
         return _walked_widely(problem, best, found, exact)
     rivals: dict[tuple, Candidate] = {}
     for c in sorted(found, key=lambda c: (c.recompute_s, c.peak)):
@@ -349,17 +349,15 @@ def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate
     peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares."""
     key = _fingerprint(problem, options) + ("" if verify else ":unverified")
     if key in _RANGE_ENDS:
-        if hasattr(simulate, "mark_asked"):  # as if searched again: its walks are this compile's too
-            simulate.mark_asked(_RANGE_ENDS[key].walked_keys)
+        simulate.mark_asked(_RANGE_ENDS[key].walked_keys)  # as if searched again: its walks are this compile's
         return _RANGE_ENDS[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
-    log = getattr(simulate, "asked_log", None)
-    since = len(log) if log is not None else 0  # questions to exact() before the search
+    since = len(simulate.asked_log)  # questions to exact() before the search
     floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
     ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      simulate.walked_keys(since) if log is not None else frozenset())
+                      simulate.walked_keys(since))
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends
@@ -493,7 +491,7 @@ class _PeakCheck:
 
     def __init__(self, problem: Problem, simulate: Simulate, walks: int = PEAK_WALKS):
         self.problem, self.simulate = problem, simulate
-        self.walk = getattr(simulate, "exact", None) if walks else None
+        self.walk = simulate.exact if walks and simulate.can_walk else None
         self.walks = walks
         scratch = any(v.info.get("scratch") for v in problem.values.values())
         self.margin = SCRATCH_MARGIN if scratch else 0.0
@@ -576,16 +574,13 @@ class _PeakCheck:
         one: :meth:`recompile_opt.costs.simulator.PeakSimulator.known_exact`)."""
         if sets in self.walked:
             return self.walked[sets]
-        known = getattr(self.simulate, "known_exact", None)
-        return known(*sets, asked=True) if known is not None and self.walk is not None else None
+        return self.simulate.known_exact(*sets, asked=True) if self.walk is not None else None
 
     def how(self, c: Candidate) -> str:
         """How the chosen plan's peak was judged, for its note."""
         if self.source(c) == "simulated":
-            why = getattr(self.simulate, "why_unwalked", None)
-            sets = _as_compiled(self.problem, c)
-            return ("simulated peak (not checked in Inductor's code: "
-                    + (why(*sets) if why and self.walk else "no walk for this graph") + ")")
+            why = self.simulate.why_unwalked(*_as_compiled(self.problem, c)) if self.walk else "no walk for this graph"
+            return f"simulated peak (not checked in Inductor's code: {why})"
         return "peak walked in Inductor's code" + (f", {self.margin:.0%} under the limit for the scratch of "
                                                    "extern kernels" if self.margin else "")
 

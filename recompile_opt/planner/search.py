@@ -156,8 +156,7 @@ def _least_peak_approximating(problem: Problem, reduction, kw: dict, baseline: i
     def peak(e) -> int:  # walked in Inductor's code where it can be, as the plan taken is (the kernel
         # model over-predicted the approximated plan: 25.2 against 21.8 MiB walked)
         saved, recomputed = one_tensor_per_storage(problem, e.least_peak.recompute, e.least_peak.keep)
-        exact = getattr(simulate, "exact", None)
-        return (exact and exact(saved, recomputed)) or simulate(saved, recomputed)
+        return (simulate.can_walk and simulate.exact(saved, recomputed)) or simulate(saved, recomputed)
 
     return min(searches, key=peak)
 

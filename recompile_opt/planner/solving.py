@@ -32,18 +32,54 @@ class Candidate(NamedTuple):
 
 
 class Simulate(Protocol):
-    """Predicts plans' peaks from their partitioned graphs (recompile_opt.costs.simulator.PeakSimulator)."""
+    """The peak oracle: everything the planner asks of it (recompile_opt.costs.simulator.PeakSimulator;
+    :class:`SimulateOnly` for one that only simulates)."""
+
+    can_walk: bool  # exact() may answer: plans can be checked in Inductor's generated code
+    chunked: bool  # the graph is chunked along the sequence: simulated peaks cannot rank its plans
+    asked_log: list  # each question to exact(), in order (what a search walked: walked_keys)
 
     def __call__(self, saved: set, recomputed: set) -> int: ...  # predicted peak bytes
 
     def recomputed_at_peak(self, saved: set, recomputed: set) -> list[str]: ...
 
-    # optional: the exact peak from Inductor's generated code, None where unknown (see _verified)
+    # the exact peak from Inductor's generated code, None where it cannot tell (see _verified)
     def exact(self, saved: set, recomputed: set) -> int | None: ...
 
-    # optional: the exact peak if exact() has been asked about this plan (asked=True: by this compile),
-    # else None (costs nothing)
+    # the exact peak if exact() has been asked about this plan (asked=True: by this compile), else
+    # None (costs nothing)
     def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None: ...
+
+    def why_unwalked(self, saved: set, recomputed: set) -> str: ...  # why exact() gave no peak
+
+    def mark_asked(self, keys) -> None: ...  # plans walked by an earlier search count as this compile's
+
+    def walked_keys(self, since: int = 0) -> frozenset: ...  # the plans walked since asked_log[since]
+
+
+class SimulateOnly:
+    """A :class:`Simulate` that only simulates (subclasses give ``__call__`` and
+    ``recomputed_at_peak``): no plan is walked, the simulated peaks decide."""
+
+    can_walk, chunked = False, False
+
+    def __init__(self):
+        self.asked_log: list = []
+
+    def exact(self, saved: set, recomputed: set) -> int | None:
+        return None
+
+    def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None:
+        return None
+
+    def why_unwalked(self, saved: set, recomputed: set) -> str:
+        return "no walk for this graph"
+
+    def mark_asked(self, keys) -> None:
+        pass
+
+    def walked_keys(self, since: int = 0) -> frozenset:
+        return frozenset()
 
 
 def solve_reduced(problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str],
