@@ -38,6 +38,7 @@ from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.provenance import code_hash
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.search import InfeasibleBudget, make_plan
+from recompile_opt.planner.solving import one_tensor_per_storage
 from recompile_opt.costs.simulator import simulator_for
 from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.approximate import offer_approximations
@@ -107,7 +108,10 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         gid = graph_id(gm)
         options, split_note = budget_split.options_for_graph(self.options, gid)
         known = self.known.pop(gid, None)  # made (notes and walked peak too) by the chunk choice
+        layout_note = self._choose_layout(gm, problem, simulate, num_fwd_outputs, static)
         plan = known or self._make_plan(problem, options, gid, simulate)
+        if layout_note and not known:
+            plan.notes.append(layout_note)
         if split_note and not known:
             plan.notes.insert(0, split_note)
         if not known and not self.replay_random() and any(v.random for v in problem.values.values()):
@@ -124,7 +128,6 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         exact = simulate.known_exact(saved, plan.recomputed_names())
         if exact is None and known and known.solver.get("peak_from") == "inductor-code":
             exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
-        exact = self._choose_layout(plan, fw, saved, simulate) or exact
         fraction = isinstance(options.memory_budget, float) and options.memory_budget < 1.0
         searched = fraction and options.peak_memory is None and range_walked(problem, options)
         walk = exact is None and (searched or ti.layout_optimized(fw) or self.walk_plan())
@@ -151,28 +154,30 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
                               "planned without a compile; compiling it walks its code")
         return fw, bw
 
-    def _choose_layout(self, plan: Plan, fw: fx.GraphModule, saved: set, simulate) -> int | None:
-        """Where Inductor would lay this graph's convolutions out channels-last, the plan walked in both
-        layouts; where the convolutions' own layout peaks lower, Inductor's is switched off for the rest
-        of this compile (the plan's note says so). Returns that walked peak, else None.
+    def _choose_layout(self, gm: fx.GraphModule, problem, simulate, num_fwd_outputs: int, static) -> str | None:
+        """Where Inductor would lay this graph's convolutions out channels-last, its save-all plan walked
+        in both layouts; where the convolutions' own layout peaks lower, every plan is walked in it and
+        Inductor's layout switched off for the rest of this compile. Returns the plan's note, else None.
 
         Why: the channels-last copies Inductor makes of a convolution's input and weight are kept for
         the backward. A ViT's images and patch weights: every plan measured 203,824 B against eager's
-        133,332, and 132,080 in the plain layout. A ResNet's channels-last convolution backward needs
-        less scratch than the plain one (its least-peak plan 3.70 MiB, 4.58 plain): there it stays."""
-        if self.options.compiler != "inductor" or not ti.layout_optimized(fw):
+        133,332, its save-all plan 146,660 in the plain layout. A ResNet's channels-last convolution
+        backward needs less scratch than the plain one: there it stays. Why before the search: its
+        plans are compared by their walks, and in the copies' layout they all tie (the ViT's 0.0 plan,
+        taken among those ties, walked 132,080 B plain where ``full`` walked 125,744)."""
+        if self.options.compiler != "inductor" or not ti.layout_optimized(gm):
             return None
-        recomputed = plan.recomputed_names()
+        saved, recomputed = one_tensor_per_storage(problem, set(), set())
         channels_last = simulate.exact(saved, recomputed)
         plain = simulate.exact_in_plain_layout(saved, recomputed)
         if channels_last is None or plain is None or plain >= channels_last:
             return None
+        simulate.walk_in_plain_layout()
         if self.compiling:
             ti.switch_layout_optimization_off()
-        plan.notes.append("convolutions in their own layout: Inductor's channels-last copies, kept for the "
-                          f"backward, would peak at {fmt_bytes(channels_last)} (walked), this layout at "
-                          f"{fmt_bytes(plain)}")
-        return plain
+        return ("convolutions in their own layout: Inductor's channels-last copies, kept for the backward, "
+                f"would raise the save-all plan's peak to {fmt_bytes(channels_last)} (walked) from "
+                f"{fmt_bytes(plain)}; every plan is walked in this layout")
 
     def _make_plan(self, problem, options: Options, gid: str, simulate) -> Plan:
         """The search's plan. Where chunks may still be tried under a ``peak_memory`` limit, a miss is

@@ -163,4 +163,4 @@ def test_a_plan_says_what_holding_the_models_output_object_adds():
     held = peak_memory(holding)
     assert plan.outputs_bytes > 0 and "outputs held" in plan.summary(), plan.summary()
     assert plan.predicted_peak_bytes == pytest.approx(dropped, rel=0.03), (plan.predicted_peak_bytes, dropped)
-    assert dropped < held <= plan.predicted_peak_bytes + plan.outputs_bytes, (held, plan.summary())
+    assert 0 < held - dropped <= plan.outputs_bytes, (held, dropped, plan.summary())

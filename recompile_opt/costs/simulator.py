@@ -8,6 +8,7 @@ simulated once, however often the searches meet it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -112,6 +113,7 @@ class PeakSimulator:
         self.unwalkable: str | None = None  # why the last walk gave no peak
         self.unwalked_why: dict[tuple, str] = {}  # why exact() gave a plan no peak
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
+        self.plain_layout = False  # exact() walks with Inductor's channels-last layout off
         self.exact_seconds = 0.0
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
         self.asked_log: list[tuple] = []  # each question to exact(), in order, answered from exact_results or not
@@ -182,14 +184,21 @@ class PeakSimulator:
             result = self._walked(*compiled) if compiled else None
             if result is None:
                 gm, info = self.graph_for(recomputed)
-                result = self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
-                                                 num_fwd_outputs=self.num_fwd_outputs,
-                                                 static_lifetime_input_indices=self.static))
+                with ti.layout_optimization(False) if self.plain_layout else contextlib.nullcontext():
+                    result = self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
+                                                     num_fwd_outputs=self.num_fwd_outputs,
+                                                     static_lifetime_input_indices=self.static))
             if result is None:
                 self.unwalked_why[key] = self.unwalkable or "not walked"
             self.exact_results[key] = result
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
+
+    def walk_in_plain_layout(self) -> None:
+        """From now on :meth:`exact` walks plans compiled with Inductor's channels-last layout off (the
+        backend's choice for this graph): the walks made so far are dropped, and none is stored on the
+        disk (the disk's are the default layout's)."""
+        self.plain_layout, self.exact_results, self.disk_key = True, {}, None
 
     def exact_in_plain_layout(self, saved: set, recomputed: set) -> int | None:
         """:meth:`exact` with Inductor's channels-last layout for convolutions switched off: the peak of
