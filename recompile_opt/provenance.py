@@ -20,10 +20,16 @@ def code_hash() -> str:
     """A hash of every source file of the package and of ``passes``: a cached plan or peak is only
     reused by the code that computed it."""
     from recompile_opt import _torch_internals as ti
+
+    return ti.get_hash_for_files(source_files()).hex()[:16]
+
+
+def source_files() -> tuple[str, ...]:
+    """Every source file :func:`code_hash` covers: the package's, sub-packages included, and ``passes``."""
     from recompile_opt import passes
 
     files = sorted([*Path(__file__).parent.rglob("*.py"), *Path(passes.__file__).parent.glob("*.py")])
-    return ti.get_hash_for_files(tuple(str(f) for f in files)).hex()[:16]
+    return tuple(str(f) for f in files)
 
 
 def _version(package: str) -> str:
