@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
@@ -40,36 +39,23 @@ def builders() -> dict:
     return out
 
 
-def measure(model, inputs, setting: dict | None):
-    """``(plan or None, measured peak)`` of one step after a training step: eager (``setting`` None),
-    plain Inductor (``{}``... the ``"inductor"`` backend), or recompile_opt under ``setting``."""
+def measure(model, inputs, setting: dict):
+    """``(plan, measured peak)`` of one recompile_opt step under ``setting`` after a training step."""
     import torch
 
-    from recompile_opt.costs.measure import peak_memory
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     from helpers import train_side_by_side
 
     torch._dynamo.reset()
-    if setting is not None and "backend" not in setting:
-        return train_side_by_side(model, inputs, options=setting, steps=1, rtol=1e-4, atol=1e-5,
-                                  measure_peak=True)
-    m = copy.deepcopy(model)
-    fn = m if setting is None else torch.compile(m, backend="inductor")
-    for _ in range(2):
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(100)
-        fn(*inputs).backward()
-    m.zero_grad(set_to_none=True)
-    return None, peak_memory(lambda: fn(*inputs).backward())
+    return train_side_by_side(model, inputs, options=setting, steps=1, rtol=1e-4, atol=1e-5, measure_peak=True)
 
 
 def rows(name: str, build):
     """The model's table rows: eager, plain Inductor, then each setting's plan."""
+    from test_outside_models import _measured_peak
+
     model, inputs = build()
-    for label, setting in (("eager", None), ("inductor", {"backend": "inductor"})):
-        _, measured = measure(model, inputs, setting)
-        yield f"| {name} | {label} | | | | {measured} | |"
+    for label, backend in (("eager", None), ("inductor", "inductor")):
+        yield f"| {name} | {label} | | | | {_measured_peak(model, inputs, backend)} | |"
     settings = list(POLICIES) if name in ("vit", "encoder", "decoder") else list(POLICIES[:2]) + list(LIMITS)
     least = None
     for setting in settings:

@@ -236,11 +236,10 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         if unwalked:
             plan.solver["unwalked"] = unwalked
         limit = self.options.peak_memory
-        if limit is None or plan.predicted_peak_bytes is None:
+        # under compiler="eager" the figures are the kernel model's, and say so
+        if limit is None or plan.predicted_peak_bytes is None or self.options.compiler != "inductor":
             return
         msg = None
-        if self.options.compiler != "inductor":  # its figures are the kernel model's, and say so
-            return
         if unwalked:
             msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
                    f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}")

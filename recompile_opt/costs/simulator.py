@@ -183,11 +183,7 @@ class PeakSimulator:
             start = time.perf_counter()
             result = self._walked(*compiled) if compiled else None
             if result is None:
-                gm, info = self.graph_for(recomputed)
-                with ti.layout_optimization(False) if self.plain_layout else contextlib.nullcontext():
-                    result = self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
-                                                     num_fwd_outputs=self.num_fwd_outputs,
-                                                     static_lifetime_input_indices=self.static))
+                result = self._lowered_and_walked(saved, recomputed, plain_layout=self.plain_layout)
             if result is None:
                 self.unwalked_why[key] = self.unwalkable or "not walked"
             self.exact_results[key] = result
@@ -206,13 +202,18 @@ class PeakSimulator:
         key = self._exact_key(saved, recomputed)
         if key not in self.plain_layout_results:
             start = time.perf_counter()
-            gm, info = self.graph_for(recomputed)
-            with ti.layout_optimization(False):
-                self.plain_layout_results[key] = self._walked(*partition(
-                    gm, saved=saved, recomputed=recomputed, info=info, num_fwd_outputs=self.num_fwd_outputs,
-                    static_lifetime_input_indices=self.static))
+            self.plain_layout_results[key] = self._lowered_and_walked(saved, recomputed, plain_layout=True)
             self.exact_seconds += time.perf_counter() - start
         return self.plain_layout_results[key]
+
+    def _lowered_and_walked(self, saved: set, recomputed: set, *, plain_layout: bool) -> int | None:
+        """The plan partitioned, lowered by Inductor (its channels-last layout off with ``plain_layout``)
+        and walked."""
+        gm, info = self.graph_for(recomputed)
+        with ti.layout_optimization(False) if plain_layout else contextlib.nullcontext():
+            return self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
+                                           num_fwd_outputs=self.num_fwd_outputs,
+                                           static_lifetime_input_indices=self.static))
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
         """Why :meth:`exact` gave this plan no peak (for its figures' label)."""
