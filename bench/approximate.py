@@ -41,9 +41,9 @@ VARIANTS = {  # label -> option ``approximate``
 
 def measure_variant(model_name: str, approximate: dict | None, steps: int) -> dict:
     import torch
+    from comparison.strategies import build_model
 
     import recompile_opt
-    from comparison.strategies import build_model
     from recompile_opt.costs import measure
 
     torch._dynamo.reset()
@@ -84,10 +84,13 @@ def memory_table(models: list[str], steps: int, log=print) -> list[dict]:
         for label, approximate in VARIANTS.items():
             r = measure_variant(model_name, approximate, steps)
             exact = exact or r
-            r.update(model=model_name, variant=label,
-                     cosine=float(F.cosine_similarity(r["grad"], exact["grad"], dim=0)),
-                     peak_vs_exact=r["peak_bytes"] / exact["peak_bytes"] - 1,
-                     predicted_vs_exact=r["predicted_peak_bytes"] / exact["predicted_peak_bytes"] - 1)
+            r.update(
+                model=model_name,
+                variant=label,
+                cosine=float(F.cosine_similarity(r["grad"], exact["grad"], dim=0)),
+                peak_vs_exact=r["peak_bytes"] / exact["peak_bytes"] - 1,
+                predicted_vs_exact=r["predicted_peak_bytes"] / exact["predicted_peak_bytes"] - 1,
+            )
             rows.append(r)
             log(_line(r))
     return rows
@@ -100,24 +103,31 @@ def _approximated(r: dict) -> str:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['model']:<6} {r['variant']:<22} kept {r['plan_saved_bytes'] / MiB:6.2f} (measured "
-            f"{r['saved_bytes'] / MiB:6.2f}) MiB  peak predicted {r['predicted_peak_bytes'] / MiB:6.2f} measured "
-            f"{r['peak_bytes'] / MiB:6.2f} MiB ({100 * r['peak_vs_exact']:+.1f}% vs exact)  step "
-            f"{1e3 * r['step_s']:.1f} ms  cosine {r['cosine']:.4f}  approximated: {_approximated(r)}")
+    return (
+        f"{r['model']:<6} {r['variant']:<22} kept {r['plan_saved_bytes'] / MiB:6.2f} (measured "
+        f"{r['saved_bytes'] / MiB:6.2f}) MiB  peak predicted {r['predicted_peak_bytes'] / MiB:6.2f} measured "
+        f"{r['peak_bytes'] / MiB:6.2f} MiB ({100 * r['peak_vs_exact']:+.1f}% vs exact)  step "
+        f"{1e3 * r['step_s']:.1f} ms  cosine {r['cosine']:.4f}  approximated: {_approximated(r)}"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
     from recompile_opt.provenance import header_line
 
-    lines = [header_line(), "",
-             "| model | allowed | approximated | kept MiB (measured) | predicted peak MiB | measured peak MiB "
-             "| peak vs exact | step ms | gradient cosine |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header_line(),
+        "",
+        "| model | allowed | approximated | kept MiB (measured) | predicted peak MiB | measured peak MiB "
+        "| peak vs exact | step ms | gradient cosine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['variant']} | {_approximated(r)} | {r['plan_saved_bytes'] / MiB:.2f} "
-                     f"({r['saved_bytes'] / MiB:.2f}) | {r['predicted_peak_bytes'] / MiB:.2f} | "
-                     f"{r['peak_bytes'] / MiB:.2f} | {100 * r['peak_vs_exact']:+.1f}% | {1e3 * r['step_s']:.1f} | "
-                     f"{r['cosine']:.4f} |")
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {_approximated(r)} | {r['plan_saved_bytes'] / MiB:.2f} "
+            f"({r['saved_bytes'] / MiB:.2f}) | {r['predicted_peak_bytes'] / MiB:.2f} | "
+            f"{r['peak_bytes'] / MiB:.2f} | {100 * r['peak_vs_exact']:+.1f}% | {1e3 * r['step_s']:.1f} | "
+            f"{r['cosine']:.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -128,8 +138,8 @@ def cosine_by_bits(models: list[str]) -> list[str]:
 
     import torch
     import torch.nn.functional as F
-
     from comparison.strategies import build_model
+
     from recompile_opt import models as zoo
     from recompile_opt.approximate.few_bit import few_bit_activation
 
@@ -145,9 +155,15 @@ def cosine_by_bits(models: list[str]) -> list[str]:
         exact, cells = grad(), []
         for bits in (1, 2, 3, 4):
             act = "silu" if name == "llama" else "gelu"
-            patch = (mock.patch.object(F, "silu", lambda x, inplace=False, b=bits: few_bit_activation(x, "silu", b))
-                     if act == "silu" else
-                     mock.patch.object(zoo.F, "gelu", lambda x, approximate="none", b=bits: few_bit_activation(x, "gelu", b)))
+            patch = (
+                mock.patch.object(
+                    F, "silu", lambda x, inplace=False, b=bits: few_bit_activation(x, "silu", b)
+                )
+                if act == "silu"
+                else mock.patch.object(
+                    zoo.F, "gelu", lambda x, approximate="none", b=bits: few_bit_activation(x, "gelu", b)
+                )
+            )
             with patch:
                 cells.append(f"{float(F.cosine_similarity(grad(), exact, dim=0)):.5f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -158,7 +174,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory", action="store_true", help="least-peak plans, exact and approximate")
     parser.add_argument("--training", action="store_true", help="loss curves (bench/approximate_training.py)")
-    parser.add_argument("--cosine", action="store_true", help="gradient cosine with every activation at 1-4 bits")
+    parser.add_argument(
+        "--cosine", action="store_true", help="gradient cosine with every activation at 1-4 bits"
+    )
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--timed-steps", type=int, default=5, help="timed steps per variant (--memory)")
     parser.add_argument("--md", action="store_true", help="print the memory table as markdown (--memory)")
@@ -168,7 +186,11 @@ def main(argv=None) -> int:
     if args.cosine:
         from recompile_opt.provenance import header_line
 
-        print("\n".join([header_line(), "", *cosine_by_bits([m.strip() for m in args.models.split(",") if m.strip()])]))
+        print(
+            "\n".join(
+                [header_line(), "", *cosine_by_bits([m.strip() for m in args.models.split(",") if m.strip()])]
+            )
+        )
     if args.memory:
         import torch
 

@@ -107,14 +107,17 @@ def apply_variant(model: GPT, variant: str) -> GPT:
         raise ValueError(f"variant {variant!r}; accepted: {', '.join(VARIANTS)}")
     if variant in ("randomized", "both"):
         for lin in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
-            lin.forward = types.MethodType(lambda self, x: randomized_linear(x, self.weight, self.bias, RATIO), lin)
+            lin.forward = types.MethodType(
+                lambda self, x: randomized_linear(x, self.weight, self.bias, RATIO), lin
+            )
     for block in model.blocks:
         if variant in ("3-bit", "both"):
             # GPTMLP.forward with F.gelu replaced; self.c_fc / c_proj are called as modules, so a
             # randomized override above still applies
             block.mlp.forward = types.MethodType(
                 lambda self, x: self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", BITS))),
-                block.mlp)
+                block.mlp,
+            )
     return model
 
 
@@ -155,8 +158,14 @@ def train_one(variant: str, seed: int, steps: int, task: MarkovTask, held_out, s
     """One run: the model initialised from ``seed``, trained ``steps`` AdamW steps on batches from a
     generator of ``seed``; returns its training loss curve, held-out final loss, step time and saved bytes."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=size["layers"], n_head=size["heads"], n_embd=size["embd"],
-                    block_size=size["seq"], vocab_size=size["vocab"], dropout=0.0)
+    cfg = GPTConfig(
+        n_layer=size["layers"],
+        n_head=size["heads"],
+        n_embd=size["embd"],
+        block_size=size["seq"],
+        vocab_size=size["vocab"],
+        dropout=0.0,
+    )
     model = apply_variant(GPT(cfg), variant)
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
@@ -173,12 +182,17 @@ def train_one(variant: str, seed: int, steps: int, task: MarkovTask, held_out, s
         times.append(time.perf_counter() - start)
         curve.append(loss.item())
     idx, tgt = held_out[0]
-    return {"curve": curve, "final": evaluate(model, held_out), "step_s": statistics.fmean(times[WARMUP:]),
-            "saved": saved_bytes(model, idx, tgt)}
+    return {
+        "curve": curve,
+        "final": evaluate(model, held_out),
+        "step_s": statistics.fmean(times[WARMUP:]),
+        "saved": saved_bytes(model, idx, tgt),
+    }
 
 
-def train_curves(variants=VARIANTS, seeds=(0, 1, 2), steps: int = 300, size: dict | None = None,
-                 log=None) -> dict:
+def train_curves(
+    variants=VARIANTS, seeds=(0, 1, 2), steps: int = 300, size: dict | None = None, log=None
+) -> dict:
     """``{variant: {"runs": {seed: train_one's dict}, "final_mean", "final_std", "saved", "step_s"}}``
     plus ``"floor"``: the chain's entropy on the held-out set."""
     size = {**SIZE, **(size or {})}
@@ -191,26 +205,36 @@ def train_curves(variants=VARIANTS, seeds=(0, 1, 2), steps: int = 300, size: dic
         for seed in seeds:
             runs[seed] = train_one(variant, seed, steps, task, held_out, size)
             if log:
-                log(f"{variant:>10} seed {seed}: final {runs[seed]['final']:.4f}, "
-                    f"{1e3 * runs[seed]['step_s']:.1f} ms/step")
+                log(
+                    f"{variant:>10} seed {seed}: final {runs[seed]['final']:.4f}, "
+                    f"{1e3 * runs[seed]['step_s']:.1f} ms/step"
+                )
         finals = [r["final"] for r in runs.values()]
-        out[variant] = {"runs": runs, "final_mean": statistics.fmean(finals),
-                        "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                        "saved": statistics.fmean(r["saved"] for r in runs.values()),
-                        "step_s": statistics.fmean(r["step_s"] for r in runs.values())}
+        out[variant] = {
+            "runs": runs,
+            "final_mean": statistics.fmean(finals),
+            "final_std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+            "saved": statistics.fmean(r["saved"] for r in runs.values()),
+            "step_s": statistics.fmean(r["step_s"] for r in runs.values()),
+        }
     return out
 
 
 def markdown(results: dict, variants) -> str:
     ref = results["exact"]["final_mean"] if "exact" in results else None
-    lines = ["| variant | final loss (mean ± std) | vs exact (%) | above floor | saved-for-backward MiB "
-             "| step ms |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | final loss (mean ± std) | vs exact (%) | above floor | saved-for-backward MiB "
+        "| step ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for v in variants:
         r = results[v]
         rel = f"{100 * (r['final_mean'] / ref - 1):+.2f}" if ref else "-"
-        lines.append(f"| {v} | {r['final_mean']:.4f} ± {r['final_std']:.4f} | {rel} | "
-                     f"{r['final_mean'] - results['floor']:.4f} | {r['saved'] / MiB:.2f} | "
-                     f"{1e3 * r['step_s']:.1f} |")
+        lines.append(
+            f"| {v} | {r['final_mean']:.4f} ± {r['final_std']:.4f} | {rel} | "
+            f"{r['final_mean'] - results['floor']:.4f} | {r['saved'] / MiB:.2f} | "
+            f"{1e3 * r['step_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -227,8 +251,12 @@ def plot(results: dict, variants, path: str) -> None:
         curves = torch.tensor([r["curve"] for r in results[v]["runs"].values()])
         ax.plot(curves.mean(0).numpy(), styles.get(v, "-"), label=v, lw=1)
     ax.axhline(results["floor"], color="k", ls="--", lw=0.8, label="chain entropy")
-    ax.set(xlabel="step", ylabel="training loss (mean over seeds)", yscale="log",
-           title="2nd-order Markov chain: exact vs approximate backward")
+    ax.set(
+        xlabel="step",
+        ylabel="training loss (mean over seeds)",
+        yscale="log",
+        title="2nd-order Markov chain: exact vs approximate backward",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -248,8 +276,10 @@ def main(argv=None) -> int:
     seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     results = train_curves(variants, seeds, args.steps, {"lr": args.lr}, log=lambda s: print(s, flush=True))
-    print(f"\n{args.steps} steps, seeds {','.join(map(str, seeds))}, size {SIZE | {'lr': args.lr}}; "
-          f"final loss on a held-out set; chain entropy (floor) {results['floor']:.4f}\n")
+    print(
+        f"\n{args.steps} steps, seeds {','.join(map(str, seeds))}, size {SIZE | {'lr': args.lr}}; "
+        f"final loss on a held-out set; chain entropy (floor) {results['floor']:.4f}\n"
+    )
     from recompile_opt.provenance import header_line
 
     print(header_line() + "\n")

@@ -37,8 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep", default="", help="comma-separated values to keep on top of the candidate")
     p.add_argument("--max-peak-mib", type=float, default=28.0, help="list only candidates predicted below")
     p.add_argument("--walk", action="store_true", help="with --list: walk each plan in Inductor's code")
-    p.add_argument("--vocab", type=int, default=None, help="with --list: the model's vocabulary (default 512)")
-    p.add_argument("--chunks", default=None, help="with --list: option chunks, as JSON (default: the default)")
+    p.add_argument(
+        "--vocab", type=int, default=None, help="with --list: the model's vocabulary (default 512)"
+    )
+    p.add_argument(
+        "--chunks", default=None, help="with --list: option chunks, as JSON (default: the default)"
+    )
     return p.parse_args(argv)
 
 
@@ -46,8 +50,9 @@ def _candidates(found, max_peak_mib: float) -> list:
     unique = {}
     for c in found:
         unique.setdefault(frozenset(c.sol.recompute), c)
-    return sorted((c for c in unique.values() if c.peak / MiB <= max_peak_mib),
-                  key=lambda c: (c.peak, c.recompute_s))
+    return sorted(
+        (c for c in unique.values() if c.peak / MiB <= max_peak_mib), key=lambda c: (c.peak, c.recompute_s)
+    )
 
 
 def _ranks(xs: list) -> list[float]:
@@ -75,10 +80,12 @@ def _ranking(pairs: list[tuple[int, int]]) -> str:
     least = min(walked)
     near = [i for i, w in enumerate(walked) if w <= least * 1.05]
     errors = [abs(s - w) / w for s, w in pairs]
-    return (f"simulated against walked, {len(pairs)} plans: rank correlation "
-            f"{statistics.correlation(_ranks(list(sim)), _ranks(list(walked))):.2f}; the least walked "
-            f"({least / MiB:.2f} MiB) and its ties at simulated ranks {near}; |error| mean "
-            f"{100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%")
+    return (
+        f"simulated against walked, {len(pairs)} plans: rank correlation "
+        f"{statistics.correlation(_ranks(list(sim)), _ranks(list(walked))):.2f}; the least walked "
+        f"({least / MiB:.2f} MiB) and its ties at simulated ranks {near}; |error| mean "
+        f"{100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%"
+    )
 
 
 def main(argv=None) -> None:
@@ -100,9 +107,12 @@ def main(argv=None) -> None:
             pairs = []
             for i, c in enumerate(cands):
                 walked = simulate.exact(*least_peak._as_compiled(problem, c)) if args.walk else None
-                print(f"{i:3d}  predicted {c.peak / MiB:6.2f} MiB  recompute {c.recompute_s * 1e3:5.1f} ms"
-                      f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}"
-                      + (f"  walked {walked / MiB:6.2f} MiB" if walked is not None else ""), flush=True)
+                print(
+                    f"{i:3d}  predicted {c.peak / MiB:6.2f} MiB  recompute {c.recompute_s * 1e3:5.1f} ms"
+                    f"  kept {c.kept / MiB:6.2f} MiB  uniform from block {c.mirrored}"
+                    + (f"  walked {walked / MiB:6.2f} MiB" if walked is not None else ""),
+                    flush=True,
+                )
                 if walked is not None:
                     pairs.append((c.peak, walked))
             if len(pairs) > 1:
@@ -118,9 +128,16 @@ def main(argv=None) -> None:
     if args.list:
         _plan(args)
     row = measure_one(args.model, "0.0", "inductor")
-    print(json.dumps({**chosen, "kept_mib": round(row["kept_bytes"] / MiB, 2),
-                      "predicted_mib": round(row["predicted_bytes"] / MiB, 2),
-                      "measured_mib": round(row["measured_bytes"] / MiB, 2)}))
+    print(
+        json.dumps(
+            {
+                **chosen,
+                "kept_mib": round(row["kept_bytes"] / MiB, 2),
+                "predicted_mib": round(row["predicted_bytes"] / MiB, 2),
+                "measured_mib": round(row["measured_bytes"] / MiB, 2),
+            }
+        )
+    )
 
 
 def _plan(args) -> None:
@@ -130,7 +147,9 @@ def _plan(args) -> None:
     import recompile_opt
     from recompile_opt import models
 
-    cls, config = (models.GPT, models.GPTConfig) if args.model == "gpt" else (models.Llama, models.LlamaConfig)
+    cls, config = (
+        (models.GPT, models.GPTConfig) if args.model == "gpt" else (models.Llama, models.LlamaConfig)
+    )
     cfg = config(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=args.vocab or 512)
     torch.manual_seed(0)
     options = {} if args.chunks is None else {"chunks": json.loads(args.chunks)}

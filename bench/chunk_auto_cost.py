@@ -35,9 +35,22 @@ def worker(model: str, chunks) -> None:
     seconds = time.perf_counter() - start
     taken = sorted({f"{c['kind']} in {c['chunks']}" for c in plan.chunks})
     tried = [n for n in plan.notes if n.startswith("chunks (auto)")]
-    saved = plan.chunks[0]["peak_saved_bytes"] if plan.chunks else 0  # against the unchunked plan, both walked
-    print(MARKER + json.dumps({"s": seconds, "peak": plan.predicted_peak_bytes, "taken": taken, "tried": tried,
-                               "saved": saved, "walked": plan.solver.get("peak_from") == "inductor-code"}))
+    saved = (
+        plan.chunks[0]["peak_saved_bytes"] if plan.chunks else 0
+    )  # against the unchunked plan, both walked
+    print(
+        MARKER
+        + json.dumps(
+            {
+                "s": seconds,
+                "peak": plan.predicted_peak_bytes,
+                "taken": taken,
+                "tried": tried,
+                "saved": saved,
+                "walked": plan.solver.get("peak_from") == "inductor-code",
+            }
+        )
+    )
 
 
 def probe(model: str, chunks) -> dict:
@@ -48,7 +61,7 @@ def probe(model: str, chunks) -> dict:
     lines = [line for line in run.stdout.splitlines() if line.startswith(MARKER)]
     if not lines:
         raise SystemExit(f"{model} chunks={chunks!r} failed: {run.stderr.strip().splitlines()[-1:]}")
-    return json.loads(lines[-1][len(MARKER):])
+    return json.loads(lines[-1][len(MARKER) :])
 
 
 def main() -> None:
@@ -65,16 +78,20 @@ def main() -> None:
     for model in args.models.split(","):
         off, auto = probe(model, False), probe(model, "auto")
         how = {True: "walked", False: "kernel model"}
-        rows.append(f"| {model} | {off['s']:.1f} s, {off['peak'] / 2**20:.2f} MiB ({how[off['walked']]}) | "
-                    f"{auto['s']:.1f} s ({auto['s'] / off['s']:.1f}x), {auto['peak'] / 2**20:.2f} MiB "
-                    f"({how[auto['walked']]}) | {', '.join(auto['taken']) or 'nothing'} | "
-                    f"{(auto['peak'] + auto['saved']) / 2**20:.2f} MiB |")
+        rows.append(
+            f"| {model} | {off['s']:.1f} s, {off['peak'] / 2**20:.2f} MiB ({how[off['walked']]}) | "
+            f"{auto['s']:.1f} s ({auto['s'] / off['s']:.1f}x), {auto['peak'] / 2**20:.2f} MiB "
+            f"({how[auto['walked']]}) | {', '.join(auto['taken']) or 'nothing'} | "
+            f"{(auto['peak'] + auto['saved']) / 2**20:.2f} MiB |"
+        )
         for line in auto["tried"]:
             print(f"# {model}: {line}", file=sys.stderr)
     print(header_line())
     print()
-    print('| model | chunks=False: planning, predicted peak | "auto": planning, predicted peak | chunks taken '
-          '| "auto"\'s unchunked plan, walked |')
+    print(
+        '| model | chunks=False: planning, predicted peak | "auto": planning, predicted peak | chunks taken '
+        '| "auto"\'s unchunked plan, walked |'
+    )
     print("|---|---|---|---|---|")
     print("\n".join(rows))
 

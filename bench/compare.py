@@ -164,38 +164,69 @@ from comparison.worker import (  # noqa: F401
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated subset of: " + ", ".join(STRATEGIES) + f", {PEAK_PREFIX}SIZE; any ours-* with +nochunks (chunks=False)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated subset of: "
+        + ", ".join(STRATEGIES)
+        + f", {PEAK_PREFIX}SIZE; any ours-* with +nochunks (chunks=False)",
+    )
     p.add_argument("--model", default="gpt", help="gpt, llama or both: gpt,llama")
     p.add_argument("--size", default="small", help=f"comma-separated presets from {list(SIZES)}")
     p.add_argument("--repeats", type=int, default=2, help="rounds of fresh processes")
     p.add_argument("--steps", type=int, default=5, help="timed steps per process (>= 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compile step")
-    for flag, text in (("layers", "layers"), ("embd", "hidden size"), ("heads", "attention heads"),
-                       ("seq", "sequence length (= block_size)"), ("batch", "batch size")):
+    for flag, text in (
+        ("layers", "layers"),
+        ("embd", "hidden size"),
+        ("heads", "attention heads"),
+        ("seq", "sequence length (= block_size)"),
+        ("batch", "batch size"),
+    ):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"{text} (overrides the --size preset)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--dropout", type=float, default=0.0, help="GPT dropout, e.g. 0.1 (Llama has none)")
-    p.add_argument("--native-rng", action="store_true",
-                   help="with dropout, keep Inductor's own RNG (grads then differ from eager)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads in workers (0: torch's default). Default 1: on a "
-                        "shared machine, OpenMP teams stall when another process takes a core "
-                        "(seen: 100x slower steps), single-threaded timings stay comparable")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="workers at once: their starts and compiles overlap, no timed section overlaps "
-                        "any other work of this run (a shared/exclusive file lock)")
-    p.add_argument("--cold-every-round", action="store_true",
-                   help="empty Inductor cache (caches off) in every round, not only the first")
-    p.add_argument("--ours-compiler", choices=["inductor", "eager"], default="inductor",
-                   help="our backend's compiler option; eager: same partition, no code generation "
-                        "(seconds instead of a minute: for tests, not for timings)")
+    p.add_argument(
+        "--native-rng",
+        action="store_true",
+        help="with dropout, keep Inductor's own RNG (grads then differ from eager)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads in workers (0: torch's default). Default 1: on a "
+        "shared machine, OpenMP teams stall when another process takes a core "
+        "(seen: 100x slower steps), single-threaded timings stay comparable",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="workers at once: their starts and compiles overlap, no timed section overlaps "
+        "any other work of this run (a shared/exclusive file lock)",
+    )
+    p.add_argument(
+        "--cold-every-round",
+        action="store_true",
+        help="empty Inductor cache (caches off) in every round, not only the first",
+    )
+    p.add_argument(
+        "--ours-compiler",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="our backend's compiler option; eager: same partition, no code generation "
+        "(seconds instead of a minute: for tests, not for timings)",
+    )
     p.add_argument("--noise", type=float, default=0.10, help="step-time allowance of the Pareto check")
-    p.add_argument("--rockmate-python",
-                   default=os.environ.get("RECOMPILE_OPT_ROCKMATE_PYTHON", ROCKMATE_PYTHON),
-                   help="interpreter of the Rockmate venv (runs bench/rockmate_runner.py)")
+    p.add_argument(
+        "--rockmate-python",
+        default=os.environ.get("RECOMPILE_OPT_ROCKMATE_PYTHON", ROCKMATE_PYTHON),
+        help="interpreter of the Rockmate venv (runs bench/rockmate_runner.py)",
+    )
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker process")
     p.add_argument("--order-seed", type=int, default=0, help="seed of the per-round shuffle")
     p.add_argument("--json", help="write config, rows, Pareto check and raw runs to this JSON file")
@@ -224,8 +255,12 @@ def main(argv=None) -> int:
     configs = group_configs(args)
     if args.steps < 5:
         print(f"note: --steps {args.steps} < 5, medians will be noisy", file=sys.stderr)
-    print(f"{len(configs)} model size(s) x {len(names)} strategies x {args.repeats} round(s), "
-          f"{args.jobs} at a time", file=sys.stderr, flush=True)
+    print(
+        f"{len(configs)} model size(s) x {len(names)} strategies x {args.repeats} round(s), "
+        f"{args.jobs} at a time",
+        file=sys.stderr,
+        flush=True,
+    )
     # lazy (it imports torch); taken before the runs, so the load it records is the machine's, not
     # this run's own
     from recompile_opt.provenance import header_line
@@ -251,8 +286,21 @@ def main(argv=None) -> int:
 
 def write_outputs(groups: list[dict], args, *, argv, header: str, wall_s: float) -> None:
     """Print the markdown report (its first line the provenance header) and write the files asked for."""
-    settings = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "threads", "jobs", "native_rng",
-                                              "cold_every_round", "noise", "order_seed", "ours_compiler")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "repeats",
+            "steps",
+            "warmup",
+            "threads",
+            "jobs",
+            "native_rng",
+            "cold_every_round",
+            "noise",
+            "order_seed",
+            "ours_compiler",
+        )
+    }
     command = "python bench/compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report = report_markdown(groups, header=header, command=command, settings=settings, wall_s=wall_s)
     print(report)

@@ -51,9 +51,9 @@ import torch  # noqa: E402
 
 import recompile_opt  # noqa: E402
 from recompile_opt import backend  # noqa: E402
-from recompile_opt.planner import ilp, search  # noqa: E402
 from recompile_opt.models import GPT, GPTConfig, example_batch  # noqa: E402
 from recompile_opt.options import parse_options  # noqa: E402
+from recompile_opt.planner import ilp, search  # noqa: E402
 from recompile_opt.planner.problem import Problem  # noqa: E402
 from recompile_opt.provenance import header_line  # noqa: E402
 
@@ -119,7 +119,8 @@ def cbc_log():
     def bound() -> float | None:
         text = path.read_text() if path.exists() else ""
         found = re.findall(r"Lower bound:\s+(-?[\d.eE+]+)", text) or re.findall(
-            r"best possible (-?[\d.eE+]+)", text)
+            r"best possible (-?[\d.eE+]+)", text
+        )
         return float(found[-1]) if found else None
 
     ilp._command = logging_command
@@ -167,20 +168,30 @@ def objective_s(problem: Problem, plan) -> float:
 
 
 def solve(problem: Problem, budget: int, *, reuse: bool, time_limit_s: float, mip_gap: float) -> dict:
-    options = parse_options({"memory_budget": budget, "time_limit_s": time_limit_s, "mip_gap": mip_gap,
-                             "compiler": "eager"})
+    options = parse_options(
+        {"memory_budget": budget, "time_limit_s": time_limit_s, "mip_gap": mip_gap, "compiler": "eager"}
+    )
     with block_reuse(reuse), cbc_log() as bound, count_solves() as solves:
         start = time.perf_counter()
         plan = search.make_plan(problem, options)
         wall = time.perf_counter() - start
         lower = bound()
     s = plan.solver
-    return {"plan_s": round(wall, 3), "ilp_s": round(sum(solves), 3), "n_solves": len(solves),
-            "status": s["status"], "gap": s["gap"], "n_vars": s["n_vars"],
-            "n_constraints": s["n_constraints"],
-            "reused": any("identical blocks solved as" in n for n in plan.notes),
-            "recompute_us": plan.recompute_s * 1e6, "objective_us": objective_s(problem, plan) * 1e6,
-            "saved_bytes": plan.saved_bytes, "cbc_lower_bound_us": lower, "notes": plan.notes}
+    return {
+        "plan_s": round(wall, 3),
+        "ilp_s": round(sum(solves), 3),
+        "n_solves": len(solves),
+        "status": s["status"],
+        "gap": s["gap"],
+        "n_vars": s["n_vars"],
+        "n_constraints": s["n_constraints"],
+        "reused": any("identical blocks solved as" in n for n in plan.notes),
+        "recompute_us": plan.recompute_s * 1e6,
+        "objective_us": objective_s(problem, plan) * 1e6,
+        "saved_bytes": plan.saved_bytes,
+        "cbc_lower_bound_us": lower,
+        "notes": plan.notes,
+    }
 
 
 def reduced_size(problem: Problem) -> tuple[int | None, int | None]:
@@ -189,21 +200,28 @@ def reduced_size(problem: Problem) -> tuple[int | None, int | None]:
     if reduction is None:
         return None, None
     values = reduction.reduced.values.values()
-    costly = [v for v in values
-              if v.can_recompute or reduction.reduced.storage_bytes.get(v.storage, 0) > 0]
+    costly = [v for v in values if v.can_recompute or reduction.reduced.storage_bytes.get(v.storage, 0) > 0]
     return len(reduction.reduced.values), len(costly)
 
 
-def row(n_layer: int, *, fraction: float, time_limit_s: float, mip_gap: float,
-        problem_dir: Path | None) -> dict:
+def row(
+    n_layer: int, *, fraction: float, time_limit_s: float, mip_gap: float, problem_dir: Path | None
+) -> dict:
     problem, capture_s = capture(n_layer, problem_dir)
     ends = search.make_plan(problem, parse_options({"memory_budget": 1.0, "compiler": "eager"}))
     budget = int(ends.min_bytes + fraction * (ends.baseline_bytes - ends.min_bytes))
     reduced, reduced_costly = reduced_size(problem)
-    out = {"layers": n_layer, "values": len(problem.values), "reduced_values": reduced,
-           "reduced_costly_values": reduced_costly, "capture_s": round(capture_s, 1),
-           "least_bytes": ends.min_bytes, "save_all_bytes": ends.baseline_bytes,
-           "fraction": fraction, "budget_bytes": budget}
+    out = {
+        "layers": n_layer,
+        "values": len(problem.values),
+        "reduced_values": reduced,
+        "reduced_costly_values": reduced_costly,
+        "capture_s": round(capture_s, 1),
+        "least_bytes": ends.min_bytes,
+        "save_all_bytes": ends.baseline_bytes,
+        "fraction": fraction,
+        "budget_bytes": budget,
+    }
     for name, reuse in (("reuse", True), ("full", False)):
         out[name] = solve(problem, budget, reuse=reuse, time_limit_s=time_limit_s, mip_gap=mip_gap)
         out[name]["total_s"] = round(capture_s + out[name]["plan_s"], 1)
@@ -225,8 +243,13 @@ def quality(reuse: dict, full: dict, mip_gap: float) -> dict:
         basis = "full hit the time limit: against its lower bound"
     else:
         verdict, basis = "unknown", f"full {full['status']}, no bound"
-    return {"recompute_vs_full": rec, "objective_vs_full": obj, "objective_vs_full_bound": vs_bound,
-            "within_1pct": verdict, "quality_basis": basis}
+    return {
+        "recompute_vs_full": rec,
+        "objective_vs_full": obj,
+        "objective_vs_full_bound": vs_bound,
+        "within_1pct": verdict,
+        "quality_basis": basis,
+    }
 
 
 def _pct(x: float | None) -> str:
@@ -242,9 +265,11 @@ def _status(r: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| layers | values | reduced (costly) | capture s | budget | reuse ILP s (solves) / plan s "
-            "| reuse status | reuse vars | full ILP s (solves) / plan s | full status | full vars "
-            "| total s reuse / full |")
+    head = (
+        "| layers | values | reduced (costly) | capture s | budget | reuse ILP s (solves) / plan s "
+        "| reuse status | reuse vars | full ILP s (solves) / plan s | full status | full vars "
+        "| total s reuse / full |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         u, f = r["reuse"], r["full"]
@@ -253,10 +278,13 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['capture_s']:.0f} | {r['budget_bytes'] / 2**20:.2f} MiB ({r['fraction']:g}) "
             f"| {u['ilp_s']:.1f} ({u['n_solves']}) / {u['plan_s']:.1f} | {_status(u)} | {u['n_vars']} "
             f"| {f['ilp_s']:.1f} ({f['n_solves']}) / {f['plan_s']:.1f} | {_status(f)} | {f['n_vars']} "
-            f"| {u['total_s']:.0f} / {f['total_s']:.0f} |")
-    head2 = ("| layers | reuse recompute µs | full recompute µs | recompute vs full | reuse objective µs "
-             "| full objective µs | objective vs full | full lower bound µs | objective vs bound "
-             "| reuse kept MiB | full kept MiB | within 1% |")
+            f"| {u['total_s']:.0f} / {f['total_s']:.0f} |"
+        )
+    head2 = (
+        "| layers | reuse recompute µs | full recompute µs | recompute vs full | reuse objective µs "
+        "| full objective µs | objective vs full | full lower bound µs | objective vs bound "
+        "| reuse kept MiB | full kept MiB | within 1% |"
+    )
     lines += ["", head2, "|" + "---|" * (head2.count("|") - 1)]
     for r in rows:
         u, f = r["reuse"], r["full"]
@@ -266,7 +294,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {_pct(r['recompute_vs_full'])} | {u['objective_us']:.1f} | {f['objective_us']:.1f} "
             f"| {_pct(r['objective_vs_full'])} | {'—' if bound is None else f'{bound:.1f}'} "
             f"| {_pct(r['objective_vs_full_bound'])} | {u['saved_bytes'] / 2**20:.3f} "
-            f"| {f['saved_bytes'] / 2**20:.3f} | {r['within_1pct']} ({r['quality_basis']}) |")
+            f"| {f['saved_bytes'] / 2**20:.3f} | {r['within_1pct']} ({r['quality_basis']}) |"
+        )
     return "\n".join(lines)
 
 
@@ -275,26 +304,43 @@ def markdown_document(rows: list[dict]) -> str:
     capture and solve seconds depend on the machine's load (the provenance line gives it)."""
     width = ", ".join(f"{k}={v}" for k, v in WIDTH.items())
     fractions = sorted({r["fraction"] for r in rows})
-    return (f"{header_line()}\n\nGPT ({width}, batch {BATCH}), one int byte budget for both solves "
-            f"(fraction {', '.join(f'{f:g}' for f in fractions)} of the range), HiGHS\n\n{markdown(rows)}\n")
+    return (
+        f"{header_line()}\n\nGPT ({width}, batch {BATCH}), one int byte budget for both solves "
+        f"(fraction {', '.join(f'{f:g}' for f in fractions)} of the range), HiGHS\n\n{markdown(rows)}\n"
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default=",".join(map(str, LAYERS)), help="comma-separated depths")
-    ap.add_argument("--fraction", type=float, default=0.3,
-                    help="budget = least + fraction * (save-all - least), as an int for both solves")
+    ap.add_argument(
+        "--fraction",
+        type=float,
+        default=0.3,
+        help="budget = least + fraction * (save-all - least), as an int for both solves",
+    )
     ap.add_argument("--time-limit", type=float, default=60.0, help="solver time limit per solve (s)")
     ap.add_argument("--mip-gap", type=float, default=0.01, help="relative gap at which a solve stops")
     ap.add_argument("--problem-dir", type=Path, help="cache captured problems here (pickles)")
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of markdown")
-    ap.add_argument("--md", metavar="FILE", help="also write the markdown tables here, opening with "
-                    "recompile_opt.provenance.header_line() (versions, machine, load, date)")
+    ap.add_argument(
+        "--md",
+        metavar="FILE",
+        help="also write the markdown tables here, opening with "
+        "recompile_opt.provenance.header_line() (versions, machine, load, date)",
+    )
     args = ap.parse_args(argv)
     rows = []
     for n in (int(x) for x in args.layers.split(",")):
-        rows.append(row(n, fraction=args.fraction, time_limit_s=args.time_limit, mip_gap=args.mip_gap,
-                        problem_dir=args.problem_dir))
+        rows.append(
+            row(
+                n,
+                fraction=args.fraction,
+                time_limit_s=args.time_limit,
+                mip_gap=args.mip_gap,
+                problem_dir=args.problem_dir,
+            )
+        )
         print(f"# {n} layers done: {rows[-1]['within_1pct']}", file=sys.stderr, flush=True)
     print(json.dumps(rows, indent=2) if args.json else markdown(rows))
     if args.md:

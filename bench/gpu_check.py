@@ -30,13 +30,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--tiny", action="store_true", help="tiny models (2 layers, h=32): the CPU test")
     p.add_argument("--out", default=str(REPO / "docs" / "gpu.md"))
-    p.add_argument("--parts", default=",".join(cases.PARTS), help=f"comma-separated of {','.join(cases.PARTS)}")
-    p.add_argument("--models", default="", help=f"correctness/fidelity models (default all: {','.join(cases.MODELS)})")
+    p.add_argument(
+        "--parts", default=",".join(cases.PARTS), help=f"comma-separated of {','.join(cases.PARTS)}"
+    )
+    p.add_argument(
+        "--models", default="", help=f"correctness/fidelity models (default all: {','.join(cases.MODELS)})"
+    )
     p.add_argument("--dtypes", default="", help="fp32,bf16 (default both)")
     p.add_argument("--options", default="", help=f"backend options (default all: {','.join(cases.OPTIONS)})")
-    p.add_argument("--strategies", default="", help=f"performance strategies (default all: {','.join(cases.STRATEGIES)})")
-    p.add_argument("--compiler", choices=("inductor", "eager"), default="inductor",
-                   help="eager: no code generation (ours: compiler=eager; plain compiles: aot_eager)")
+    p.add_argument(
+        "--strategies", default="", help=f"performance strategies (default all: {','.join(cases.STRATEGIES)})"
+    )
+    p.add_argument(
+        "--compiler",
+        choices=("inductor", "eager"),
+        default="inductor",
+        help="eager: no code generation (ours: compiler=eager; plain compiles: aot_eager)",
+    )
     p.add_argument("--jobs", type=int, default=None, help="cases at once (default: 8 on CUDA, 2 on the CPU)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per case")
     p.add_argument("--verbose", action="store_true", help="print a failed case's stderr")
@@ -61,11 +71,18 @@ def select(args) -> tuple[list[str], list[dict]]:
     todo = [{"part": "environment"}]
     if {"correctness", "fidelity"} & set(parts):
         models = cases.pick(args.models, cases.MODELS, "models")
-        todo += cases.numeric_cases(models, cases.pick(args.dtypes, cases.DTYPES, "dtypes"),
-                                    cases.pick(args.options, tuple(cases.OPTIONS), "options"), tiny=args.tiny)
+        todo += cases.numeric_cases(
+            models,
+            cases.pick(args.dtypes, cases.DTYPES, "dtypes"),
+            cases.pick(args.options, tuple(cases.OPTIONS), "options"),
+            tiny=args.tiny,
+        )
     if "performance" in parts:
-        todo += cases.strategy_cases(cases.pick(args.strategies, tuple(cases.STRATEGIES), "strategies"),
-                                     cases.STRATEGIES, "performance")
+        todo += cases.strategy_cases(
+            cases.pick(args.strategies, tuple(cases.STRATEGIES), "strategies"),
+            cases.STRATEGIES,
+            "performance",
+        )
     if "profile" in parts:
         todo += cases.strategy_cases(list(cases.PROFILES), cases.PROFILES, "profile")
     return parts, todo
@@ -77,8 +94,12 @@ def command_for(args, parts: list[str]) -> str:
     argv += ["--tiny"] if args.tiny else []
     argv += ["--compiler", args.compiler] if args.compiler != "inductor" else []
     numeric = {"correctness", "fidelity"} & set(parts)
-    for flag, used in (("models", numeric), ("dtypes", numeric), ("options", numeric),
-                       ("strategies", "performance" in parts)):
+    for flag, used in (
+        ("models", numeric),
+        ("dtypes", numeric),
+        ("options", numeric),
+        ("strategies", "performance" in parts),
+    ):
         if getattr(args, flag) and used:
             argv += [f"--{flag}", getattr(args, flag)]
     return shlex.join(argv)
@@ -91,11 +112,15 @@ def render(results: dict, parts: list[str], args) -> str:
     if "error" in env:
         lines += [f"Environment: ERROR {env['error']}", ""]
     for part in parts:
-        cmd = command_for(args, ["correctness", "fidelity"] if part in ("correctness", "fidelity") else [part])
+        cmd = command_for(
+            args, ["correctness", "fidelity"] if part in ("correctness", "fidelity") else [part]
+        )
         if part == "performance":
-            title = ("GPT (recompile_opt.models.GPT, SDPA attention): " +
-                     ("tiny" if args.tiny else "vocab 50304, h=1024, 16 heads, 8 layers, s=2048, b=8") +
-                     ", fp32 parameters under bf16 autocast, SGD.")
+            title = (
+                "GPT (recompile_opt.models.GPT, SDPA attention): "
+                + ("tiny" if args.tiny else "vocab 50304, h=1024, 16 heads, 8 layers, s=2048, b=8")
+                + ", fp32 parameters under bf16 autocast, SGD."
+            )
             lines += report.performance(results, cmd, title=title)
         else:
             lines += getattr(report, part)(results, cmd)

@@ -21,7 +21,9 @@ STEPS = 5
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=("gpt", "llama"), default="gpt")
-    p.add_argument("--budget", type=float, default=None, help="recompile_opt's memory_budget (else plain torch.compile)")
+    p.add_argument(
+        "--budget", type=float, default=None, help="recompile_opt's memory_budget (else plain torch.compile)"
+    )
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
 
@@ -34,8 +36,11 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     inductor_config.cpp.enable_kernel_profile = True
     model, inputs = (models.demo_gpt if args.model == "gpt" else models.demo_llama)()
-    compiled = (torch.compile(model) if args.budget is None else
-                torch.compile(model, backend="recompile_opt", options={"memory_budget": args.budget}))
+    compiled = (
+        torch.compile(model)
+        if args.budget is None
+        else torch.compile(model, backend="recompile_opt", options={"memory_budget": args.budget})
+    )
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -51,7 +56,7 @@ def main(argv=None) -> None:
     what = "torch.compile" if args.budget is None else f"recompile_opt memory_budget={args.budget}"
     print(f"{args.model}, {what}: {total:.1f} ms self time per step ({STEPS} steps)")
     print(f"{'ms/step':>8} {'calls':>5}  op or kernel")
-    for e in rows[:args.top]:
+    for e in rows[: args.top]:
         print(f"{e.self_cpu_time_total / STEPS / 1e3:8.2f} {e.count // STEPS:5d}  {e.key[:100]}")
 
 

@@ -56,7 +56,7 @@ def probe(name: str, seq: int, steps: int) -> dict:
     lines = [line for line in run.stdout.splitlines() if line.startswith(MARKER)]
     if not lines:
         return {"strategy": name, "seq": seq, "error": run.stderr.strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1][len(MARKER):])
+    return json.loads(lines[-1][len(MARKER) :])
 
 
 def worker(name: str, seq: int, steps: int) -> dict:
@@ -120,21 +120,33 @@ def table(results: dict, args) -> str:
     from recompile_opt.provenance import header_line
 
     base = results.get("torch.compile", next(iter(results.values())))["longest"] or 1
-    lines = [header_line(), "",
-             f"Cap {args.cap / MiB:.0f} MiB (measured step peak above the pre-step baseline); model: "
-             f"{json.dumps(MODEL)}.", "",
-             "| strategy | longest sequence under the cap | x torch.compile | peak MiB there | step s there | chunks |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        header_line(),
+        "",
+        f"Cap {args.cap / MiB:.0f} MiB (measured step peak above the pre-step baseline); model: "
+        f"{json.dumps(MODEL)}.",
+        "",
+        "| strategy | longest sequence under the cap | x torch.compile | peak MiB there | step s there | chunks |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, r in results.items():
         at = next((x for x in r["runs"] if x["seq"] == r["longest"]), {})
         chunks = ", ".join(sorted({f"{c['kind']} {c['chunks']}" for c in at.get("chunks", [])})) or "-"
-        lines.append(f"| {label} | {r['longest']} | {r['longest'] / base:.1f}x | "
-                     f"{at.get('peak_bytes', 0) / MiB:.1f} | {at.get('step_s', float('nan')):.2f} | {chunks} |")
-    common = sorted(set.intersection(*[{x["seq"] for x in r["runs"] if "step_s" in x} for r in results.values()]))
+        lines.append(
+            f"| {label} | {r['longest']} | {r['longest'] / base:.1f}x | "
+            f"{at.get('peak_bytes', 0) / MiB:.1f} | {at.get('step_s', float('nan')):.2f} | {chunks} |"
+        )
+    common = sorted(
+        set.intersection(*[{x["seq"] for x in r["runs"] if "step_s" in x} for r in results.values()])
+    )
     if common:
-        lines += ["", "Step time (s, median) at the lengths every strategy ran:", "",
-                  "| strategy | " + " | ".join(str(s) for s in common) + " |",
-                  "|---|" + "---|" * len(common)]
+        lines += [
+            "",
+            "Step time (s, median) at the lengths every strategy ran:",
+            "",
+            "| strategy | " + " | ".join(str(s) for s in common) + " |",
+            "|---|" + "---|" * len(common),
+        ]
         for label, r in results.items():
             by = {x["seq"]: x for x in r["runs"]}
             lines.append(f"| {label} | " + " | ".join(f"{by[s]['step_s']:.2f}" for s in common) + " |")
@@ -152,8 +164,13 @@ def plot(results: dict, path: str, cap: int) -> None:
         pts = sorted((x["seq"], x["peak_bytes"] / MiB) for x in r["runs"] if x.get("peak_bytes"))
         ax.plot(*zip(*pts), marker="o", label=label)
     ax.axhline(cap / MiB, color="gray", linestyle="--", label="cap")
-    ax.set(xscale="log", yscale="log", xlabel="sequence length (tokens, batch 1)", ylabel="measured step peak (MiB)",
-           title="Llama-style, width 256, 2 layers, vocabulary 32000, fp32, CPU")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="sequence length (tokens, batch 1)",
+        ylabel="measured step peak (MiB)",
+        title="Llama-style, width 256, 2 layers, vocabulary 32000, fp32, CPU",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -166,8 +183,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq", type=int, default=32768)
     p.add_argument("--bisect", type=int, default=2, help="halvings between the last fit and the first miss")
     p.add_argument("--steps", type=int, default=2, help="timed steps per probe")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated labels from: "
-                   + "; ".join(STRATEGIES))
+    p.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated labels from: " + "; ".join(STRATEGIES),
+    )
     p.add_argument("--md")
     p.add_argument("--json")
     p.add_argument("--plot")
@@ -182,10 +202,15 @@ def main(argv=None) -> int:
     args.cap_text, args.cap = args.cap, parse_bytes("cap", args.cap)
     results = {}
     for label in [s.strip() for s in args.strategies.split(",")]:
+
         def log(r, label=label):
             peak = f"{r['peak_bytes'] / MiB:8.1f} MiB" if "peak_bytes" in r else f"error {r.get('error')}"
-            print(f"{label:<36} seq {r['seq']:>6}: {peak}  step {r.get('step_s', float('nan')):.2f} s  "
-                  f"compile {r.get('compile_s', float('nan')):.0f} s {r.get('chunks', '')}", flush=True)
+            print(
+                f"{label:<36} seq {r['seq']:>6}: {peak}  step {r.get('step_s', float('nan')):.2f} s  "
+                f"compile {r.get('compile_s', float('nan')):.0f} s {r.get('chunks', '')}",
+                flush=True,
+            )
+
         good, runs = longest(STRATEGIES[label].replace("CAP", args.cap_text), args, log)
         results[label] = {"longest": good, "runs": runs}
         if args.json:
@@ -193,8 +218,9 @@ def main(argv=None) -> int:
     report = table(results, args)
     print(report)
     if args.md:
-        Path(args.md).write_text("```bash\npython bench/long_context.py " + shlex.join(sys.argv[1:]) + "\n```\n\n"
-                                 + report + "\n")
+        Path(args.md).write_text(
+            "```bash\npython bench/long_context.py " + shlex.join(sys.argv[1:]) + "\n```\n\n" + report + "\n"
+        )
     if args.plot:
         plot(results, args.plot, args.cap)
     return 0

@@ -94,15 +94,20 @@ def loss_function(name: str, n: int, v: int, d: int):
         from recompile_opt.passes.chunking import chunked_linear_cross_entropy
 
         k = int(name.split("-", 1)[1])
-        return (lambda x, w, t: chunked_linear_cross_entropy(x, w, None, t, chunks=k, dtype=torch.float32),
-                f"{k} chunks of <= {math.ceil(n / k)} tokens")
+        return (
+            lambda x, w, t: chunked_linear_cross_entropy(x, w, None, t, chunks=k, dtype=torch.float32),
+            f"{k} chunks of <= {math.ceil(n / k)} tokens",
+        )
     if name in ("cce", "cce-triton"):
         from cut_cross_entropy import linear_cross_entropy
 
         impl = "torch_compile" if name == "cce" else "cce"
         note = f"cut-cross-entropy {_version('cut-cross-entropy')}, impl={impl!r}"
-        note += (": torch.compile(dynamic=True) of e @ c.T + cross_entropy" if name == "cce"
-                 else ", Triton interpreted: time meaningless")
+        note += (
+            ": torch.compile(dynamic=True) of e @ c.T + cross_entropy"
+            if name == "cce"
+            else ", Triton interpreted: time meaningless"
+        )
         return (lambda x, w, t: linear_cross_entropy(x, w, t, impl=impl)), note
     if name == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -110,10 +115,12 @@ def loss_function(name: str, n: int, v: int, d: int):
         liger = LigerFusedLinearCrossEntropyLoss()
         inc = -(-v // d)  # Liger's own chunking: about n*d logits a chunk, a power of two of rows
         rows = min(n, 1 << (math.ceil(n / inc) - 1).bit_length())
-        return (lambda x, w, t: liger(w, x, t),
-                f"liger-kernel {_version('liger-kernel')}, triton {_version('triton')}, interpreted "
-                f"(TRITON_INTERPRET=1): time meaningless, kernel blocks are NumPy (not counted); "
-                f"{math.ceil(n / rows)} chunks of {rows} tokens")
+        return (
+            lambda x, w, t: liger(w, x, t),
+            f"liger-kernel {_version('liger-kernel')}, triton {_version('triton')}, interpreted "
+            f"(TRITON_INTERPRET=1): time meaningless, kernel blocks are NumPy (not counted); "
+            f"{math.ceil(n / rows)} chunks of {rows} tokens",
+        )
     raise ValueError(f"unknown strategy {name!r}")
 
 
@@ -179,8 +186,12 @@ def describe_error(e: BaseException) -> str:
     chain = [e]
     while chain[-1].__cause__ is not None and len(chain) < 10:
         chain.append(chain[-1].__cause__)
-    frames = [f for exc in chain for f in traceback.extract_tb(exc.__traceback__)
-              if not any(f"/{lib}/" in f.filename for lib in ("torch", "triton"))]
+    frames = [
+        f
+        for exc in chain
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not any(f"/{lib}/" in f.filename for lib in ("torch", "triton"))
+    ]
     root = chain[-1]
     last = str(root).strip().splitlines()[-1:] or [""]
     where = ""
@@ -198,38 +209,63 @@ def describe_error(e: BaseException) -> str:
 def probe(name: str, args) -> dict:
     """Run :func:`worker` for ``name`` in a fresh process (interpreted Triton where the strategy needs it)."""
     if name in INTERPRETED and args.tokens * args.vocab > LIGER_MAX_LOGITS:
-        return {"strategy": name, "skipped": f"N*V = {args.tokens * args.vocab} > {LIGER_MAX_LOGITS}: "
-                "Triton's interpreter is too slow here; run it at a small size"}
+        return {
+            "strategy": name,
+            "skipped": f"N*V = {args.tokens * args.vocab} > {LIGER_MAX_LOGITS}: "
+            "Triton's interpreter is too slow here; run it at a small size",
+        }
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         if name in INTERPRETED:
             env["TRITON_INTERPRET"] = "1"  # read when triton is imported: hence a process of its own
-        cmd = [sys.executable, __file__, "--worker", name, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--dim", str(args.dim), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            name,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--dim",
+            str(args.dim),
+            "--steps",
+            str(args.steps),
+        ]
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith(MARKER)]
     if not lines:
         tail = run.stderr.strip().splitlines()[-1:] or [f"exit {run.returncode}, no output"]
         return {"strategy": name, "error": f"worker died: {tail[0]}"[:300]}
-    return json.loads(lines[-1][len(MARKER):])
+    return json.loads(lines[-1][len(MARKER) :])
 
 
 def table(rows: list[dict], args) -> str:
     from recompile_opt.provenance import header_line
 
     n, v, d = args.tokens, args.vocab, args.dim
-    lines = [header_line(), "",
-             f"N={n} tokens, V={v}, D={d}, fp32, one thread. For scale: the logits [N, V] are "
-             f"{n * v * 4 / MiB:.1f} MiB; x.grad + W.grad (counted in every peak) {(n + v) * d * 4 / MiB:.1f} MiB.",
-             "", "| strategy | peak MiB (measured) | step ms (median) | matches plain | note |",
-             "|---|---|---|---|---|"]
+    lines = [
+        header_line(),
+        "",
+        f"N={n} tokens, V={v}, D={d}, fp32, one thread. For scale: the logits [N, V] are "
+        f"{n * v * 4 / MiB:.1f} MiB; x.grad + W.grad (counted in every peak) {(n + v) * d * 4 / MiB:.1f} MiB.",
+        "",
+        "| strategy | peak MiB (measured) | step ms (median) | matches plain | note |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         peak = f"{r['peak_bytes'] / MiB:.2f}" if "peak_bytes" in r else "-"
         ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
         if r["strategy"] in INTERPRETED and "step_s" in r:
             ms += " (interpreter)"
-        matches = r.get("matches") or (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error')}")
+        matches = r.get("matches") or (
+            f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error')}"
+        )
         if "error" in r and "matches" in r:
             matches += f"; then error: {r['error']}"
         note = r.get("note", "")
@@ -245,17 +281,25 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="N")
     p.add_argument("--vocab", type=int, default=32000, help="V")
     p.add_argument("--dim", type=int, default=256, help="D")
-    p.add_argument("--strategies", help="comma-separated: plain, compile, ours-K, cce, cce-triton, liger "
-                   "(default: plain,compile,ours-8,ours-32,ours-<ceil(V/D)>,cce,liger)")
+    p.add_argument(
+        "--strategies",
+        help="comma-separated: plain, compile, ours-K, cce, cce-triton, liger "
+        "(default: plain,compile,ours-8,ours-32,ours-<ceil(V/D)>,cce,liger)",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per strategy")
     p.add_argument("--md", help="write the command and the table here")
     p.add_argument("--json", help="write the raw rows here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(MARKER + json.dumps(worker(args.worker, args.tokens, args.vocab, args.dim, args.steps)), flush=True)
+        print(
+            MARKER + json.dumps(worker(args.worker, args.tokens, args.vocab, args.dim, args.steps)),
+            flush=True,
+        )
         return 0
-    names = (args.strategies or f"plain,compile,ours-8,ours-32,ours-{-(-args.vocab // args.dim)},cce,liger").split(",")
+    names = (
+        args.strategies or f"plain,compile,ours-8,ours-32,ours-{-(-args.vocab // args.dim)},cce,liger"
+    ).split(",")
     rows = []
     for name in (s.strip() for s in names):
         r = probe(name, args)
@@ -264,8 +308,9 @@ def main(argv=None) -> int:
     report = table(rows, args)
     print(report)
     if args.md:
-        Path(args.md).write_text("```bash\npython bench/loss_alone.py " + shlex.join(sys.argv[1:]) + "\n```\n\n"
-                                 + report + "\n")
+        Path(args.md).write_text(
+            "```bash\npython bench/loss_alone.py " + shlex.join(sys.argv[1:]) + "\n```\n\n" + report + "\n"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -23,8 +23,13 @@ import os
 import sys
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-POLICIES = ({"memory_budget": 0.0}, {"memory_budget": 0.5}, {"policy": "full"},
-            {"policy": "megatron-selective"}, {"policy": "save-all"})
+POLICIES = (
+    {"memory_budget": 0.0},
+    {"memory_budget": 0.5},
+    {"policy": "full"},
+    {"policy": "megatron-selective"},
+    {"policy": "save-all"},
+)
 LIMITS = ("byte budget", "peak_memory")  # derived from the 0.0 plan (module docstring)
 
 
@@ -42,11 +47,12 @@ def builders() -> dict:
 def measure(model, inputs, setting: dict):
     """``(plan, measured peak)`` of one recompile_opt step under ``setting`` after a training step."""
     import torch
-
     from helpers import train_side_by_side
 
     torch._dynamo.reset()
-    return train_side_by_side(model, inputs, options=setting, steps=1, rtol=1e-4, atol=1e-5, measure_peak=True)
+    return train_side_by_side(
+        model, inputs, options=setting, steps=1, rtol=1e-4, atol=1e-5, measure_peak=True
+    )
 
 
 def rows(name: str, build):
@@ -67,8 +73,10 @@ def rows(name: str, build):
         least = least or plan
         predicted, limit = plan.predicted_peak_bytes, setting.get("peak_memory")
         held = "" if limit is None else (" (under the limit)" if measured <= limit else " **over the limit**")
-        yield (f"| {name} | {setting} | {predicted} | {plan.solver.get('peak_from')} | "
-               f"{plan.peak_breakdown['total']} | {measured}{held} | {100 * (predicted - measured) / measured:+.1f}% |")
+        yield (
+            f"| {name} | {setting} | {predicted} | {plan.solver.get('peak_from')} | "
+            f"{plan.peak_breakdown['total']} | {measured}{held} | {100 * (predicted - measured) / measured:+.1f}% |"
+        )
 
 
 def main(argv=None) -> None:

@@ -49,8 +49,12 @@ from recompile_opt.provenance import header_line  # noqa: E402
 
 S, B = 2048, 1
 MODELS = {"22B": (6144, 64), "175B": (12288, 96), "530B": (20480, 128), "1T": (25600, 160)}
-STRATEGIES = {"none": "save-all", "selective": "megatron-selective", "full": "full",
-              "ilp-selective-budget": None}
+STRATEGIES = {
+    "none": "save-all",
+    "selective": "megatron-selective",
+    "full": "full",
+    "ilp-selective-budget": None,
+}
 # The overheads the paper states (fractions), and over what: "forward" or "step" (= 3 forwards).
 PAPER_OVERHEAD = {("175B", "selective"): 0.027, ("530B", "selective"): 0.016}
 PAPER_FULL_OVERHEAD = 1 / 3  # stated for full recompute in general
@@ -59,11 +63,16 @@ BASIS = {"none": "forward", "selective": "forward", "ilp-selective-budget": "for
 
 # -- the paper's formulas -----------------------------------------------------------------------
 
+
 def formula_bytes(strategy: str, h: int, a: int, s: int = S, b: int = B) -> int:
     """Table 2 (t=1); the ILP is held to selective's 34sbh, the budget it is given."""
     sbh = s * b * h
-    return {"none": 34 * sbh + 5 * a * s * s * b, "selective": 34 * sbh, "full": 2 * sbh,
-            "ilp-selective-budget": 34 * sbh}[strategy]
+    return {
+        "none": 34 * sbh + 5 * a * s * s * b,
+        "selective": 34 * sbh,
+        "full": 2 * sbh,
+        "ilp-selective-budget": 34 * sbh,
+    }[strategy]
 
 
 def formula_forward_flops(h: int, s: int = S, b: int = B) -> int:
@@ -78,6 +87,7 @@ def paper_overhead(model: str, strategy: str) -> float | None:
 
 
 # -- our side: FLOPs counted, plans made --------------------------------------------------------
+
 
 def module_flops(model, x) -> dict[str, int]:
     """Forward FLOPs per module, inclusive of children, keyed like plan entries' ``module``
@@ -116,8 +126,8 @@ def _plan(model, x, **options):
 
 # -- explaining plan vs formula -----------------------------------------------------------------
 
-def byte_differences(plan, strategy: str, h: int, a: int, s: int = S,
-                     b: int = B) -> list[tuple[str, int]]:
+
+def byte_differences(plan, strategy: str, h: int, a: int, s: int = S, b: int = B) -> list[tuple[str, int]]:
     """Itemise plan bytes minus formula bytes from the plan's own entries: what it keeps that the
     paper does not count (+), what the paper counts that it replays instead of keeping (-)."""
     items: dict[str, int] = {}
@@ -127,19 +137,20 @@ def byte_differences(plan, strategy: str, h: int, a: int, s: int = S,
 
     for e in plan.saved:
         if e.reason == "rng":
-            add("RNG states kept to replay dropout in the backward (one per replayed random op)",
-                e.bytes)
+            add("RNG states kept to replay dropout in the backward (one per replayed random op)", e.bytes)
         elif e.dtype == "float32" and e.shape and e.shape[-1] == 1:
             kind = "LayerNorm mean and 1/std" if ".ln_" in e.module else "softmax row max and sum"
             add(f"{kind} (fp32, one per row; the paper does not count them)", e.bytes)
         elif e.dtype == "bool" and list(e.shape) == [1, 1, s, s]:
-            add("causal mask (bool s x s, kept for masked_fill's backward; not counted by the paper, "
-                "whose fused causal softmax needs no mask tensor)", e.bytes)
+            add(
+                "causal mask (bool s x s, kept for masked_fill's backward; not counted by the paper, "
+                "whose fused causal softmax needs no mask tensor)",
+                e.bytes,
+            )
     if strategy in ("selective", "ilp-selective-budget"):  # the paper keeps both h-wide masks
         for e in plan.recomputed:
             if e.dtype == "bool" and list(e.shape) == [b, s, h]:
-                add(f"{e.module} mask (bool sbh) the paper keeps, this plan replays from RNG",
-                    -b * s * h)
+                add(f"{e.module} mask (bool sbh) the paper keeps, this plan replays from RNG", -b * s * h)
     residual = plan.saved_bytes - formula_bytes(strategy, h, a, s, b) - sum(items.values())
     if residual:
         add("not explained by the items above", residual)
@@ -160,17 +171,20 @@ def flop_differences(plan, strategy: str, flops: dict[str, int]) -> list[str]:
         done = sum(e.flops for e in ours)
         if own > done:
             what = ", ".join(f"{e.name} ({e.op}, {e.flops / 1e9:.1f} GFLOP)" for e in ours) or "nothing"
-            lines.append(f"{mod or '(layer)'}: Megatron reruns {own / 1e9:.1f} GFLOP, this plan "
-                         f"{done / 1e9:.1f} ({what})")
+            lines.append(
+                f"{mod or '(layer)'}: Megatron reruns {own / 1e9:.1f} GFLOP, this plan "
+                f"{done / 1e9:.1f} ({what})"
+            )
     return lines
 
 
 def _is_child(key: str, parent: str) -> bool:
-    rest = key[len(parent) + 1:] if parent else key
+    rest = key[len(parent) + 1 :] if parent else key
     return key != parent and key.startswith(parent + "." if parent else "") and "." not in rest
 
 
 # -- rows and printing --------------------------------------------------------------------------
+
 
 def model_rows(name: str) -> list[dict]:
     """All strategies' rows for one model of the paper."""
@@ -187,15 +201,27 @@ def row(name: str, strategy: str, plan, flops: dict[str, int], h: int, a: int) -
     megatron = megatron_recompute_flops(strategy, flops)
     formula = formula_bytes(strategy, h, a)
     return {
-        "model": name, "strategy": strategy, "h": h, "heads": a, "s": S, "b": B,
-        "formula_bytes": formula, "plan_bytes": plan.saved_bytes, "ratio": plan.saved_bytes / formula,
-        "recompute_flops": plan.recompute_flops, "forward_flops": fwd,
+        "model": name,
+        "strategy": strategy,
+        "h": h,
+        "heads": a,
+        "s": S,
+        "b": B,
+        "formula_bytes": formula,
+        "plan_bytes": plan.saved_bytes,
+        "ratio": plan.saved_bytes / formula,
+        "recompute_flops": plan.recompute_flops,
+        "forward_flops": fwd,
         "forward_flops_formula": formula_forward_flops(h),
-        "overhead_basis": BASIS[strategy], "overhead": plan.recompute_flops / basis,
-        "overhead_forward": plan.recompute_flops / fwd, "overhead_step": plan.recompute_flops / (3 * fwd),
-        "megatron_recompute_flops": megatron, "megatron_overhead": megatron / basis,
+        "overhead_basis": BASIS[strategy],
+        "overhead": plan.recompute_flops / basis,
+        "overhead_forward": plan.recompute_flops / fwd,
+        "overhead_step": plan.recompute_flops / (3 * fwd),
+        "megatron_recompute_flops": megatron,
+        "megatron_overhead": megatron / basis,
         "paper_overhead": paper_overhead(name, strategy),
-        "plan_step_s": plan.step_s, "plan_recompute_s": plan.recompute_s,
+        "plan_step_s": plan.step_s,
+        "plan_recompute_s": plan.recompute_s,
         "byte_differences": [{"what": w, "bytes": n} for w, n in byte_differences(plan, strategy, h, a)],
         "flop_differences": flop_differences(plan, strategy, flops),
     }
@@ -206,8 +232,10 @@ def _pct(x: float | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| model | strategy | formula MiB (×sbh) | plan MiB (×sbh) | plan/formula | recompute GFLOP "
-            "| forward GFLOP (counted = formula?) | ours % | Megatron's rerun % | paper % | basis |")
+    head = (
+        "| model | strategy | formula MiB (×sbh) | plan MiB (×sbh) | plan/formula | recompute GFLOP "
+        "| forward GFLOP (counted = formula?) | ours % | Megatron's rerun % | paper % | basis |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         sbh = r["s"] * r["b"] * r["h"]
@@ -217,7 +245,8 @@ def markdown_table(rows: list[dict]) -> str:
             f" | {r['plan_bytes'] / 2**20:.1f} ({r['plan_bytes'] / sbh:.3f}) | {r['ratio']:.4f}"
             f" | {r['recompute_flops'] / 1e9:.1f} | {r['forward_flops'] / 1e9:.1f} ({same})"
             f" | {_pct(r['overhead'])} | {_pct(r['megatron_overhead'])} | {_pct(r['paper_overhead'])}"
-            f" | {r['overhead_basis']} |")
+            f" | {r['overhead_basis']} |"
+        )
     return "\n".join(lines)
 
 
@@ -225,8 +254,10 @@ def explanations(rows: list[dict]) -> str:
     out = ["", "Where the plan differs from the formula (bytes, from the plan's kept/recomputed entries):"]
     for r in rows:
         items = "; ".join(f"{d['what']}: {d['bytes'] / 2**20:+.3f} MiB" for d in r["byte_differences"])
-        out.append(f"- {r['model']} {r['strategy']}: {r['plan_bytes'] - r['formula_bytes']:+d} B"
-                   + (f" = {items}" if items else ""))
+        out.append(
+            f"- {r['model']} {r['strategy']}: {r['plan_bytes'] - r['formula_bytes']:+d} B"
+            + (f" = {items}" if items else "")
+        )
     out += ["", "Where our recompute FLOPs differ from Megatron's rerun (per module):"]
     for r in rows:
         out += [f"- {r['model']} {r['strategy']}: {line}" for line in r["flop_differences"]]
@@ -253,8 +284,11 @@ NOTES = """Notes.
 
 # -- tensor and sequence parallelism (--tp T) ---------------------------------------------------
 
-TP_STRATEGIES = {"none": dict(policy="save-all"), "selective": dict(policy="megatron-selective"),
-                 "full": dict(policy="full")}
+TP_STRATEGIES = {
+    "none": dict(policy="save-all"),
+    "selective": dict(policy="megatron-selective"),
+    "full": dict(policy="full"),
+}
 ILP_SLACK = 1.01  # the ILP row's budget: TP+SP+selective's 34sbh/t, 1% over
 
 
@@ -264,9 +298,12 @@ def formula_bytes_tp(strategy: str, h: int, a: int, t: int, sp: bool, s: int = S
     sbh = s * b * h
     replicated = 0 if sp else 10 * sbh  # the norms' inputs, the QKV and fc1 inputs, two h-wide masks
     core = 5 * a * s * s * b / t
-    return {"none": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0) + core,
-            "selective": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0),
-            "full": 2 * sbh / (t if sp else 1), "ilp": 34 * sbh / t}[strategy]
+    return {
+        "none": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0) + core,
+        "selective": replicated + 24 * sbh / t + (10 * sbh / t if sp else 0),
+        "full": 2 * sbh / (t if sp else 1),
+        "ilp": 34 * sbh / t,
+    }[strategy]
 
 
 def model_rows_tp(name: str, t: int) -> list[dict]:
@@ -282,18 +319,31 @@ def model_rows_tp(name: str, t: int) -> list[dict]:
         parallelize(model, mesh, (x,), sequence_parallel=sp)
         plans = {k: _plan(model, x, **kw) for k, kw in TP_STRATEGIES.items()}
         if sp:
-            plans["ilp"] = _plan(model, x, memory_budget=int(ILP_SLACK * formula_bytes_tp("ilp", h, a, t, sp)))
+            plans["ilp"] = _plan(
+                model, x, memory_budget=int(ILP_SLACK * formula_bytes_tp("ilp", h, a, t, sp))
+            )
         for strategy, plan in plans.items():
             formula = formula_bytes_tp(strategy, h, a, t, sp)
-            rows.append({
-                "model": name, "t": t, "sp": sp, "strategy": strategy, "h": h, "heads": a, "s": S, "b": B,
-                "formula_bytes": formula, "plan_bytes": plan.saved_bytes, "ratio": plan.saved_bytes / formula,
-                "sent_bytes": plan.communication_bytes(),
-                "regathered": sum(1 for c in plan.collectives if c.get("regathered")),
-                "s2_kept_bytes": sum(e.bytes for e in plan.saved if list(e.shape[-2:]) == [S, S]),
-                "recompute_flops": plan.recompute_flops,
-                "recomputed_modules": sorted({e.module for e in plan.recomputed if e.flops}),
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "t": t,
+                    "sp": sp,
+                    "strategy": strategy,
+                    "h": h,
+                    "heads": a,
+                    "s": S,
+                    "b": B,
+                    "formula_bytes": formula,
+                    "plan_bytes": plan.saved_bytes,
+                    "ratio": plan.saved_bytes / formula,
+                    "sent_bytes": plan.communication_bytes(),
+                    "regathered": sum(1 for c in plan.collectives if c.get("regathered")),
+                    "s2_kept_bytes": sum(e.bytes for e in plan.saved if list(e.shape[-2:]) == [S, S]),
+                    "recompute_flops": plan.recompute_flops,
+                    "recomputed_modules": sorted({e.module for e in plan.recomputed if e.flops}),
+                }
+            )
     return rows
 
 
@@ -311,41 +361,66 @@ def _fake_mesh(t: int):
 
 def markdown_tp(rows: list[dict]) -> str:
     t = rows[0]["t"]
-    head = ("| model | layout | strategy | formula MiB | plan MiB | plan/formula | sent MiB | re-gathers "
-            "| s x s kept MiB | recompute GFLOP | recomputed matmuls in |")
-    lines = [f"Korthikanti et al. 2022, Table 2 per rank and layer at t={t}: s={S}, b={B}, bf16, dropout 0.1; "
-             "rank 0 of a fake process group on the meta device", "", head, "|" + "---|" * (head.count("|") - 1)]
+    head = (
+        "| model | layout | strategy | formula MiB | plan MiB | plan/formula | sent MiB | re-gathers "
+        "| s x s kept MiB | recompute GFLOP | recomputed matmuls in |"
+    )
+    lines = [
+        f"Korthikanti et al. 2022, Table 2 per rank and layer at t={t}: s={S}, b={B}, bf16, dropout 0.1; "
+        "rank 0 of a fake process group on the meta device",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {'TP+SP' if r['sp'] else 'TP'} | {r['strategy']} | {r['formula_bytes'] / 2**20:.1f}"
             f" | {r['plan_bytes'] / 2**20:.1f} | {r['ratio']:.4f} | {r['sent_bytes'] / 2**20:.1f} | {r['regathered']}"
             f" | {r['s2_kept_bytes'] / 2**20:.1f} | {r['recompute_flops'] / 1e9:.1f}"
-            f" | {', '.join(r['recomputed_modules']) or '-'} |")
-    lines += ["", "ilp: the ILP at 1.01 x 34sbh/t (TP+SP+selective's bytes). sent: bytes one rank sends per step "
-              "(the layer's own collectives, each re-gather again, and the transitions into and out of the bare "
-              "layer: its input split, its output gathered)."]
+            f" | {', '.join(r['recomputed_modules']) or '-'} |"
+        )
+    lines += [
+        "",
+        "ilp: the ILP at 1.01 x 34sbh/t (TP+SP+selective's bytes). sent: bytes one rank sends per step "
+        "(the layer's own collectives, each re-gather again, and the transitions into and out of the bare "
+        "layer: its input split, its output gathered).",
+    ]
     return "\n".join(lines)
 
 
 # -- CLI ----------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(MODELS),
-                   help="comma-separated subset of: " + ", ".join(MODELS))
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated subset of: " + ", ".join(MODELS)
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list of rows instead")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: plan rank 0's layer tensor "
-                   "parallel and tensor + sequence parallel (a fake process group, the meta device)")
-    p.add_argument("--md", metavar="FILE", help="also write the markdown (table and explanations) here, "
-                   "opening with recompile_opt.provenance.header_line() (versions, machine, load, date)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: plan rank 0's layer tensor "
+        "parallel and tensor + sequence parallel (a fake process group, the meta device)",
+    )
+    p.add_argument(
+        "--md",
+        metavar="FILE",
+        help="also write the markdown (table and explanations) here, "
+        "opening with recompile_opt.provenance.header_line() (versions, machine, load, date)",
+    )
     return p.parse_args(argv)
 
 
 def markdown(rows: list[dict]) -> str:
     """The printed report: a title line, the table and the explanations."""
-    title = (f"Korthikanti et al. 2022, Table 2 per layer: s={S}, b={B}, bf16, dropout 0.1, t=1; "
-             "planned on the meta device")
+    title = (
+        f"Korthikanti et al. 2022, Table 2 per layer: s={S}, b={B}, bf16, dropout 0.1, t=1; "
+        "planned on the meta device"
+    )
     return f"{title}\n\n{markdown_table(rows)}\n{explanations(rows)}"
 
 

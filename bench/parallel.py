@@ -38,12 +38,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from recompile_opt import models  # noqa: E402
 from recompile_opt.costs.measure import peak_memory, saved_report, step_time  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 OURS_BUDGETS = (None, 0.5, 0.0)  # None: no budget (the least recompute; keeps all, shards gathered again)
 # the hand TP model made TP+SP by our option sequence_parallel=True (no budget, and the least peak)
 OPTION_BUDGETS = (None, 0.0)
-CONFIGS = ("hand-tp", "hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS),
-           *(f"hand-tp+sp-option@{b}" for b in OPTION_BUDGETS))
+CONFIGS = (
+    "hand-tp",
+    "hand-tp+sp",
+    *(f"ours@{b}" for b in OURS_BUDGETS),
+    *(f"hand-tp+sp-option@{b}" for b in OPTION_BUDGETS),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -51,6 +55,7 @@ CONFIGS = ("hand-tp", "hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS),
 # rank's heads, which the benchmark models (nanoGPT style: ``view(b, s, n_head, h // n_head)``, a fused
 # [q|k|v] projection) do not: as a user of parallelize_module would, the attention is rewritten to
 # take the head count from the local shard, and GPT's fused projection split into q, k and v.
+
 
 def _gpt_attention(self, x: torch.Tensor) -> torch.Tensor:
     b, s, _ = x.shape
@@ -75,9 +80,9 @@ def _split_fused_qkv(attn: nn.Module) -> None:
     for i, name in enumerate("qkv"):
         lin = nn.Linear(h, h, bias=attn.c_attn.bias is not None)
         with torch.no_grad():
-            lin.weight.copy_(attn.c_attn.weight[i * h:(i + 1) * h])
+            lin.weight.copy_(attn.c_attn.weight[i * h : (i + 1) * h])
             if lin.bias is not None:
-                lin.bias.copy_(attn.c_attn.bias[i * h:(i + 1) * h])
+                lin.bias.copy_(attn.c_attn.bias[i * h : (i + 1) * h])
         setattr(attn, name, lin)
     del attn.c_attn
 
@@ -86,8 +91,14 @@ def hand_parallel(name: str, model: nn.Module, mesh, sequence_parallel: bool) ->
     """``model`` laid out by hand with DTensor's parallel styles (torchtitan's Llama plan, and the same
     for GPT), TP or TP+SP."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
     sp = sequence_parallel
     row_out = {"output_layouts": Shard(1)} if sp else {}
     if name == "gpt":
@@ -97,10 +108,14 @@ def hand_parallel(name: str, model: nn.Module, mesh, sequence_parallel: bool) ->
     else:
         embed, head, final_norm = "tok_embeddings", "output", "norm"
         attn, mlp, norms = "attention", "feed_forward", ("attention_norm", "ffn_norm")
-        cols, rows = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"), \
-            ("attention.wo", "feed_forward.w2")
-    top = {embed: RowwiseParallel(input_layouts=Replicate(), **row_out),
-           head: ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate())}
+        cols, rows = (
+            ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"),
+            ("attention.wo", "feed_forward.w2"),
+        )
+    top = {
+        embed: RowwiseParallel(input_layouts=Replicate(), **row_out),
+        head: ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
+    }
     if sp:
         top[final_norm] = SequenceParallel()
         if name == "gpt":  # positions: a [s, h] table, its rows reduce-scattered like the tokens'
@@ -118,13 +133,16 @@ def hand_parallel(name: str, model: nn.Module, mesh, sequence_parallel: bool) ->
         if sp:
             extra = (None, None) if name == "llama" else ()
             plan.update({n: SequenceParallel() for n in norms})
-            plan[attn] = PrepareModuleInput(input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra))
+            plan[attn] = PrepareModuleInput(
+                input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra)
+            )
             plan[mlp] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, mesh, plan)
     return model
 
 
 # ---------------------------------------------------------------------------------------------------
+
 
 def _model(name: str):
     return models.demo_gpt() if name == "gpt" else models.demo_llama()
@@ -149,6 +167,7 @@ def _kept(model, fn, batch) -> int:
     (a DTensor's local shard) and buffers excluded. Where two layouts peak apart, this tells whether
     they keep different bytes or free them in a different order."""
     from torch.distributed.tensor import DTensor
+
     params = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     report, loss = saved_report(lambda: fn(*batch), exclude=[params, list(model.buffers())])
     loss.backward()
@@ -166,17 +185,24 @@ def _step_fn(model, fn, batch):
         loss = fn(*batch)
         loss.backward()
         losses.append(loss.item())
+
     return step, losses
 
 
 def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out, 'store')}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     import recompile_opt
+
     mesh = init_device_mesh("cpu", (world,))
     model, batch = _model(name)
     budget = config.split("@", 1)[1] if "@" in config else "None"
@@ -195,8 +221,13 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     for _ in range(2):
         step()
     compile_s = time.perf_counter() - start
-    res = {**_measure(step, args.steps), "kept": _kept(model, fn, batch), "compile_s": compile_s,
-           "loss": losses[0], "rank": rank}
+    res = {
+        **_measure(step, args.steps),
+        "kept": _kept(model, fn, batch),
+        "compile_s": compile_s,
+        "loss": losses[0],
+        "rank": rank,
+    }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -221,20 +252,35 @@ def run(name: str, config: str, world: int, args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_rank, args=(name, config, world, out, args), nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
-    return {"peak": max(r["peak"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
-            "kept": max(r["kept"] for r in ranks),
-            "compile_s": max(r["compile_s"] for r in ranks), "loss": ranks[0]["loss"]}
+    return {
+        "peak": max(r["peak"] for r in ranks),
+        "step_s": max(r["step_s"] for r in ranks),
+        "kept": max(r["kept"] for r in ranks),
+        "compile_s": max(r["compile_s"] for r in ranks),
+        "loss": ranks[0]["loss"],
+    }
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | kept (MiB) | step (ms) "
-             "| vs hand TP+SP | first loss |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | kept (MiB) | step (ms) "
+        "| vs hand TP+SP | first loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        ref = next((x for x in rows if x["model"] == r["model"] and x["world"] == r["world"]
-                    and x["config"] == "hand-tp+sp"), None)
+        ref = next(
+            (
+                x
+                for x in rows
+                if x["model"] == r["model"] and x["world"] == r["world"] and x["config"] == "hand-tp+sp"
+            ),
+            None,
+        )
         ratio = (lambda k: f"{r[k] / ref[k]:.2f}x" if ref else "") if r["world"] > 1 else (lambda k: "")
-        lines.append(f"| {r['model']} | {r['world']} | {r['config']} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
-                     f"| {r['kept'] / MiB:.2f} | {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |")
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['config']} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
+            f"| {r['kept'] / MiB:.2f} | {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |"
+        )
     return "\n".join(lines)
 
 
@@ -253,7 +299,9 @@ def main(argv=None) -> None:
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
         for world in args.world:
             for config in args.configs:
-                rows.append({"model": name, "world": world, "config": config, **run(name, config, world, args)})
+                rows.append(
+                    {"model": name, "world": world, "config": config, **run(name, config, world, args)}
+                )
                 print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
     if args.json:
@@ -267,6 +315,7 @@ def main(argv=None) -> None:
 def markdown_document(rows: list[dict]) -> str:
     """What ``--md`` writes: the provenance line (versions, machine, load, date), then the table."""
     from recompile_opt.provenance import header_line
+
     return f"{header_line()}\n\n{markdown(rows)}\n"
 
 

@@ -32,7 +32,17 @@ import sys
 
 MiB = 2**20
 SETTINGS = {
-    "gpt": ["none", "0.5", "0.2", "0.0", "save-all", "full", "megatron-selective", "peak=26MiB", "peak=27MiB"],
+    "gpt": [
+        "none",
+        "0.5",
+        "0.2",
+        "0.0",
+        "save-all",
+        "full",
+        "megatron-selective",
+        "peak=26MiB",
+        "peak=27MiB",
+    ],
     "llama": ["none", "0.5", "0.2", "0.0", "save-all", "full", "megatron-selective"],
 }
 
@@ -45,11 +55,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--one", nargs=2, metavar=("MODEL", "SETTING"), help=argparse.SUPPRESS)  # a worker
     p.add_argument("--models", default="gpt,llama")
     p.add_argument("--settings", default="", help="comma-separated, default: every setting of the model")
-    p.add_argument("--exact", action="store_true",
-                   help="with --check: also each plan's peak walked in the code Inductor generates for it "
-                        "(recompile_opt.costs.inductor_peak, what the planner checks the least-peak plan with)")
-    p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"),
-                   help="eager: the same plans without code generation (measured peaks then differ)")
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="with --check: also each plan's peak walked in the code Inductor generates for it "
+        "(recompile_opt.costs.inductor_peak, what the planner checks the least-peak plan with)",
+    )
+    p.add_argument(
+        "--compiler",
+        default="inductor",
+        choices=("inductor", "eager"),
+        help="eager: the same plans without code generation (measured peaks then differ)",
+    )
     return p.parse_args(argv)
 
 
@@ -70,8 +87,8 @@ def measure_one(model_name: str, setting: str, compiler: str) -> dict:
     import torch
 
     import recompile_opt
-    from recompile_opt.costs import measure
     from recompile_opt import models
+    from recompile_opt.costs import measure
 
     torch.set_num_threads(1)
     model, inputs = getattr(models, f"demo_{model_name}")()
@@ -86,10 +103,16 @@ def measure_one(model_name: str, setting: str, compiler: str) -> dict:
         step()
     peak = measure.peak_memory(step)
     plan = recompile_opt.last_plans()[-1]
-    return {"model": model_name, "setting": setting, "compiler": compiler,
-            "saved": sorted(e.name for e in plan.saved if e.op != "rng_state"),
-            "recomputed": sorted(e.name for e in plan.recomputed),
-            "kept_bytes": plan.saved_bytes, "predicted_bytes": plan.predicted_peak_bytes, "measured_bytes": peak}
+    return {
+        "model": model_name,
+        "setting": setting,
+        "compiler": compiler,
+        "saved": sorted(e.name for e in plan.saved if e.op != "rng_state"),
+        "recomputed": sorted(e.name for e in plan.recomputed),
+        "kept_bytes": plan.saved_bytes,
+        "predicted_bytes": plan.predicted_peak_bytes,
+        "measured_bytes": peak,
+    }
 
 
 def measure_all(args) -> list[dict]:
@@ -97,13 +120,21 @@ def measure_all(args) -> list[dict]:
     env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     rows = []
     for model_name in args.models.split(","):
-        for setting in (args.settings.split(",") if args.settings else SETTINGS[model_name]):
-            out = subprocess.run([sys.executable, __file__, "--one", model_name, setting, "--compiler", args.compiler],
-                                 env=env, capture_output=True, text=True, check=True).stdout
+        for setting in args.settings.split(",") if args.settings else SETTINGS[model_name]:
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", model_name, setting, "--compiler", args.compiler],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             rows.append(json.loads(out.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"{model_name:6s} {setting:20s} predicted {r['predicted_bytes'] / MiB:7.2f} MiB"
-                  f"  measured {r['measured_bytes'] / MiB:7.2f} MiB", flush=True)
+            print(
+                f"{model_name:6s} {setting:20s} predicted {r['predicted_bytes'] / MiB:7.2f} MiB"
+                f"  measured {r['measured_bytes'] / MiB:7.2f} MiB",
+                flush=True,
+            )
     return rows
 
 
@@ -138,10 +169,19 @@ def check(rows: list[dict], exact: bool = False) -> list[dict]:
     out = []
     for r in rows:
         problem, simulate = sims[r["model"]]
-        saved, recomputed = problem.needed_closure(set(r["recomputed"]), set(r["saved"]) & problem.values.keys())
+        saved, recomputed = problem.needed_closure(
+            set(r["recomputed"]), set(r["saved"]) & problem.values.keys()
+        )
         now = simulate(saved, recomputed)
-        out.append({"model": r["model"], "setting": r["setting"], "measured": r["measured_bytes"] / MiB,
-                    "stored": r["predicted_bytes"] / MiB, "now": now / MiB})
+        out.append(
+            {
+                "model": r["model"],
+                "setting": r["setting"],
+                "measured": r["measured_bytes"] / MiB,
+                "stored": r["predicted_bytes"] / MiB,
+                "now": now / MiB,
+            }
+        )
         if exact:
             out[-1]["exact"] = simulate.exact(saved, recomputed) / MiB
     return out
@@ -152,11 +192,15 @@ def report(rows: list[dict]) -> str:
     lines = [f"{'model':6s} {'setting':20s} {'measured':>9s}" + "".join(f" {k:>16s}" for k in keys)]
     for r in rows:
         m = r["measured"]
-        lines.append(f"{r['model']:6s} {r['setting']:20s} {m:9.2f}"
-                     + "".join(f" {r[k]:8.2f} ({r[k] / m - 1:+6.1%})" for k in keys))
+        lines.append(
+            f"{r['model']:6s} {r['setting']:20s} {m:9.2f}"
+            + "".join(f" {r[k]:8.2f} ({r[k] / m - 1:+6.1%})" for k in keys)
+        )
     for key in keys:
         errs = [abs(r[key] / r["measured"] - 1) for r in rows]
-        lines.append(f"{key}: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} plans")
+        lines.append(
+            f"{key}: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%} over {len(errs)} plans"
+        )
     return "\n".join(lines)
 
 

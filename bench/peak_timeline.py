@@ -53,8 +53,8 @@ def main(argv=None) -> None:
 
     from recompile_opt import _torch_internals as ti
     from recompile_opt import models
-    from recompile_opt.costs import peak
     from recompile_opt.backend import RecompilePartitioner
+    from recompile_opt.costs import peak
     from recompile_opt.costs.measure import allocation_timeline
     from recompile_opt.options import parse_options
 
@@ -87,8 +87,10 @@ def main(argv=None) -> None:
         top = max(top, live)
         if abs(nbytes) >= big:
             shown.append(f"{nbytes / MiB:+.2f}[{live / MiB:.1f}]")
-    print(f"{args.model}, options {_options(args)}: kept {plan.saved_bytes / MiB:.2f} MiB; "
-          f"peak measured {top / MiB:.2f} MiB, predicted {plan.predicted_peak_bytes / MiB:.2f} MiB")
+    print(
+        f"{args.model}, options {_options(args)}: kept {plan.saved_bytes / MiB:.2f} MiB; "
+        f"peak measured {top / MiB:.2f} MiB, predicted {plan.predicted_peak_bytes / MiB:.2f} MiB"
+    )
     print(f"\nmeasured (allocator records, +/-MiB[live MiB after], events of {args.min_mib:g} MiB or more):")
     print(" ".join(shown))
     print("\nsimulated (phase, kernel, +/-MiB, live MiB after, buffer):")

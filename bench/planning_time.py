@@ -63,8 +63,11 @@ def worker(model_name: str, setting: str) -> dict:
     torch.set_num_threads(1)
     model, inputs = getattr(models, f"demo_{model_name}")()
     options = _options(model_name, setting)
-    compiled = (torch.compile(model) if options is None
-                else torch.compile(model, backend="recompile_opt", options=options))
+    compiled = (
+        torch.compile(model)
+        if options is None
+        else torch.compile(model, backend="recompile_opt", options=options)
+    )
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -78,20 +81,39 @@ def worker(model_name: str, setting: str) -> dict:
     step()
     again = time.perf_counter() - start
     plans = recompile_opt.last_plans() if options is not None else []
-    return {"model": model_name, "setting": setting, "compile_s": first - again,
-            "plan_s": sum(p.solver.get("plan_s", 0.0) for p in plans), "cpp_s": builds["s"],
-            "graphs": len(plans)}
+    return {
+        "model": model_name,
+        "setting": setting,
+        "compile_s": first - again,
+        "plan_s": sum(p.solver.get("plan_s", 0.0) for p in plans),
+        "cpp_s": builds["s"],
+        "graphs": len(plans),
+    }
 
 
 def run_one(model: str, setting: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="planning_time_") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "OMP_NUM_THREADS": "1",
+        }
         if setting.endswith("-after-0.0"):  # a process at 0.0 first, in the same cache directory
-            subprocess.run([sys.executable, __file__, "--worker", model, "0.0"], env=env,
-                           capture_output=True, text=True, check=True)
-        out = subprocess.run([sys.executable, __file__, "--worker", model, setting], env=env,
-                             capture_output=True, text=True, check=True)
+            subprocess.run(
+                [sys.executable, __file__, "--worker", model, "0.0"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", model, setting],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -129,14 +151,20 @@ def main(argv=None) -> None:
             for s in settings:
                 rows.append(run_one(m, s))
                 r = rows[-1]
-                print(f"round {round_ + 1}: {m:8s} {s:6s} compile {r['compile_s']:6.1f} s, planning "
-                      f"{r['plan_s']:5.2f} s, C++ builds {r['cpp_s']:5.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"round {round_ + 1}: {m:8s} {s:6s} compile {r['compile_s']:6.1f} s, planning "
+                    f"{r['plan_s']:5.2f} s, C++ builds {r['cpp_s']:5.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     from recompile_opt.provenance import header_line
 
     print(header_line() + "\n")
-    print(f"`python bench/planning_time.py --models {args.models} --repeats {args.repeats}` "
-          f"(medians of {args.repeats} fresh processes, cold caches; 'x plain': over plain torch.compile's "
-          "cold compile)\n")
+    print(
+        f"`python bench/planning_time.py --models {args.models} --repeats {args.repeats}` "
+        f"(medians of {args.repeats} fresh processes, cold caches; 'x plain': over plain torch.compile's "
+        "cold compile)\n"
+    )
     print(table(rows, models, settings))
 
 

@@ -178,8 +178,10 @@ def patch_v101(args, patches: list[str]):
 
 def build_v101(model, idx, tgt, budget, args, out):
     if not Path(V101_PATH, "rockmate").is_dir():
-        raise ModuleNotFoundError(f"rockmate 1.0.1 not installed at {V101_PATH} "
-                                  "(pip install --no-deps --target ... rockmate==1.0.1 rkgb==1.0.1)")
+        raise ModuleNotFoundError(
+            f"rockmate 1.0.1 not installed at {V101_PATH} "
+            "(pip install --no-deps --target ... rockmate==1.0.1 rkgb==1.0.1)"
+        )
     forget()
     sys.path.insert(0, V101_PATH)
     import rockmate
@@ -190,9 +192,13 @@ def build_v101(model, idx, tgt, budget, args, out):
     out["patches"] = patches
     out["ilp_status"] = ilp_status
     # budget=None would read torch.cuda.get_device_properties(0); always pass one.
-    return rockmate.Rockmate(model, {"idx": idx, "targets": tgt}, budget=budget,
-                             nb_budget_save=args.nb_budget_save,
-                             nb_budget_peak=args.nb_budget_peak)
+    return rockmate.Rockmate(
+        model,
+        {"idx": idx, "targets": tgt},
+        budget=budget,
+        nb_budget_save=args.nb_budget_save,
+        nb_budget_peak=args.nb_budget_peak,
+    )
 
 
 # --------------------------------------------------------------------------
@@ -209,11 +215,22 @@ def run(args, out: dict) -> None:
     models = load_file_module("ro_models", REPO / "recompile_opt" / "models.py")
     measure = load_file_module("ro_measure", REPO / "recompile_opt" / "costs" / "measure.py")
     if args.model == "gpt":
-        config = models.GPTConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
-                                  block_size=args.seq, vocab_size=args.vocab, dropout=args.dropout)
+        config = models.GPTConfig(
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.embd,
+            block_size=args.seq,
+            vocab_size=args.vocab,
+            dropout=args.dropout,
+        )
     elif args.model == "llama":
-        config = models.LlamaConfig(n_layer=args.layers, n_head=args.heads, n_embd=args.embd,
-                                    block_size=args.seq, vocab_size=args.vocab)
+        config = models.LlamaConfig(
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_embd=args.embd,
+            block_size=args.seq,
+            vocab_size=args.vocab,
+        )
     else:
         raise ValueError(f"rockmate runner: --model gpt or llama, got {args.model!r}")
     if min(args.seq, args.vocab) < 128:
@@ -250,9 +267,11 @@ def run(args, out: dict) -> None:
             traceback.print_exc(file=sys.stderr)
             error = exc_text(exc)
             if version == "1.0.1" and out.get("ilp_status"):
-                error += (f" [the block ILP, solved with CBC because PyPI gurobipy's licence is "
-                          f"size-limited, ended {'/'.join(sorted(set(out['ilp_status'])))} in "
-                          f"{len(out['ilp_status'])} solves of {args.ilp_seconds:g}s]")
+                error += (
+                    f" [the block ILP, solved with CBC because PyPI gurobipy's licence is "
+                    f"size-limited, ended {'/'.join(sorted(set(out['ilp_status'])))} in "
+                    f"{len(out['ilp_status'])} solves of {args.ilp_seconds:g}s]"
+                )
             attempts.append({"version": version, "error": error})
     out["attempts"] = attempts
     if rk is None:
@@ -305,8 +324,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="rockmate", help="name put in the result row")
     p.add_argument("--version", choices=["auto", "2.0.0", "1.0.1"], default="auto")
-    p.add_argument("--budget-frac", type=float, default=0.5,
-                   help="Rockmate budget as a fraction of eager's saved bytes")
+    p.add_argument(
+        "--budget-frac", type=float, default=0.5, help="Rockmate budget as a fraction of eager's saved bytes"
+    )
     p.add_argument("--budget-mib", type=float, default=None, help="absolute budget (overrides)")
     p.add_argument("--nb-budget-save", type=int, default=2, help="rockmate 1.0.1 nb_budget_save")
     p.add_argument("--nb-budget-peak", type=int, default=2, help="rockmate 1.0.1 nb_budget_peak")

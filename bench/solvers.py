@@ -29,9 +29,9 @@ for path in (REPO, REPO / "bench"):
         sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
+from depth import grab_problems  # noqa: E402  (bench/depth.py: records each graph's Problem)
 
 import recompile_opt  # noqa: E402
-from depth import grab_problems  # noqa: E402  (bench/depth.py: records each graph's Problem)
 from recompile_opt import models  # noqa: E402
 from recompile_opt.planner import ilp, least_peak, solving  # noqa: E402
 from recompile_opt.provenance import header_line  # noqa: E402
@@ -71,8 +71,12 @@ def markdown(model: str, n_values: int, results: dict[str, tuple[float, list]]) 
     return of :func:`ladder`."""
     solvers = list(results)
     head = ["level"] + [f"{s} {what}" for s in solvers for what in ("s", "recompute ms (est.)")]
-    lines = [f"{model}, 2 layers, h=256, s=256, b=4: {n_values} values; 1% MIP gap, 60 s limit per solve",
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"{model}, 2 layers, h=256, s=256, b=4: {n_values} values; 1% MIP gap, 60 s limit per solve",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for i, (level, *_) in enumerate(results[solvers[0]][1]):
         cells = [f"{level:g}"]
         for s in solvers:
@@ -97,8 +101,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama", choices=["llama", "gpt"])
     ap.add_argument("--solvers", default="highs,cbc")
-    ap.add_argument("--md", metavar="FILE", help="also write a markdown table here, opening with "
-                    "recompile_opt.provenance.header_line() (versions, machine, load, date)")
+    ap.add_argument(
+        "--md",
+        metavar="FILE",
+        help="also write a markdown table here, opening with "
+        "recompile_opt.provenance.header_line() (versions, machine, load, date)",
+    )
     args = ap.parse_args(argv)
     problem = capture(args.model)
     print(f"{args.model}: {len(problem.values)} values; levels {least_peak.PEAK_LADDER}")
@@ -107,10 +115,12 @@ def main(argv=None) -> int:
         total, rows = results[solver] = ladder(problem, solver)
         secs = " ".join(f"{s:.2f}" for _, s, _, _ in rows)
         rec = " ".join(f"{r * 1e3:.2f}" for _, _, r, _ in rows)
-        print(f"{solver:5s} {total:6.2f} s in all (least-bytes solve + ladder)\n"
-              f"      s per level:            {secs}\n"
-              f"      recompute ms per level: {rec}\n"
-              f"      status: {sorted({st for *_, st in rows})}")
+        print(
+            f"{solver:5s} {total:6.2f} s in all (least-bytes solve + ladder)\n"
+            f"      s per level:            {secs}\n"
+            f"      recompute ms per level: {rec}\n"
+            f"      status: {sorted({st for *_, st in rows})}"
+        )
     if args.md:
         Path(args.md).write_text(markdown_document(args.model, len(problem.values), results))
     return 0

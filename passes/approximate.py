@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.approximate import actions, triton_kernels
-from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 ACTIVATION_NAMES = {F.silu: "silu"}  # F.gelu: "gelu" or "gelu_tanh" by its ``approximate`` argument
 
@@ -32,6 +32,7 @@ ACTIVATION_NAMES = {F.silu: "silu"}  # F.gelu: "gelu" or "gelu_tanh" by its ``ap
 @dataclass
 class Offered:
     """What :func:`offer_approximations` rewrote: one entry per call, for the plan's notes."""
+
     activations: int = 0
     linears: int = 0
     skipped: tuple = ()  # (call, why) of activations and linears left exact
@@ -41,7 +42,9 @@ class Offered:
         if allowed.get("activations"):
             parts.append(f"{self.activations} activation(s) may keep {allowed['activations']}-bit codes")
         if allowed.get("linear"):
-            parts.append(f"{self.linears} linear layer(s) may keep a random projection of ratio {allowed['linear']:g}")
+            parts.append(
+                f"{self.linears} linear layer(s) may keep a random projection of ratio {allowed['linear']:g}"
+            )
         skipped = "; ".join(f"{name}: {why}" for name, why in self.skipped[:3])
         return "approximate: " + ", ".join(parts) + (f" (left exact: {skipped})" if skipped else "")
 
@@ -58,7 +61,12 @@ def offer_approximations(gm: fx.GraphModule, allowed: dict) -> Offered:
             if why:
                 skipped.append((node.name, why))
                 continue
-            _replace(gm, node, actions.approximable_activation, (arguments(node)["input"], name, allowed["activations"]))
+            _replace(
+                gm,
+                node,
+                actions.approximable_activation,
+                (arguments(node)["input"], name, allowed["activations"]),
+            )
             done.activations += 1
         elif allowed.get("linear") and (kw := _linear_arguments(node)):
             why = _why_not(node, kw["input"]) or _untrained(kw["weight"])
@@ -68,8 +76,12 @@ def offer_approximations(gm: fx.GraphModule, allowed: dict) -> Offered:
             weight = _transposed(gm, node, kw["weight"]) if kw.get("transposed") else kw["weight"]
             # the matmul's dtype as eager gives it (bf16 under bf16 autocast): compiled code runs with
             # autocast off, so the Function casts itself
-            _replace(gm, node, actions.approximable_linear, (kw["input"], weight, kw["bias"], allowed["linear"],
-                                                             getattr(value_of(node), "dtype", None)))
+            _replace(
+                gm,
+                node,
+                actions.approximable_linear,
+                (kw["input"], weight, kw["bias"], allowed["linear"], getattr(value_of(node), "dtype", None)),
+            )
             done.linears += 1
     done.skipped = tuple(skipped)
     if done.activations or done.linears:

@@ -31,18 +31,39 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from recompile_opt.passes import precision
+from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 from recompile_opt import ops
 from recompile_opt.ops import op_name
-from recompile_opt.passes import precision
-from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 
 # elementwise ops a chunk may run (by name: Dynamo's graph has no tags): the class less random ops (a chunk
 # would draw other numbers than the whole; an MLP with dropout inside is still found, so that a forced
 # ``chunks`` names it and says why) and the ops the chunked body was never tried with
-POINTWISE = (ops.ELEMENTWISE - ops.RANDOM
-             - {"_to_copy", "alias", "lift_fresh_copy", "gelu_", "iadd", "imul", "half", "bfloat16", "rsqrt", "sqrt",
-                "clone", "contiguous", "detach", "where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"})
+POINTWISE = (
+    ops.ELEMENTWISE
+    - ops.RANDOM
+    - {
+        "_to_copy",
+        "alias",
+        "lift_fresh_copy",
+        "gelu_",
+        "iadd",
+        "imul",
+        "half",
+        "bfloat16",
+        "rsqrt",
+        "sqrt",
+        "clone",
+        "contiguous",
+        "detach",
+        "where",
+        "masked_fill",
+        "scalar_tensor",
+        "logical_not",
+        "bitwise_not",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -69,13 +90,26 @@ def projection(node) -> Projection | None:
     if node.op == "call_function" and node.target in LINEAR:
         kw = arguments(node)
         return Projection(node, kw["input"], kw["weight"], kw["bias"])
-    mm = node.args[0] if node.op == "call_method" and node.target in ("view", "reshape") and node.args else None
-    if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target is torch.addmm
-            and len(mm.args) == 3 and not mm.kwargs):
+    mm = (
+        node.args[0]
+        if node.op == "call_method" and node.target in ("view", "reshape") and node.args
+        else None
+    )
+    if not (
+        isinstance(mm, fx.Node)
+        and mm.op == "call_function"
+        and mm.target is torch.addmm
+        and len(mm.args) == 3
+        and not mm.kwargs
+    ):
         return None
     bias, flat, weight = mm.args
-    if not (isinstance(flat, fx.Node) and flat.op == "call_method" and flat.target == "view"
-            and isinstance(flat.args[0], fx.Node)):
+    if not (
+        isinstance(flat, fx.Node)
+        and flat.op == "call_method"
+        and flat.target == "view"
+        and isinstance(flat.args[0], fx.Node)
+    ):
         return None
     x, w, out = value_of(flat.args[0]), value_of(weight), value_of(node)
     if x is None or w is None or out is None or w.dim() != 2 or tuple(out.shape[:-1]) != tuple(x.shape[:-1]):
@@ -102,14 +136,22 @@ class MLPRegion:
 
     def describe(self, chunks: int) -> str:
         per = math.ceil(self.tokens / chunks)
-        return (f"{self.name}: MLP ({len(self.ups)} up-projection{'s' * (len(self.ups) > 1)}, hidden "
-                f"{self.hidden}) in {chunks} chunks of <= {per} of {self.tokens} tokens, recomputed "
-                "chunk by chunk in the backward")
+        return (
+            f"{self.name}: MLP ({len(self.ups)} up-projection{'s' * (len(self.ups) > 1)}, hidden "
+            f"{self.hidden}) in {chunks} chunks of <= {per} of {self.tokens} tokens, recomputed "
+            "chunk by chunk in the backward"
+        )
 
     def record(self, chunks: int) -> dict:
         """The plan's entry; the recompute is the up-projections' matmuls (the activation is free)."""
-        return {"region": self.name, "kind": "mlp", "chunks": chunks, "tokens": self.tokens, "width": self.hidden,
-                "recompute_flops": 2 * self.tokens * self.width * self.hidden * len(self.ups)}
+        return {
+            "region": self.name,
+            "kind": "mlp",
+            "chunks": chunks,
+            "tokens": self.tokens,
+            "width": self.hidden,
+            "recompute_flops": 2 * self.tokens * self.width * self.hidden * len(self.ups),
+        }
 
 
 def find_mlp_regions(gm: fx.GraphModule) -> list[MLPRegion]:
@@ -144,8 +186,11 @@ def _region(down: Projection) -> MLPRegion | None:
             ups[node] = up
             continue
         if not _is_pointwise(node):
-            return _refuse(region, f"{node.name} ({op_name(node) or node.target}) between the projections is not an "
-                                   "elementwise op (dropout and other random ops are not chunked)")
+            return _refuse(
+                region,
+                f"{node.name} ({op_name(node) or node.target}) between the projections is not an "
+                "elementwise op (dropout and other random ops are not chunked)",
+            )
         body.add(node)
         for arg in node.all_input_nodes:
             stack.append(arg)
@@ -210,14 +255,23 @@ def chunk_mlp(gm: fx.GraphModule, region: MLPRegion, chunks: int) -> fx.Node:
     with graph.inserting_before(down.out):
         act = graph.get_attr(act_name)
         # a Conv1D's weight as a linear's: a transposed view, which autograd differentiates
-        weights = tuple(graph.call_function(torch.t, (p.weight,)) if p.transposed else p.weight
-                        for p in (*region.ups, down))
+        weights = tuple(
+            graph.call_function(torch.t, (p.weight,)) if p.transposed else p.weight
+            for p in (*region.ups, down)
+        )
         biases = tuple(p.bias for p in region.ups)
-        new = graph.call_function(chunked_mlp, (region.ups[0].x, weights[:-1], biases, weights[-1], down.bias, act),
-                                  {"chunks": chunks, "mm_dtypes": mlp_dtypes(region)})
+        new = graph.call_function(
+            chunked_mlp,
+            (region.ups[0].x, weights[:-1], biases, weights[-1], down.bias, act),
+            {"chunks": chunks, "mm_dtypes": mlp_dtypes(region)},
+        )
     new.meta = dict(down.out.meta)
     down.out.replace_all_uses_with(new)
-    for node in [*reversed(down.nodes), *reversed(region.body), *(n for u in reversed(region.ups) for n in reversed(u.nodes))]:
+    for node in [
+        *reversed(down.nodes),
+        *reversed(region.body),
+        *(n for u in reversed(region.ups) for n in reversed(u.nodes)),
+    ]:
         graph.erase_node(node)
     gm.recompile()
     return new
@@ -244,8 +298,17 @@ def mlp_dtypes(region: MLPRegion) -> tuple[torch.dtype, ...]:
     return tuple(value_of(p.out).dtype for p in (*region.ups, region.down))
 
 
-def chunked_mlp(x, up_weights, up_biases, down_weight, down_bias, act, *, chunks: int,
-                mm_dtypes: tuple[torch.dtype, ...] | None = None):
+def chunked_mlp(
+    x,
+    up_weights,
+    up_biases,
+    down_weight,
+    down_bias,
+    act,
+    *,
+    chunks: int,
+    mm_dtypes: tuple[torch.dtype, ...] | None = None,
+):
     """``linear(act(*[linear(x, w, b) for w, b in ups]), down_weight, down_bias)`` over ``chunks`` token
     chunks, recomputed chunk by chunk in the backward (:class:`_ChunkedMLP`); each projection's matmul in
     its ``mm_dtypes`` entry (default: the input's dtype), the activation under the autocast state of the
@@ -286,7 +349,9 @@ class _ChunkedMLP(torch.autograd.Function):
         tokens, down_weight, down_bias, *up_params = ctx.saved_tensors
         mm_dtypes, device = ctx.mm_dtypes, tokens.device.type
         with precision.autocast_off(device):
-            return _ChunkedMLPBackward(ctx, tokens, down_weight, down_bias, up_params).run(grad_out.to(mm_dtypes[-1]))
+            return _ChunkedMLPBackward(ctx, tokens, down_weight, down_bias, up_params).run(
+                grad_out.to(mm_dtypes[-1])
+            )
 
 
 def _cast(tensor, dtype):
@@ -317,8 +382,9 @@ class _ChunkedMLPBackward:
         up_bias, down_has_bias = ctx.has_bias
         grad_down = precision.accumulator(self.down_weight, dts[-1])
         grad_ups = [precision.accumulator(w, dt) for w, dt in zip(self.weights, dts)]
-        grad_up_biases = [precision.accumulator(b, dt) if has else None
-                          for b, dt, has in zip(self.biases, dts, up_bias)]
+        grad_up_biases = [
+            precision.accumulator(b, dt) if has else None for b, dt, has in zip(self.biases, dts, up_bias)
+        ]
         # the down-projection's bias too, summed from each chunk's gradient as an extern kernel reads it
         # (Inductor fused a whole-length sum into the kernel making the gradient, before its rounding)
         grad_down_bias = precision.accumulator(self.down_bias, dts[-1]) if down_has_bias else None
@@ -339,13 +405,24 @@ class _ChunkedMLPBackward:
                     grad_up_biases[i] = add_column_sums(grad_up_biases[i], g_h)
                 grad_x = _add_input_gradient(grad_x, g_h, w, self.tokens.dtype)
             grad_tokens.append(grad_x)
-        grad_down_bias = (precision.rounded(grad_down_bias, dts[-1], self.down_bias.dtype)
-                          if down_has_bias else None)
+        grad_down_bias = (
+            precision.rounded(grad_down_bias, dts[-1], self.down_bias.dtype) if down_has_bias else None
+        )
         weights = [precision.rounded(g, dt, w.dtype) for g, w, dt in zip(grad_ups, self.weights, dts)]
-        biases = [None if g is None else precision.rounded(g, dt, b.dtype)
-                  for g, b, dt in zip(grad_up_biases, self.biases, dts)]
-        return (torch.cat(grad_tokens), precision.rounded(grad_down, dts[-1], self.down_weight.dtype),
-                grad_down_bias, None, None, None, *weights, *biases)
+        biases = [
+            None if g is None else precision.rounded(g, dt, b.dtype)
+            for g, b, dt in zip(grad_up_biases, self.biases, dts)
+        ]
+        return (
+            torch.cat(grad_tokens),
+            precision.rounded(grad_down, dts[-1], self.down_weight.dtype),
+            grad_down_bias,
+            None,
+            None,
+            None,
+            *weights,
+            *biases,
+        )
 
     def _recompute(self, xs):
         """The chunk's up-projections (leaves for autograd) and its activation, as the forward ran them."""

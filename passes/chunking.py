@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from recompile_opt.passes import precision
 from torch.fx.operator_schemas import normalize_function
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.passes import precision
 from recompile_opt.costs.cost_model import register_traffic_formula, tensor_bytes
 
 LINEAR = {F.linear, torch._C._nn.linear}
@@ -67,17 +67,24 @@ class LossRegion:
 
     def describe(self, chunks: int, recompute: bool = False) -> str:
         per = math.ceil(self.tokens / chunks)
-        return (f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
-                f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
-                "at a time, " + ("the head recomputed in the backward" if recompute
-                                 else "the gradients made in the forward"))
+        return (
+            f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
+            f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
+            "at a time, "
+            + ("the head recomputed in the backward" if recompute else "the gradients made in the forward")
+        )
 
     def record(self, chunks: int, recompute: bool = False) -> dict:
         """The plan's entry: the gradients made in the forward (nothing recomputed), or the head's
         logits recomputed in the backward."""
-        return {"region": self.name, "kind": "loss_recompute" if recompute else "loss", "chunks": chunks,
-                "tokens": self.tokens, "width": self.vocab,
-                "recompute_flops": 2 * self.tokens * self.width * self.vocab if recompute else 0}
+        return {
+            "region": self.name,
+            "kind": "loss_recompute" if recompute else "loss",
+            "chunks": chunks,
+            "tokens": self.tokens,
+            "width": self.vocab,
+            "recompute_flops": 2 * self.tokens * self.width * self.vocab if recompute else 0,
+        }
 
 
 def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
@@ -92,9 +99,14 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: b
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     x, weight, bias = _linear_args(region.linear)
     target = _ce_arg(region.loss, "target")
-    kwargs = {"chunks": chunks, **region_dtypes(region), "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
-              "reduction": _ce_arg(region.loss, "reduction", "mean"),
-              "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0), "recompute": recompute}
+    kwargs = {
+        "chunks": chunks,
+        **region_dtypes(region),
+        "ignore_index": _ce_arg(region.loss, "ignore_index", -100),
+        "reduction": _ce_arg(region.loss, "reduction", "mean"),
+        "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0),
+        "recompute": recompute,
+    }
     graph = gm.graph
     with graph.inserting_before(region.loss):
         for node in region.chain:  # the head is row-wise: select the tokens before it
@@ -116,14 +128,28 @@ def region_dtypes(region: LossRegion) -> dict:
     autocast, which runs the loss in fp32). Why: the chunked op runs outside autocast's reach, and a
     loss computed in the logits' dtype trains another model (bf16 instead of fp32)."""
     logits = value_of(region.chain[-1] if region.chain else region.linear)
-    return {"mm_dtype": value_of(region.linear).dtype, "logits_dtype": logits.dtype,
-            "dtype": value_of(region.loss).dtype}
+    return {
+        "mm_dtype": value_of(region.linear).dtype,
+        "logits_dtype": logits.dtype,
+        "dtype": value_of(region.loss).dtype,
+    }
 
 
-def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype: torch.dtype,
-                                 mm_dtype: torch.dtype | None = None, logits_dtype: torch.dtype | None = None,
-                                 ignore_index: int = -100, reduction: str = "mean",
-                                 label_smoothing: float = 0.0, recompute: bool = False):
+def chunked_linear_cross_entropy(
+    x,
+    weight,
+    bias,
+    target,
+    *,
+    chunks: int,
+    dtype: torch.dtype,
+    mm_dtype: torch.dtype | None = None,
+    logits_dtype: torch.dtype | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    recompute: bool = False,
+):
     """``F.cross_entropy(F.linear(x, weight, bias).to(logits_dtype).view(-1, V).to(dtype), target.view(-1),
     ...)`` computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`,
     or :class:`_RecomputedHeadLoss` with ``recompute``); the head's matmul in ``mm_dtype`` (default: the
@@ -133,7 +159,9 @@ def chunked_linear_cross_entropy(x, weight, bias, target, *, chunks: int, dtype:
     count = (flat_target != ignore_index).sum() if reduction == "mean" else None
     function = _RecomputedHeadLoss if recompute else _ChunkedHeadLoss
     dtypes = (mm_dtype or x.dtype, logits_dtype or dtype, dtype)
-    return function.apply(tokens, weight, bias, flat_target, count, chunks, dtypes, ignore_index, label_smoothing)
+    return function.apply(
+        tokens, weight, bias, flat_target, count, chunks, dtypes, ignore_index, label_smoothing
+    )
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -153,8 +181,19 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
         mm_dtype, logits_dtype, dtype = dtypes
         total, *grads = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, *needs, mm_dtype, logits_dtype,
-            _scale(count, dtype))
+            tokens,
+            weight,
+            bias,
+            target,
+            chunks,
+            dtype,
+            ignore_index,
+            label_smoothing,
+            *needs,
+            mm_dtype,
+            logits_dtype,
+            _scale(count, dtype),
+        )
         ctx.save_for_backward(*(g if need else None for g, need in zip(grads, needs)))
         return _mean(total, count, dtype)
 
@@ -175,7 +214,8 @@ class _RecomputedHeadLoss(torch.autograd.Function):
         mm_dtype, logits_dtype, dtype = dtypes
         args = chunks, dtype, ignore_index, label_smoothing
         total = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, *args, False, False, False, mm_dtype, logits_dtype)[0]
+            tokens, weight, bias, target, *args, False, False, False, mm_dtype, logits_dtype
+        )[0]
         ctx.args, ctx.dtypes = args, (mm_dtype, logits_dtype)
         ctx.save_for_backward(_scale(count, dtype), tokens, weight, bias, target)
         return _mean(total, count, dtype)
@@ -185,8 +225,9 @@ class _RecomputedHeadLoss(torch.autograd.Function):
         scale, tokens, weight, bias, target = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         factor = grad_loss if scale is None else grad_loss * scale
-        _, *grads = torch.ops.recompile_opt.chunked_head_loss(tokens, weight, bias, target, *ctx.args, *needs,
-                                                              *ctx.dtypes, factor)
+        _, *grads = torch.ops.recompile_opt.chunked_head_loss(
+            tokens, weight, bias, target, *ctx.args, *needs, *ctx.dtypes, factor
+        )
         return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
 
 
@@ -203,19 +244,58 @@ def _scale(count, dtype):
 
 
 @torch.library.custom_op("recompile_opt::chunked_head_loss", mutates_args=())
-def chunked_head_loss(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                      chunks: int, dtype: torch.dtype, ignore_index: int, label_smoothing: float,
-                      need_tokens: bool, need_weight: bool, need_bias: bool,
-                      mm_dtype: torch.dtype | None = None, logits_dtype: torch.dtype | None = None,
-                      scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunked_head_loss(
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    chunks: int,
+    dtype: torch.dtype,
+    ignore_index: int,
+    label_smoothing: float,
+    need_tokens: bool,
+    need_weight: bool,
+    need_bias: bool,
+    mm_dtype: torch.dtype | None = None,
+    logits_dtype: torch.dtype | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`head_loss_in_chunks` as one op: Inductor runs it as one extern kernel; its chunk-sized
     working set is its workspace, which the peak model measures (``recompile_opt.costs.scratch``)."""
-    return head_loss_in_chunks(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing,
-                               need_tokens, need_weight, need_bias, mm_dtype, logits_dtype, scale)
+    return head_loss_in_chunks(
+        tokens,
+        weight,
+        bias,
+        target,
+        chunks,
+        dtype,
+        ignore_index,
+        label_smoothing,
+        need_tokens,
+        need_weight,
+        need_bias,
+        mm_dtype,
+        logits_dtype,
+        scale,
+    )
 
 
-def head_loss_in_chunks(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing,
-                        need_tokens, need_weight, need_bias, mm_dtype=None, logits_dtype=None, scale=None):
+def head_loss_in_chunks(
+    tokens,
+    weight,
+    bias,
+    target,
+    chunks,
+    dtype,
+    ignore_index,
+    label_smoothing,
+    need_tokens,
+    need_weight,
+    need_bias,
+    mm_dtype=None,
+    logits_dtype=None,
+    scale=None,
+):
     """The summed cross-entropy of ``F.linear(tokens, weight, bias)`` over ``chunks`` chunks of rows, and
     its gradients with respect to the tokens, the weight and the bias (empty where not needed), those
     scaled by ``scale`` (a ``mean``'s ``1 / count``, times the loss's gradient where known).
@@ -251,26 +331,60 @@ def head_loss_in_chunks(tokens, weight, bias, target, chunks, dtype, ignore_inde
             if need_bias:
                 grad_bias += grad_mm.sum(0, dtype=grad_bias.dtype)
             del grad_mm
-    return (total,  # an empty tensor for a gradient not needed (an op's outputs may not alias)
-            torch.cat(grad_tokens) if need_tokens else tokens.new_empty(0),
-            precision.rounded_(grad_weight, mm_dtype, weight.dtype) if need_weight else tokens.new_empty(0),
-            precision.rounded_(grad_bias, mm_dtype, bias.dtype) if need_bias else tokens.new_empty(0))
+    return (
+        total,  # an empty tensor for a gradient not needed (an op's outputs may not alias)
+        torch.cat(grad_tokens) if need_tokens else tokens.new_empty(0),
+        precision.rounded_(grad_weight, mm_dtype, weight.dtype) if need_weight else tokens.new_empty(0),
+        precision.rounded_(grad_bias, mm_dtype, bias.dtype) if need_bias else tokens.new_empty(0),
+    )
 
 
 @chunked_head_loss.register_fake
-def _(tokens, weight, bias, target, chunks, dtype, ignore_index, label_smoothing, need_tokens, need_weight,
-      need_bias, mm_dtype=None, logits_dtype=None, scale=None):
-    return (tokens.new_empty((), dtype=dtype),
-            torch.empty_like(tokens) if need_tokens else tokens.new_empty(0),
-            torch.empty_like(weight) if need_weight else tokens.new_empty(0),
-            torch.empty_like(bias) if need_bias else tokens.new_empty(0))
+def _(
+    tokens,
+    weight,
+    bias,
+    target,
+    chunks,
+    dtype,
+    ignore_index,
+    label_smoothing,
+    need_tokens,
+    need_weight,
+    need_bias,
+    mm_dtype=None,
+    logits_dtype=None,
+    scale=None,
+):
+    return (
+        tokens.new_empty((), dtype=dtype),
+        torch.empty_like(tokens) if need_tokens else tokens.new_empty(0),
+        torch.empty_like(weight) if need_weight else tokens.new_empty(0),
+        torch.empty_like(bias) if need_bias else tokens.new_empty(0),
+    )
 
 
 @ti.register_flop_formula(torch.ops.recompile_opt.chunked_head_loss)
-def _flops(tokens_shape, weight_shape, bias_shape, target_shape, chunks, dtype, ignore_index, label_smoothing,
-           need_tokens, need_weight, need_bias, *args, out_shape=None, **kwargs) -> int:
+def _flops(
+    tokens_shape,
+    weight_shape,
+    bias_shape,
+    target_shape,
+    chunks,
+    dtype,
+    ignore_index,
+    label_smoothing,
+    need_tokens,
+    need_weight,
+    need_bias,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     """The head's matmuls: the logits, and the gradients of the tokens and of the weight where asked."""
-    return 2 * tokens_shape[0] * tokens_shape[1] * weight_shape[0] * (1 + bool(need_tokens) + bool(need_weight))
+    return (
+        2 * tokens_shape[0] * tokens_shape[1] * weight_shape[0] * (1 + bool(need_tokens) + bool(need_weight))
+    )
 
 
 @register_traffic_formula(torch.ops.recompile_opt.chunked_head_loss)
@@ -280,7 +394,9 @@ def _traffic(node: fx.Node) -> int:
     tokens and their gradient once. Measured (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes
     about 1.1x its unchunked time at 128 rows a chunk, 1.3-1.4x at 64, 9x at 4 (``bench/chunk_rows.py``)."""
     tokens, weight = (a.meta["val"] for a in node.args[:2])
-    need_tokens, need_weight = (_op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight")))
+    need_tokens, need_weight = (
+        _op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight"))
+    )
     passes = 1 + bool(need_tokens) + 2 * bool(need_weight)
     return chunks_of(node) * passes * tensor_bytes(weight) + 2 * tensor_bytes(tokens)
 
@@ -337,13 +453,18 @@ def _region(loss: fx.Node) -> LossRegion:
     chain, node = [], logits
     while not (node.op == "call_function" and node.target in LINEAR):
         if node.op == "placeholder":
-            return _refuse(region, f"the logits are an input of this graph ({node.name}): a graph break "
-                                   "lies between the head and the loss (Hugging Face models without a "
-                                   "loss_type, e.g. GPT2LMHeadModel, break at a logging call there: set "
-                                   "model.loss_type = 'ForCausalLM')")
+            return _refuse(
+                region,
+                f"the logits are an input of this graph ({node.name}): a graph break "
+                "lies between the head and the loss (Hugging Face models without a "
+                "loss_type, e.g. GPT2LMHeadModel, break at a logging call there: set "
+                "model.loss_type = 'ForCausalLM')",
+            )
         if not _keeps_token_order(node, vocab):
-            return _refuse(region, f"{node.name} ({node.target}) between the head and the loss is not a "
-                                   "reshape or a cast")
+            return _refuse(
+                region,
+                f"{node.name} ({node.target}) between the head and the loss is not a reshape or a cast",
+            )
         chain.append(node)
         node = node.args[0]
         if not isinstance(node, fx.Node):
@@ -351,13 +472,18 @@ def _region(loss: fx.Node) -> LossRegion:
     chain.reverse()
     region.linear, region.chain = node, chain
     selects = [i for i, n in enumerate(chain) if _selects_tokens(n)]
-    reshapes = [i for i, n in enumerate(chain) if n.target in _ORDER_KEEPING_METHODS | _ORDER_KEEPING_FUNCTIONS]
+    reshapes = [
+        i for i, n in enumerate(chain) if n.target in _ORDER_KEEPING_METHODS | _ORDER_KEEPING_FUNCTIONS
+    ]
     if selects and reshapes and min(reshapes) < max(selects):
         return _refuse(region, f"{chain[max(selects)].name} selects tokens after a reshape of the logits")
     for producer, consumer in zip([node, *chain], [*chain, loss]):
         if set(producer.users) != {consumer}:
-            return _refuse(region, f"the logits ({producer.name}) are also read elsewhere (returned, or "
-                                   "another loss): the head would be computed twice")
+            return _refuse(
+                region,
+                f"the logits ({producer.name}) are also read elsewhere (returned, or "
+                "another loss): the head would be computed twice",
+            )
     x = value_of(chain[max(selects)] if selects else _linear_args(node)[0])
     if x is None or math.prod(int(s) for s in x.shape[:-1]) != tokens:
         return _refuse(region, "the head's input does not hold one row per token of the loss")
@@ -373,8 +499,11 @@ def _nothing_after(loss: fx.Node) -> bool:
         if node is loss:
             after = True
         elif after and node.op in ("call_function", "call_method", "call_module"):
-            values = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("example_value"))
-                      if isinstance(v, torch.Tensor)]
+            values = [
+                v
+                for v in torch.utils._pytree.tree_leaves(node.meta.get("example_value"))
+                if isinstance(v, torch.Tensor)
+            ]
             if any(v.dim() > 0 for v in values):
                 return False
     return True
@@ -386,7 +515,8 @@ def _keeps_token_order(node: fx.Node, vocab: int) -> bool:
     if node.op == "call_method" and node.target in ("float", "to", "contiguous") or _selects_tokens(node):
         return True
     reshape = (node.op == "call_method" and node.target in _ORDER_KEEPING_METHODS) or (
-        node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS)
+        node.op == "call_function" and node.target in _ORDER_KEEPING_FUNCTIONS
+    )
     return reshape and value is not None and value.dim() <= 2 and value.shape[-1] == vocab
 
 
@@ -398,9 +528,17 @@ def _selects_tokens(node: fx.Node) -> bool:
     index = index if isinstance(index, tuple) else (index,)
     if value is not None and len(index) == value.dim() and index[-1] == slice(None):
         index = index[:-1]  # logits[:, :-1, :]
-    return (value is not None and len(index) < value.dim()
-            and all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index)
-            and all(not isinstance(v, fx.Node) for i in index if isinstance(i, slice) for v in (i.start, i.stop, i.step)))
+    return (
+        value is not None
+        and len(index) < value.dim()
+        and all(isinstance(i, (int, slice)) and not isinstance(i, bool) for i in index)
+        and all(
+            not isinstance(v, fx.Node)
+            for i in index
+            if isinstance(i, slice)
+            for v in (i.start, i.stop, i.step)
+        )
+    )
 
 
 def _refuse(region: LossRegion, why: str) -> LossRegion:
@@ -421,8 +559,9 @@ def _ce_arg(node: fx.Node, name: str, default=None):
 
 def arguments(node: fx.Node) -> dict:
     """The call's arguments by name, defaults filled in (torch.fx's own normalisation)."""
-    return normalize_function(node.target, tuple(node.args), dict(node.kwargs),
-                              normalize_to_only_use_kwargs=True).kwargs
+    return normalize_function(
+        node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
+    ).kwargs
 
 
 def value_of(node) -> torch.Tensor | None:

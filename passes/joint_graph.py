@@ -17,13 +17,27 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.cost_model import (base_of, collective_bytes, demanded_fraction, node_cost,
-                                            storage_bytes, tensor_bytes)
-from recompile_opt.costs.kernels import consumers
-from recompile_opt.ops import (TORCH_SCRATCH, is_fusible_pointwise, is_generated_random, is_pointwise, is_random_op,
-                               is_seeded_op, is_view_node, op_name)
-from recompile_opt.planner.policies import block_of
 from recompile_opt.approximate.actions import MARKERS
+from recompile_opt.costs.cost_model import (
+    base_of,
+    collective_bytes,
+    demanded_fraction,
+    node_cost,
+    storage_bytes,
+    tensor_bytes,
+)
+from recompile_opt.costs.kernels import consumers
+from recompile_opt.ops import (
+    TORCH_SCRATCH,
+    is_fusible_pointwise,
+    is_generated_random,
+    is_pointwise,
+    is_random_op,
+    is_seeded_op,
+    is_view_node,
+    op_name,
+)
+from recompile_opt.planner.policies import block_of
 from recompile_opt.planner.problem import Problem, Site, Value
 
 
@@ -58,11 +72,16 @@ def _made_by_gather(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and ti.is_all_gather(node.target)
 
 
-_VIEWS_WITH_SHAPE = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+_VIEWS_WITH_SHAPE = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+}
 
 
 def _size_from_makers(gm: fx.GraphModule, tensor: fx.Node, dim: int, meta: dict):
     """Dimension ``dim`` of ``tensor`` as a size expression of the nodes that made it, inserted here."""
+
     def call(fn, *args):
         out = gm.graph.call_function(fn, args)
         out.meta.update(meta)
@@ -125,9 +144,13 @@ class JointGraph:
         self.bwd_set = set(self.bwd_nodes)
         self.primals = [n for n in gm.graph.nodes if n.op == "placeholder" and ti._is_primal(n)]
         self.static_primals = {p for i, p in enumerate(self.primals) if i in self.static_indices}
-        self.fwd_nodes = [n for n in gm.graph.nodes
-                          if n.op in ("placeholder", "call_function", "get_attr")
-                          and n not in self.bwd_set and not ti._is_tangent(n)]
+        self.fwd_nodes = [
+            n
+            for n in gm.graph.nodes
+            if n.op in ("placeholder", "call_function", "get_attr")
+            and n not in self.bwd_set
+            and not ti._is_tangent(n)
+        ]
         self.name_to_node = {n.name: n for n in gm.graph.nodes}
 
     def device(self) -> torch.device:
@@ -143,7 +166,6 @@ def _is_value(node: fx.Node) -> bool:
         return False
     val = node.meta.get("val")
     return isinstance(val, (torch.Tensor, tuple, list)) or node.op == "get_attr"
-
 
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -233,8 +255,9 @@ def _user_tag(node: fx.Node) -> str | None:
     return None
 
 
-def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True, random_fuses: bool = False
-                  ) -> Problem:
+def build_problem(
+    jg: JointGraph, roofline: dict, *, replay_random: bool = True, random_fuses: bool = False
+) -> Problem:
     """One :class:`Value` per forward tensor node; bytes per storage; costs from the roofline.
 
     ``replay_random=False`` makes random ops keep-only (where RNG-state replay cannot be compiled).
@@ -245,7 +268,7 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True,
     values: dict[str, Value] = {}
     storage_bytes_: dict[str, int] = {}
     first_use: dict[str, int] = {}  # backward step of a value's first direct use
-    fuses = (lambda n: is_fusible_pointwise(n) or (random_fuses and is_generated_random(n)))
+    fuses = lambda n: is_fusible_pointwise(n) or (random_fuses and is_generated_random(n))
     memo: dict = {}
     demand = lambda n: demanded_fraction(n, fuses, memo)  # noqa: E731 - one graph's memo
     for node in jg.fwd_nodes:
@@ -260,11 +283,18 @@ def build_problem(jg: JointGraph, roofline: dict, *, replay_random: bool = True,
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
     sites, approximation_s = approximation_sites(jg, values, roofline)
-    return Problem(values=values, storage_bytes=storage_bytes_, save_s=save_s,
-                   rng_state_bytes=ti.rng_state_bytes(device),
-                   bwd_steps=len(jg.bwd_nodes), bwd_byte_steps=sum(_bwd_live_bytes(jg)),
-                   step_s=_step_seconds(jg, roofline) - approximation_s, device=device.type,
-                   collectives=_collectives(jg), sites=sites)
+    return Problem(
+        values=values,
+        storage_bytes=storage_bytes_,
+        save_s=save_s,
+        rng_state_bytes=ti.rng_state_bytes(device),
+        bwd_steps=len(jg.bwd_nodes),
+        bwd_byte_steps=sum(_bwd_live_bytes(jg)),
+        step_s=_step_seconds(jg, roofline) - approximation_s,
+        device=device.type,
+        collectives=_collectives(jg),
+        sites=sites,
+    )
 
 
 def _is_marker(node: fx.Node) -> bool:
@@ -295,9 +325,18 @@ def approximation_sites(jg: JointGraph, values: dict[str, Value], roofline: dict
             # recomputed in the backward draws anew (its graph gets a seed of its own), and the
             # backward's S would not be the forward's (gradients of cosine 0.02, seen)
             values[rest[0].name].can_recompute = False
-        sites.append(Site(choice=f"approximate:{node.name}", marker=node.name,
-                          kind="few-bit" if few_bit else "randomized", exact=(x.name,),
-                          approx=tuple(n.name for n in reads[1:]), replaced=x.name, detail=detail, cost_s=cost))
+        sites.append(
+            Site(
+                choice=f"approximate:{node.name}",
+                marker=node.name,
+                kind="few-bit" if few_bit else "randomized",
+                exact=(x.name,),
+                approx=tuple(n.name for n in reads[1:]),
+                replaced=x.name,
+                detail=detail,
+                cost_s=cost,
+            )
+        )
     return sites, total
 
 
@@ -312,8 +351,12 @@ def _made_only_for(jg: JointGraph, roots: list[fx.Node]) -> set[fx.Node]:
             todo.extend(node.all_input_nodes)
     own = set(roots)
     for node in reversed(jg.fwd_nodes):
-        if node in ancestors and node not in own and node.op == "call_function" and \
-                all(u in own or _is_marker(u) for u in node.users):
+        if (
+            node in ancestors
+            and node not in own
+            and node.op == "call_function"
+            and all(u in own or _is_marker(u) for u in node.users)
+        ):
             own.add(node)
     return own
 
@@ -327,12 +370,17 @@ def _fused_seconds(own: set[fx.Node], roots: list[fx.Node], roofline: dict) -> f
     seconds = sum(node_cost(n, roofline).seconds for n in own - pointwise)
     flops = sum(node_cost(n, roofline, fused=True).flops for n in pointwise)
     outside = {a for n in pointwise for a in n.all_input_nodes if a not in pointwise}
-    traffic = sum(tensor_bytes(a.meta["val"]) for a in outside | set(roots)
-                  if isinstance(a.meta.get("val"), torch.Tensor))
+    traffic = sum(
+        tensor_bytes(a.meta["val"])
+        for a in outside | set(roots)
+        if isinstance(a.meta.get("val"), torch.Tensor)
+    )
     return seconds + max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
 
 
-def _randomized_cost(x: fx.Node, projected: fx.Node, grad: fx.Node, forward_s: float, roofline: dict) -> float:
+def _randomized_cost(
+    x: fx.Node, projected: fx.Node, grad: fx.Node, forward_s: float, roofline: dict
+) -> float:
     """A randomized linear's added time: the forward's projection of its input, the backward's of the
     output gradient (as many rows, the output's width), less the weight gradient's shorter matmul."""
     rows, width = x.meta["val"].numel() // x.meta["val"].shape[-1], x.meta["val"].shape[-1]
@@ -344,10 +392,20 @@ def _randomized_cost(x: fx.Node, projected: fx.Node, grad: fx.Node, forward_s: f
 
 def _collectives(jg: JointGraph) -> list[dict]:
     """Each collective the step runs (waits left out), with the bytes one rank sends."""
-    phases = [(n, "forward") for n in jg.fwd_nodes if n in jg.required_fw] + [(n, "backward") for n in jg.bwd_nodes]
-    return [{**_info(n), "name": n.name, "phase": phase, "bytes": collective_bytes(n),
-             "group": n.args[-1] if n.args and isinstance(n.args[-1], str) else None}
-            for n, phase in phases if ti.collective_name(n.target) not in ("", "wait_tensor")]
+    phases = [(n, "forward") for n in jg.fwd_nodes if n in jg.required_fw] + [
+        (n, "backward") for n in jg.bwd_nodes
+    ]
+    return [
+        {
+            **_info(n),
+            "name": n.name,
+            "phase": phase,
+            "bytes": collective_bytes(n),
+            "group": n.args[-1] if n.args and isinstance(n.args[-1], str) else None,
+        }
+        for n, phase in phases
+        if ti.collective_name(n.target) not in ("", "wait_tensor")
+    ]
 
 
 def _step_seconds(jg: JointGraph, roofline: dict) -> float:
@@ -356,8 +414,9 @@ def _step_seconds(jg: JointGraph, roofline: dict) -> float:
     return sum(node_cost(n, roofline).seconds for n in jg.fwd_nodes + jg.bwd_nodes)
 
 
-def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict, demand
-                ) -> Value:
+def _make_value(
+    jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, roofline: dict, demand
+) -> Value:
     val = node.meta.get("val")
     is_tensor = isinstance(val, torch.Tensor)
     base = base_of(node)
@@ -371,20 +430,29 @@ def _make_value(jg: JointGraph, node: fx.Node, pos: dict, storage_bytes_: dict, 
     is_primal = node.op == "placeholder"
     target = node.target
     # a wait is "impure" to FX (DCE must not drop it); whether it may run again is _unrepeatable_collective's call
-    impure = node.op == "call_function" and (node.is_impure() and not is_seeded_op(target)
-                                             and not ti.is_wait_tensor(target))
+    impure = node.op == "call_function" and (
+        node.is_impure() and not is_seeded_op(target) and not ti.is_wait_tensor(target)
+    )
     return Value(
-        name=node.name, storage=storage,
+        name=node.name,
+        storage=storage,
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
         needed=any(u in pos and not _is_marker(u) for u in node.users),  # a marker: see Site
         can_save=is_tensor and not _unwaited(node),
-        can_recompute=not (is_primal or node.op == "get_attr" or impure or _unrepeatable_collective(node)
-                           or _upcasts_low_precision(node)),
+        can_recompute=not (
+            is_primal
+            or node.op == "get_attr"
+            or impure
+            or _unrepeatable_collective(node)
+            or _upcasts_low_precision(node)
+        ),
         in_forward=_made_by_forward(jg, node),
         random=node.op == "call_function" and is_random_op(node),
-        recompute_s=cost.seconds * share, flops=int(cost.flops * share),
+        recompute_s=cost.seconds * share,
+        flops=int(cost.flops * share),
         last_use=max(bwd_uses, default=-1),
-        tag=_user_tag(node), info=_info(node),
+        tag=_user_tag(node),
+        info=_info(node),
     )
 
 
@@ -462,16 +530,26 @@ def _inherit_modules(jg: JointGraph, values: dict[str, Value]) -> None:
     """Ops that tensor/sequence parallelism's helpers add (a dropout's sliced mask, a gather's cat, a
     shard's copy) have no module of their own (Dynamo traced them inside our functions): they take the
     module of the value they work on, so blocks and plans see them where the user's op was."""
-    helpers = [n for n, v in values.items() if not v.info.get("module")
-               and _PARALLEL_DIR in (jg.name_to_node[n].meta.get("stack_trace") or "")]
+    helpers = [
+        n
+        for n, v in values.items()
+        if not v.info.get("module") and _PARALLEL_DIR in (jg.name_to_node[n].meta.get("stack_trace") or "")
+    ]
     for name in helpers:  # from what they read (a gather's cat: the gathered norm's module)
-        values[name].info["module"] = next((values[i].info["module"] for i in values[name].inputs
-                                            if values[i].info.get("module")), "")
+        values[name].info["module"] = next(
+            (values[i].info["module"] for i in values[name].inputs if values[i].info.get("module")), ""
+        )
     for name in reversed(helpers):  # else a dropout's mask from what reads it (a shard split off the
         # model's input stays outside every module: it is the first block's input, kept by ``full``)
         if not values[name].info["module"] and _DROPOUT_HELPERS in jg.name_to_node[name].meta["stack_trace"]:
-            values[name].info["module"] = next((values[u.name].info["module"] for u in jg.name_to_node[name].users
-                                                if u.name in values and values[u.name].info.get("module")), "")
+            values[name].info["module"] = next(
+                (
+                    values[u.name].info["module"]
+                    for u in jg.name_to_node[name].users
+                    if u.name in values and values[u.name].info.get("module")
+                ),
+                "",
+            )
 
 
 def _propagate_last_use(jg: JointGraph, values: dict[str, Value], first_use: dict[str, int]) -> None:
@@ -483,7 +561,9 @@ def _propagate_last_use(jg: JointGraph, values: dict[str, Value], first_use: dic
         v = values[name]
         block = block_of(v.info.get("module", ""))
         for u in jg.name_to_node[name].users:
-            if u.name in values and (block is None or block_of(values[u.name].info.get("module", "")) == block):
+            if u.name in values and (
+                block is None or block_of(values[u.name].info.get("module", "")) == block
+            ):
                 first_use[name] = min(first_use[name], first_use[u.name])
         v.last_use = max(v.last_use, first_use[name])
 

@@ -35,27 +35,37 @@ def fuse_attention_for(gm: fx.GraphModule, target: str) -> int:
     return len(calls)
 
 
-def _sdpa_on_cpu(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False):
+def _sdpa_on_cpu(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     same_dims = query.shape[-1] == key.shape[-1] == value.shape[-1]
     if dropout_p > 0 or not same_dims:  # the CPU flash kernel has no dropout: torch takes the math path
-        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     key, value = _repeat_kv(query, key, value)
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                            attn_mask=attn_mask, scale=scale)[0]
+    return aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )[0]
 
 
-def _sdpa_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False):
+def _sdpa_on_cuda(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     key, value = _repeat_kv(query, key, value)
-    flash = (attn_mask is None and query.dtype in (torch.float16, torch.bfloat16)
-             and query.shape[-1] == key.shape[-1] == value.shape[-1] and query.shape[-1] <= 256)
+    flash = (
+        attn_mask is None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+        and query.shape[-1] <= 256
+    )
     if flash:
-        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                        scale=scale)[0]
-    return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p, is_causal,
-                                                        scale=scale)[0]
+        return aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+    return aten._scaled_dot_product_efficient_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+    )[0]
 
 
 def _repeat_kv(query, key, value):

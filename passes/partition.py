@@ -23,9 +23,16 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.ops import is_random_op
 
 
-def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_fwd_outputs: int,
-              static_lifetime_input_indices=None, info=None, for_simulation: bool = False
-              ) -> tuple[fx.GraphModule, fx.GraphModule]:
+def partition(
+    gm: fx.GraphModule,
+    *,
+    saved: set[str],
+    recomputed: set[str],
+    num_fwd_outputs: int,
+    static_lifetime_input_indices=None,
+    info=None,
+    for_simulation: bool = False,
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times.
     ``for_simulation``: graphs only to read (recompile_opt.costs.peak), made faster: no Python code is
     generated for them, so they cannot run."""
@@ -37,19 +44,32 @@ def partition(gm: fx.GraphModule, *, saved: set[str], recomputed: set[str], num_
     # an opaque input (a mesh) a plan lists as kept goes over with the opaque objects below, not among
     # the saved tensors (AOTAutograd's runtime checks their types: a hand TP model's mesh at save-all)
     saved_values = [n for n in nodes if n.name in saved and not ti.is_opaque_node(n)]
-    saved_sym_nodes = [n for n in nodes if ti.is_sym_node(n) and n not in bwd
-                       and any(u in bwd or u.name in recomputed for u in n.users)]
+    saved_sym_nodes = [
+        n
+        for n in nodes
+        if ti.is_sym_node(n) and n not in bwd and any(u in bwd or u.name in recomputed for u in n.users)
+    ]
     # opaque inputs the backward reads (a DTensor parameter's mesh, which its gradient is rebuilt with):
     # handed over as they are, never planned
-    saved_opaque = [n for n in nodes if ti.is_opaque_node(n) and (n.op == "placeholder" or n not in bwd)
-                    and any(u in bwd or u.op == "output" or u.name in recomputed for u in n.users)]
+    saved_opaque = [
+        n
+        for n in nodes
+        if ti.is_opaque_node(n)
+        and (n.op == "placeholder" or n not in bwd)
+        and any(u in bwd or u.op == "output" or u.name in recomputed for u in n.users)
+    ]
     with ti.no_graph_codegen() if for_simulation else contextlib.nullcontext():
         if for_simulation:
             fw, bw = _extract_for_reading(gm, saved_values, saved_sym_nodes + saved_opaque, num_fwd_outputs)
         else:
             fw, bw = ti.extract_fwd_bwd_modules(
-                gm, saved_values, saved_sym_nodes=saved_sym_nodes, saved_opaque_nodes=saved_opaque,
-                num_fwd_outputs=num_fwd_outputs, static_lifetime_input_nodes=info.static_lifetime_input_nodes)
+                gm,
+                saved_values,
+                saved_sym_nodes=saved_sym_nodes,
+                saved_opaque_nodes=saved_opaque,
+                num_fwd_outputs=num_fwd_outputs,
+                static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+            )
         if replayed:
             fw, bw = _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes, saved_opaque)
         bw = _reorder_in_place(bw) if for_simulation else ti.reordering_to_mimic_autograd_engine(bw)
@@ -75,8 +95,9 @@ def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list
     return fw, bw
 
 
-def _extract_for_reading(gm: fx.GraphModule, saved_values: list[fx.Node], saved_sym_nodes: list[fx.Node],
-                         num_fwd_outputs: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+def _extract_for_reading(
+    gm: fx.GraphModule, saved_values: list[fx.Node], saved_sym_nodes: list[fx.Node], num_fwd_outputs: int
+) -> tuple[fx.GraphModule, fx.GraphModule]:
     """The forward and backward of ``ti._extract_fwd_bwd_modules``, extracted once each. Why: torch
     extracts the backward twice, first only to drop saved values the backward never reads (a plan's
     saved set holds none: the planner keeps only what the backward or a recomputation reads), then
@@ -85,8 +106,11 @@ def _extract_for_reading(gm: fx.GraphModule, saved_values: list[fx.Node], saved_
     fwd_outputs, bwd_outputs, _, _ = ti._extract_fwd_bwd_outputs(gm, num_fwd_outputs=num_fwd_outputs)
     inputs = gm.graph.find_nodes(op="placeholder")
     fw_in = [n for n in inputs if ti._is_primal(n) or ti._is_fwd_seed_offset(n)]
-    bw_in = saved_sym_nodes + saved_values + [
-        n for n in inputs if ti._is_tangent(n) or ti._is_bwd_seed_offset(n) or ti._is_backward_state(n)]
+    bw_in = (
+        saved_sym_nodes
+        + saved_values
+        + [n for n in inputs if ti._is_tangent(n) or ti._is_bwd_seed_offset(n) or ti._is_backward_state(n)]
+    )
     fw_out = fwd_outputs + saved_values + saved_sym_nodes
     fw = _live_subgraph(gm.graph, fw_in, fw_out, "forward")
     bw = _live_subgraph(gm.graph, bw_in, bwd_outputs, "backward")
@@ -102,8 +126,11 @@ def _live_subgraph(joint: fx.Graph, inputs: list[fx.Node], outputs: list, subgra
     given = set(inputs)
     valid = set(given)
     for n in joint.nodes:
-        if n in given or (subgraph != "backward" and ti._must_be_in_backward(n)) or (
-                subgraph != "forward" and ti._must_be_in_forward(n)):
+        if (
+            n in given
+            or (subgraph != "backward" and ti._must_be_in_backward(n))
+            or (subgraph != "forward" and ti._must_be_in_forward(n))
+        ):
             continue
         if n.op == "get_attr" or (n.op == "call_function" and all(a in valid for a in n.all_input_nodes)):
             valid.add(n)
@@ -160,10 +187,10 @@ def _reorder_in_place(gm: fx.GraphModule) -> fx.GraphModule:
         new_order.extend(sorted(found, key=order.__getitem__))
         placed.update(found)
 
-    for n in nodes[:order[first]]:
+    for n in nodes[: order[first]]:
         if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
             place(n)
-    for n in nodes[order[first]:]:
+    for n in nodes[order[first] :]:
         place(n)
     for n in reversed(nodes):  # what torch's copy leaves out: feeds nothing the backward runs
         if n not in placed:
@@ -184,13 +211,18 @@ def _tag_replayed_random_ops(nodes: list[fx.Node], recomputed: set[str]) -> list
         if n.name in recomputed:
             n.meta["recompute"] = ti.CheckpointPolicy.MUST_RECOMPUTE
             replayed.append(n)
-        elif n.meta.get("recompute") in (ti.CheckpointPolicy.MUST_RECOMPUTE,
-                                         ti.CheckpointPolicy.PREFER_RECOMPUTE):
+        elif n.meta.get("recompute") in (
+            ti.CheckpointPolicy.MUST_RECOMPUTE,
+            ti.CheckpointPolicy.PREFER_RECOMPUTE,
+        ):
             n.meta["recompute"] = ti.CheckpointPolicy.MUST_SAVE
     return replayed
 
 
 def backward_saved_inputs(bw: fx.GraphModule) -> list[str]:
     """Names of the backward graph's inputs that the forward kept (not tangents, not symbols)."""
-    return [n.name for n in bw.graph.find_nodes(op="placeholder")
-            if not n.name.startswith("tangents") and not ti.is_sym_node(n)]
+    return [
+        n.name
+        for n in bw.graph.find_nodes(op="placeholder")
+        if not n.name.startswith("tangents") and not ti.is_sym_node(n)
+    ]

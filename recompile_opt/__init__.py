@@ -12,6 +12,17 @@ from recompile_opt.parallel import parallel_plan, parallelize
 from recompile_opt.plan import Plan, PlanEntry
 from recompile_opt.planner.search import InfeasibleBudget
 
-__all__ = ["InfeasibleBudget", "OptionError", "Options", "Plan", "PlanEntry", "last_plans", "parallel_plan",
-           "parallelize", "plan", "recompile_opt_backend", "reset_plans"]
+__all__ = [
+    "InfeasibleBudget",
+    "OptionError",
+    "Options",
+    "Plan",
+    "PlanEntry",
+    "last_plans",
+    "parallel_plan",
+    "parallelize",
+    "plan",
+    "recompile_opt_backend",
+    "reset_plans",
+]
 __version__ = "0.1.0"

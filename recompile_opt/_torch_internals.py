@@ -16,8 +16,8 @@ import inspect
 import re
 import threading
 import time
-from typing import Callable, NamedTuple
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -43,7 +43,8 @@ def check_torch_version(version=None) -> tuple[int, int, int]:
     if not (lo_major, lo_minor) <= parsed[:2] < (hi_major, hi_minor):
         raise ImportError(
             f"recompile_opt supports {lo_major}.{lo_minor} <= torch < {hi_major}.{hi_minor}; "
-            f"torch {version} is installed (pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}')")
+            f"torch {version} is installed (pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}')"
+        )
     return parsed
 
 
@@ -73,18 +74,18 @@ from torch._functorch.partitioners import (
     reordering_to_mimic_autograd_engine,
 )
 from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._inductor import compile_fx as _compile_fx_module
 from torch._inductor import config as inductor_config
 from torch._inductor import cpu_vec_isa
 from torch._inductor import ir as inductor_ir
-from torch._inductor import compile_fx as _compile_fx_module
 from torch._inductor.compile_fx import _recursive_post_grad_passes, compile_fx
 from torch._inductor.compile_fx import fake_tensor_prop as inductor_fake_tensor_prop
-from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
 from torch._inductor.cpp_builder import CppBuilder
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
@@ -113,20 +114,36 @@ is_opaque_node = getattr(_graph_compile, "is_opaque_node", _is_opaque_node)
 _EXTRACT_PARAMETERS = inspect.signature(_extract_fwd_bwd_modules).parameters
 
 
-def extract_fwd_bwd_modules(gm, saved_values, *, saved_sym_nodes, saved_opaque_nodes, num_fwd_outputs,
-                            static_lifetime_input_nodes=None):
+def extract_fwd_bwd_modules(
+    gm,
+    saved_values,
+    *,
+    saved_sym_nodes,
+    saved_opaque_nodes,
+    num_fwd_outputs,
+    static_lifetime_input_nodes=None,
+):
     """torch's ``_extract_fwd_bwd_modules``: the forward outputs the saved values, symbols and opaque
     nodes, the backward takes them first. torch 2.12 and later take the opaque nodes apart
     (``saved_opaque_nodes``); 2.11 has no such parameter and instead moves the fake script objects it
     finds among ``saved_values`` after the tensors (and before the symbols), where its runtime looks for
     them, so there they go in with the saved values."""
     if "saved_opaque_nodes" in _EXTRACT_PARAMETERS:
-        return _extract_fwd_bwd_modules(gm, saved_values, saved_sym_nodes=saved_sym_nodes,
-                                        saved_opaque_nodes=saved_opaque_nodes, num_fwd_outputs=num_fwd_outputs,
-                                        static_lifetime_input_nodes=static_lifetime_input_nodes)
-    return _extract_fwd_bwd_modules(gm, [*saved_values, *saved_opaque_nodes], saved_sym_nodes,
-                                    num_fwd_outputs=num_fwd_outputs,
-                                    static_lifetime_input_nodes=static_lifetime_input_nodes)
+        return _extract_fwd_bwd_modules(
+            gm,
+            saved_values,
+            saved_sym_nodes=saved_sym_nodes,
+            saved_opaque_nodes=saved_opaque_nodes,
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_nodes=static_lifetime_input_nodes,
+        )
+    return _extract_fwd_bwd_modules(
+        gm,
+        [*saved_values, *saved_opaque_nodes],
+        saved_sym_nodes,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=static_lifetime_input_nodes,
+    )
 
 
 def inductor_partition_fn_with(partitioner):
@@ -143,25 +160,80 @@ def _partition_with(partitioner, gm, joint_inputs, **kwargs):
     """torch 2.11/2.12's ``compile_fx.partition_fn`` up to its choice of partitioner, then ``partitioner``."""
     with _compile_fx_module.get_cuda_device_context(gm):
         devices = _compile_fx_module.get_inputs_devices(joint_inputs, gm)
-        gm = _compile_fx_module._recursive_joint_graph_passes(gm, skip_invoke_subgraph=True,
-                                                              input_device=next(iter(devices)))
+        gm = _compile_fx_module._recursive_joint_graph_passes(
+            gm, skip_invoke_subgraph=True, input_device=next(iter(devices))
+        )
     return partitioner(gm, joint_inputs, **kwargs)
 
 
 __all__ = [
-    "BackendCompilerFailed", "TORCH_VERSION", "SUPPORTED_TORCH", "check_torch_version", "parse_torch_version", "concrete_size",
-    "CheckpointPolicy", "CustomPartitionerFn", "cache_dir", "FakeTensorMode", "V", "_extract_fwd_bwd_modules",
-    "_extract_fwd_bwd_outputs", "_extract_graph_with_inputs_outputs", "_is_backward_state",
-    "_is_bwd_seed_offset", "_is_fwd_seed_offset", "_must_be_in_backward", "_must_be_in_forward",
+    "BackendCompilerFailed",
+    "TORCH_VERSION",
+    "SUPPORTED_TORCH",
+    "check_torch_version",
+    "parse_torch_version",
+    "concrete_size",
+    "CheckpointPolicy",
+    "CustomPartitionerFn",
+    "cache_dir",
+    "FakeTensorMode",
+    "V",
+    "_extract_fwd_bwd_modules",
+    "_extract_fwd_bwd_outputs",
+    "_extract_graph_with_inputs_outputs",
+    "_is_backward_state",
+    "_is_bwd_seed_offset",
+    "_is_fwd_seed_offset",
+    "_must_be_in_backward",
+    "_must_be_in_forward",
     "dce_impure_random",
-    "_is_primal", "_is_tangent", "aot_autograd", "classify_nodes", "compile_fx", "detect_fake_mode",
-    "dynamo_config", "flop_registry", "register_flop_formula", "functionalize_rng_ops", "functorch_config", "get_hash_for_files",
-    "inductor_config", "inductor_partition_fn", "inductor_partition_fn_with", "extract_fwd_bwd_modules", "is_sym_node", "make_boxed_func", "make_fx",
-    "min_cut_rematerialization_partition", "raise_getitems",
-    "reordering_to_mimic_autograd_engine", "select_decomp_table", "schema_argument", "is_collective_op",
-    "collective_name", "is_all_gather", "is_wait_tensor", "group_size", "inner_static_indices",
-    "rng_state_bytes", "no_graph_codegen", "allocator_records", "cpp_build_timer", "on_fresh_stack",
-    "inductor_wrapper_code", "compiled_wrapper_code", "lower_backward_eagerly", "bw_donated_inputs", "codegen_settings", "real_tensors", "WrapperCode", "strided_shard", "is_strided_shard", "functional_collectives", "FunctionalCollectives", "is_opaque_node",
+    "_is_primal",
+    "_is_tangent",
+    "aot_autograd",
+    "classify_nodes",
+    "compile_fx",
+    "detect_fake_mode",
+    "dynamo_config",
+    "flop_registry",
+    "register_flop_formula",
+    "functionalize_rng_ops",
+    "functorch_config",
+    "get_hash_for_files",
+    "inductor_config",
+    "inductor_partition_fn",
+    "inductor_partition_fn_with",
+    "extract_fwd_bwd_modules",
+    "is_sym_node",
+    "make_boxed_func",
+    "make_fx",
+    "min_cut_rematerialization_partition",
+    "raise_getitems",
+    "reordering_to_mimic_autograd_engine",
+    "select_decomp_table",
+    "schema_argument",
+    "is_collective_op",
+    "collective_name",
+    "is_all_gather",
+    "is_wait_tensor",
+    "group_size",
+    "inner_static_indices",
+    "rng_state_bytes",
+    "no_graph_codegen",
+    "allocator_records",
+    "cpp_build_timer",
+    "on_fresh_stack",
+    "inductor_wrapper_code",
+    "compiled_wrapper_code",
+    "lower_backward_eagerly",
+    "bw_donated_inputs",
+    "codegen_settings",
+    "real_tensors",
+    "WrapperCode",
+    "strided_shard",
+    "is_strided_shard",
+    "functional_collectives",
+    "FunctionalCollectives",
+    "is_opaque_node",
     "layout_optimized",
 ]
 
@@ -333,7 +405,7 @@ def collective_name(target) -> str:
     return getattr(packet, "__name__", str(target)).rsplit(".", 1)[-1]
 
 
-def inner_static_indices(gm: fx.GraphModule, static: list[int] | None) -> list[int] | None:
+def inner_static_indices(gm: torch.fx.GraphModule, static: list[int] | None) -> list[int] | None:
     """The primals of the joint graph that are static inputs (parameters, buffers), as indices of its
     placeholders. Why: where an input is a tensor subclass (a DTensor parameter: its local tensor and
     its mesh), AOTAutograd (2.13) hands the partitioner ``static_lifetime_input_indices`` counted over
@@ -347,7 +419,9 @@ def inner_static_indices(gm: fx.GraphModule, static: list[int] | None) -> list[i
     if all(o == i for i, o in enumerate(outer)) or any(o is None for o in outer):
         return static  # nothing unwrapped (or no descriptors): the indices are the placeholders'
     wanted = set(static)
-    return [i for i, o in enumerate(outer) if o in wanted and isinstance(primals[i].meta.get("val"), torch.Tensor)]
+    return [
+        i for i, o in enumerate(outer) if o in wanted and isinstance(primals[i].meta.get("val"), torch.Tensor)
+    ]
 
 
 def _wrapped_index(desc) -> int | None:
@@ -362,6 +436,7 @@ def process_group(group_name):
     none by that name (a graph planned on a fake or absent group)."""
     try:
         import torch.distributed.distributed_c10d as c10d
+
         return c10d._resolve_process_group(group_name)
     except Exception:
         return None
@@ -371,6 +446,7 @@ def default_store():
     """The key-value store the default process group met through (TCP or file), or None."""
     try:
         import torch.distributed.distributed_c10d as c10d
+
         return c10d._get_default_store()
     except Exception:
         return None
@@ -380,6 +456,7 @@ def group_size(group_name) -> int:
     """The size of the process group a traced collective names (2 where this process has no such group)."""
     try:
         import torch.distributed.distributed_c10d as c10d
+
         return c10d._get_group_size_by_name(group_name)
     except Exception:
         return 2
@@ -399,9 +476,14 @@ def graph_changing_state() -> str:
     AOTAutograd traces, as its own cache keys it (``AOTAutogradCacheDetails._record_runtime_state``):
     grad mode, each device's autocast dtype, deterministic algorithms. Why: a model compiled under
     ``torch.autocast`` outside the compiled region has the same Dynamo graph as without it."""
-    autocast = {d: str(torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
-                if torch.is_autocast_enabled(d)}
-    return repr((torch.is_grad_enabled(), sorted(autocast.items()), torch.are_deterministic_algorithms_enabled()))
+    autocast = {
+        d: str(torch.get_autocast_dtype(d))
+        for d in torch._C._autocast_supported_devices()
+        if torch.is_autocast_enabled(d)
+    }
+    return repr(
+        (torch.is_grad_enabled(), sorted(autocast.items()), torch.are_deterministic_algorithms_enabled())
+    )
 
 
 def rng_state_bytes(device: torch.device) -> int:
@@ -413,6 +495,7 @@ def rng_state_bytes(device: torch.device) -> int:
 
 class WrapperCode(NamedTuple):
     """What :func:`inductor_wrapper_code` reads off Inductor's lowering of one graph."""
+
     code: str  # the Python wrapper's source
     sizes: dict[str, int]  # buffer -> bytes
     multi: dict[str, list[str]]  # a multi-output call -> its output buffers, in order
@@ -422,8 +505,13 @@ class WrapperCode(NamedTuple):
     output_strides: list[tuple | None]  # each graph output's strides (None: not a tensor)
 
 
-def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: list[int] | None = None,
-                          input_strides: dict[str, tuple] | None = None) -> WrapperCode:
+def inductor_wrapper_code(
+    gm: torch.fx.GraphModule,
+    *,
+    backward: bool,
+    donated: list[int] | None = None,
+    input_strides: dict[str, tuple] | None = None,
+) -> WrapperCode:
     """The Python wrapper Inductor generates for ``gm`` (a partitioned forward or backward whose nodes
     carry fake ``val``s), without compiling any kernel, and what it says about buffers (:class:`WrapperCode`).
 
@@ -437,22 +525,35 @@ def inductor_wrapper_code(gm: torch.fx.GraphModule, *, backward: bool, donated: 
     example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = detect_fake_mode(example)
     if input_strides:
-        example = [v.as_strided(v.shape, input_strides[n.name]) if n.name in input_strides else v
-                   for n, v in zip(gm.graph.find_nodes(op="placeholder"), example)]
+        example = [
+            v.as_strided(v.shape, input_strides[n.name]) if n.name in input_strides else v
+            for n, v in zip(gm.graph.find_nodes(op="placeholder"), example)
+        ]
     # outside the caller's tracing context: lowering may record into it (output strides) for the
     # graph the caller is compiling
     # a user's custom post-grad passes are the real compile's: run on candidate graphs they would count
     # or log graphs that never run (the benchmark's FLOP counter summed the walks' backward graphs)
     no_custom = {"post_grad_custom_pre_pass": None, "post_grad_custom_post_pass": None}
-    with tracing(None), V.set_fake_mode(fake_mode), DebugContext(), inductor_config.patch(no_custom), \
-            _scalar_cpp_kernels(), _not_recorded():
+    with (
+        tracing(None),
+        V.set_fake_mode(fake_mode),
+        DebugContext(),
+        inductor_config.patch(no_custom),
+        _scalar_cpp_kernels(),
+        _not_recorded(),
+    ):
         if input_strides:  # as fx_codegen_and_compile does: the graph's values re-derived from its inputs
             view_to_reshape(gm)
             with torch.no_grad():
                 inductor_fake_tensor_prop(gm, example)
         _recursive_post_grad_passes(gm, is_inference=False)
-        graph = GraphLowering(gm, example_inputs=example, shape_env=fake_mode.shape_env,
-                              is_inference=False, is_backward=backward)
+        graph = GraphLowering(
+            gm,
+            example_inputs=example,
+            shape_env=fake_mode.shape_env,
+            is_inference=False,
+            is_backward=backward,
+        )
         if backward:
             graph.bw_donated_idxs = list(donated or ())
         with V.set_graph_handler(graph):
@@ -495,8 +596,11 @@ def compiled_wrapper_code():
 
     def codegen(self):
         result = original(self)
-        if getattr(_RECORDING, "records", None) is not None and not getattr(_RECORDING, "paused", False) \
-                and not self.cpp_wrapper:
+        if (
+            getattr(_RECORDING, "records", None) is not None
+            and not getattr(_RECORDING, "paused", False)
+            and not self.cpp_wrapper
+        ):
             try:
                 _RECORDING.records.append((bool(self.is_backward), _wrapper_code_of(self, result[0].value)))
             except Exception:  # noqa: BLE001 - a record missed: the caller lowers the plan itself
@@ -560,6 +664,7 @@ class FunctionalCollectives(NamedTuple):
     """torch's functional collectives, which trace into graphs as ``_c10d_functional`` ops; each takes
     the process group's name. torch 2.13 names them ``*_single``; 2.11 and 2.12 ``*_tensor``, which 2.13
     keeps as deprecated aliases that warn outside a compile."""
+
     all_gather: Callable  # (x, gather_dim, group): the ranks' x concatenated along gather_dim
     all_gather_autograd: Callable  # the same, its gradient reduce-scattered
     reduce_scatter_autograd: Callable  # (x, reduce_op, scatter_dim, group); its gradient all-gathered
@@ -577,7 +682,9 @@ def functional_collectives() -> FunctionalCollectives:
     return FunctionalCollectives(
         named("all_gather_single", "all_gather_tensor"),
         named("all_gather_single_autograd", "all_gather_tensor_autograd"),
-        named("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"), funcol.all_reduce)
+        named("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"),
+        funcol.all_reduce,
+    )
 
 
 def strided_shard(dim: int, pieces: int):
@@ -697,6 +804,9 @@ def bw_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
         return [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
 
     fw_outs = vals(fw.graph.find_nodes(op="output")[0].args[0])
-    return collect_fw_donated_buffer_idxs(vals(fw.graph.find_nodes(op="placeholder")), fw_outs[:num_fwd_outputs],
-                                          vals(bw.graph.find_nodes(op="output")[0].args[0]),
-                                          fw_outs[num_fwd_outputs:])
+    return collect_fw_donated_buffer_idxs(
+        vals(fw.graph.find_nodes(op="placeholder")),
+        fw_outs[:num_fwd_outputs],
+        vals(bw.graph.find_nodes(op="output")[0].args[0]),
+        fw_outs[num_fwd_outputs:],
+    )

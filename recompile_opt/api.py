@@ -16,15 +16,16 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.planner import budget_split
 from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager, note, sequence_parallel_of
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.planner import budget_split
 from recompile_opt.planner.search import InfeasibleBudget
 
 
-def plan(model: torch.nn.Module, example_inputs=(), memory_budget=None, *, kwargs: Mapping | None = None,
-         **options) -> Plan | list[Plan]:
+def plan(
+    model: torch.nn.Module, example_inputs=(), memory_budget=None, *, kwargs: Mapping | None = None, **options
+) -> Plan | list[Plan]:
     """Plan ``model`` (or its ``torch.compile`` wrapper) for ``example_inputs`` under the options.
 
     ``example_inputs``: the positional inputs (a tuple or list, or one tensor), or a dict (any mapping:
@@ -89,8 +90,10 @@ def _capture(module, inputs: tuple[tuple, dict], opts: Options, aten_random: boo
             raise e.inner_exception from None
         raise
     if not partitioner.plans:
-        raise RuntimeError("recompile_opt.plan: no graph with a backward was captured (no parameter or "
-                           "input requires grad, or Dynamo ran the model eagerly: see TORCH_LOGS=graph_breaks)")
+        raise RuntimeError(
+            "recompile_opt.plan: no graph with a backward was captured (no parameter or "
+            "input requires grad, or Dynamo ran the model eagerly: see TORCH_LOGS=graph_breaks)"
+        )
     return partitioner.plans
 
 
@@ -99,8 +102,10 @@ def _split_budget(opts: Options, learned: list[Plan]) -> None:
     graphs = [(p.graph, p.min_bytes, p.baseline_bytes) for p in learned]
     least = sum(lo for _, lo, _ in graphs)
     if budget < least:
-        msg = (f"recompile_opt: memory_budget={fmt_bytes(budget)} is below the least the model's "
-               f"{len(graphs)} graphs can keep together ({fmt_bytes(least)}, {least} bytes)")
+        msg = (
+            f"recompile_opt: memory_budget={fmt_bytes(budget)} is below the least the model's "
+            f"{len(graphs)} graphs can keep together ({fmt_bytes(least)}, {least} bytes)"
+        )
         if opts.strict:
             raise InfeasibleBudget(msg + " (strict=True)")
         warnings.warn(msg + "; each graph gets its least-memory plan")

@@ -30,24 +30,24 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.planner import budget_split, chunk_choice
-from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.costs.inductor_peak import output_names
 from recompile_opt.costs.peak import caller_outputs_bytes, inductor_pool, peak_breakdown
-from recompile_opt.plan import Plan, fmt_bytes
-from recompile_opt.provenance import code_hash
-from recompile_opt.planner.least_peak import range_walked
-from recompile_opt.planner.search import InfeasibleBudget, make_plan
-from recompile_opt.planner.solving import one_tensor_per_storage
 from recompile_opt.costs.simulator import simulator_for
-from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
+from recompile_opt.options import OptionError, Options, parse_options
+from recompile_opt.parallel.agreement import check_same_plan
+from recompile_opt.parallel.sequence_pass import add_sequence_parallel
 from recompile_opt.passes.approximate import offer_approximations
 from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
+from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.meta_attention import fuse_attention_for
 from recompile_opt.passes.partition import partition
-from recompile_opt.parallel.agreement import check_same_plan
-from recompile_opt.parallel.sequence_pass import add_sequence_parallel
+from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.planner import budget_split, chunk_choice
+from recompile_opt.planner.least_peak import range_walked
+from recompile_opt.planner.search import InfeasibleBudget, make_plan
+from recompile_opt.planner.solving import one_tensor_per_storage
+from recompile_opt.provenance import code_hash
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         static = ti.inner_static_indices(gm, kwargs.get("static_lifetime_input_indices"))
         sizes_before_gathers(gm)
         jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
-        problem = build_problem(jg, self.options.roofline_for(jg.device().type),
-                                replay_random=self.replay_random(), random_fuses=self.random_fuses())
-        simulate = simulator_for(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static,
-                                 info=jg.info)
+        problem = build_problem(
+            jg,
+            self.options.roofline_for(jg.device().type),
+            replay_random=self.replay_random(),
+            random_fuses=self.random_fuses(),
+        )
+        simulate = simulator_for(
+            gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static, info=jg.info
+        )
         simulate.offer(problem.sites)
         simulate.chunked = self.graph_chunked
 
@@ -115,12 +120,19 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         if split_note and not known:
             plan.notes.insert(0, split_note)
         if not known and not self.replay_random() and any(v.random for v in problem.values.values()):
-            plan.notes.append("random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
-                              "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)")
+            plan.notes.append(
+                "random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
+                "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)"
+            )
         saved = {e.name for e in plan.saved if e.op != "rng_state"}
         settled, _ = simulate.graph_for(plan.recomputed_names())  # markers replaced (approximate backward)
-        fw, bw = partition(settled, saved=saved, recomputed=plan.recomputed_names(),
-                           num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
+        fw, bw = partition(
+            settled,
+            saved=saved,
+            recomputed=plan.recomputed_names(),
+            num_fwd_outputs=num_fwd_outputs,
+            static_lifetime_input_indices=static,
+        )
         self.last_forward, self.last_backward = fw, bw
         with inductor_pool(self.graph_chunked):
             plan.peak_breakdown = peak_breakdown(fw, bw, plan.recomputed_names())
@@ -142,19 +154,27 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             raise ChunkingWanted(plan)
         self.plans.append(plan)
         check_same_plan(plan, gid)
-        self.unwalked = ((plan, fw, bw, output_names(fw), saved, simulate, used) if walk and self.compiling
-                         else None)
+        self.unwalked = (
+            (plan, fw, bw, output_names(fw), saved, simulate, used) if walk and self.compiling else None
+        )
         choice_s = known.solver.get("chunk_choice_s", 0.0) if known else 0.0
         self._set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start)
         if self.unwalked is None:  # its figures are final now (else: finish_peak)
-            self._check_limit(plan, None if exact is not None else
-                              simulate.why_unwalked(saved, plan.recomputed_names()) if walk else
-                              f"compiler={self.options.compiler!r} runs no Inductor code"
-                              if self.options.compiler != "inductor" else
-                              "planned without a compile; compiling it walks its code")
+            self._check_limit(
+                plan,
+                None
+                if exact is not None
+                else simulate.why_unwalked(saved, plan.recomputed_names())
+                if walk
+                else f"compiler={self.options.compiler!r} runs no Inductor code"
+                if self.options.compiler != "inductor"
+                else "planned without a compile; compiling it walks its code",
+            )
         return fw, bw
 
-    def _choose_layout(self, gm: fx.GraphModule, problem, simulate, num_fwd_outputs: int, static) -> str | None:
+    def _choose_layout(
+        self, gm: fx.GraphModule, problem, simulate, num_fwd_outputs: int, static
+    ) -> str | None:
         """Where Inductor would lay this graph's convolutions out channels-last, its save-all plan walked
         in both layouts; where the convolutions' own layout peaks lower, every plan is walked in it and
         Inductor's layout switched off for the rest of this compile. Returns the plan's note, else None.
@@ -175,9 +195,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         simulate.walk_in_plain_layout()
         if self.compiling:
             ti.switch_layout_optimization_off()
-        return ("convolutions in their own layout: Inductor's channels-last copies, kept for the backward, "
-                f"would raise the save-all plan's peak to {fmt_bytes(channels_last)} (walked) from "
-                f"{fmt_bytes(plain)}; every plan is walked in this layout")
+        return (
+            "convolutions in their own layout: Inductor's channels-last copies, kept for the backward, "
+            f"would raise the save-all plan's peak to {fmt_bytes(channels_last)} (walked) from "
+            f"{fmt_bytes(plain)}; every plan is walked in this layout"
+        )
 
     def _make_plan(self, problem, options: Options, gid: str, simulate) -> Plan:
         """The search's plan. Where chunks may still be tried under a ``peak_memory`` limit, a miss is
@@ -187,12 +209,15 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             return ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
         with warnings.catch_warnings(record=True) as held:
             warnings.simplefilter("always")
-            plan = ti.on_fresh_stack(make_plan, problem, dataclasses.replace(options, strict=False),
-                                     graph=gid, simulate=simulate)
+            plan = ti.on_fresh_stack(
+                make_plan, problem, dataclasses.replace(options, strict=False), graph=gid, simulate=simulate
+            )
         plan.options = {**plan.options, "strict": options.strict}
         self.held_warnings = held
         if held and options.strict:  # if this plan is the user's after all, its strict error is raised
-            self.strict_again = lambda: ti.on_fresh_stack(make_plan, problem, options, graph=gid, simulate=simulate)
+            self.strict_again = lambda: ti.on_fresh_stack(
+                make_plan, problem, options, graph=gid, simulate=simulate
+            )
         return plan
 
     def _wants_chunks(self, plan: Plan, exact: int | None) -> bool:
@@ -226,7 +251,9 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         walked = (fw, bw, (codes[False], codes[True], outputs)) if len(codes) == 2 else None
         exact = simulate.exact(saved, plan.recomputed_names(), compiled=walked)
         self._set_peak(plan, exact, simulate, used, plan.solver["plan_s"] + time.perf_counter() - start)
-        self._check_limit(plan, None if exact is not None else simulate.why_unwalked(saved, plan.recomputed_names()))
+        self._check_limit(
+            plan, None if exact is not None else simulate.why_unwalked(saved, plan.recomputed_names())
+        )
 
     def _check_limit(self, plan: Plan, unwalked: str | None) -> None:
         """The plan taken against its figures' promise: a ``peak_memory`` limit over the code's walked
@@ -241,12 +268,16 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
             return
         msg = None
         if unwalked:
-            msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
-                   f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}")
+            msg = (
+                f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
+                f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}"
+            )
         elif plan.predicted_peak_bytes > limit:
-            msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
-                   f"peaks at {fmt_bytes(plan.predicted_peak_bytes)} (walked)")
-        if msg and not any(msg[len("recompile_opt: "):] in n for n in plan.notes):
+            msg = (
+                f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
+                f"peaks at {fmt_bytes(plan.predicted_peak_bytes)} (walked)"
+            )
+        if msg and not any(msg[len("recompile_opt: ") :] in n for n in plan.notes):
             warnings.warn(msg)
             plan.notes.append(msg)
 
@@ -258,8 +289,12 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         plan.solver["plan_s"] = round(seconds, 3)
         simulate.store()
         simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
-        plan.solver.update(simulations=simulations, simulate_s=round(simulate_s, 3),
-                           exact_peaks=exact_peaks, exact_s=round(exact_s, 3))
+        plan.solver.update(
+            simulations=simulations,
+            simulate_s=round(simulate_s, 3),
+            exact_peaks=exact_peaks,
+            exact_s=round(exact_s, 3),
+        )
 
     def __deepcopy__(self, memo):
         """Itself, and pickled as its :meth:`uuid`. Why: Inductor deep-copies and pickles its config for
@@ -289,8 +324,11 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         if self.walk or self.compiling:
             return True
         budget, options = self.options.memory_budget, self.options
-        request = (options.peak_memory is not None or isinstance(budget, int)
-                   or (isinstance(budget, float) and budget < 1.0)) and options.policy == "auto"
+        request = (
+            options.peak_memory is not None
+            or isinstance(budget, int)
+            or (isinstance(budget, float) and budget < 1.0)
+        ) and options.policy == "auto"
         return options.compiler == "inductor" and request
 
     def replay_random(self) -> bool:
@@ -362,14 +400,17 @@ def _compile(gm: fx.GraphModule, example_inputs, options):
     if opts.compiler == "eager":
         compiled = compile_eager(gm, example_inputs, partitioner)
     else:
-        compiled = compile_with_chunk_choice(_compile_inductor, gm, example_inputs, partitioner, aten_random=False)
+        compiled = compile_with_chunk_choice(
+            _compile_inductor, gm, example_inputs, partitioner, aten_random=False
+        )
     note(partitioner, sequence)
     _record(partitioner, key, opts)
     return compiled
 
 
-def _compile_inductor(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner,
-                      chosen: dict | None):
+def _compile_inductor(
+    gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, chosen: dict | None
+):
     """Inductor's ``compile_fx`` with our partitioner, the graph chunked as ``chosen`` (or forced)."""
     chunked = chunk_regions(gm, partitioner, chosen)
     offered = offer_approximations_of(gm, partitioner.options)
@@ -377,11 +418,16 @@ def _compile_inductor(gm: fx.GraphModule, example_inputs, partitioner: Recompile
     # generates; only there is the backward lowered with the forward (a model run with grad enabled
     # but never backward, an evaluation, would otherwise build a backward it never runs)
     defer = partitioner.walks_plan_taken()
-    with ti.compiled_wrapper_code() as lowered, ti.layout_setting_restored(), \
-            ti.lower_backward_eagerly() if defer else contextlib.nullcontext():
+    with (
+        ti.compiled_wrapper_code() as lowered,
+        ti.layout_setting_restored(),
+        ti.lower_backward_eagerly() if defer else contextlib.nullcontext(),
+    ):
         partitioner.compiling = defer
         try:
-            compiled = ti.compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+            compiled = ti.compile_fx(
+                gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner}
+            )
         finally:
             partitioner.compiling = False
     partitioner.finish_peak(lowered)
@@ -405,6 +451,7 @@ def compile_eager(gm, example_inputs, partitioner: RecompilePartitioner, *, aten
 
 def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *, aten_random: bool):
     """:func:`compile_eager` with the graph chunked as ``chosen`` (or forced)."""
+
     def nop(g, _inputs):
         return ti.make_boxed_func(g.forward)
 
@@ -424,13 +471,22 @@ def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *,
     with ti.V.set_fake_mode(fake_mode), ti.inductor_config.patch(patches):
         # the decomposition table depends on fallback_random: build it inside the patch, or dropout
         # would decompose into Inductor's rand + compare and draw other masks than eager's
-        backend = ti.aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=part,
-                                  decompositions=ti.select_decomp_table(),
-                                  keep_inference_input_mutations=True)
+        backend = ti.aot_autograd(
+            fw_compiler=nop,
+            bw_compiler=nop,
+            partition_fn=part,
+            decompositions=ti.select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
         compiled = backend(gm, example_inputs)
     if fused:
-        note(partitioner, [f"meta device: {fused} attention call(s) planned as the fused kernel "
-                            f"target_device={target!r} runs (its output and logsumexp, no s x s tensor)"])
+        note(
+            partitioner,
+            [
+                f"meta device: {fused} attention call(s) planned as the fused kernel "
+                f"target_device={target!r} runs (its output and logsumexp, no s x s tensor)"
+            ],
+        )
     note(partitioner, chunked)
     note(partitioner, offered)
     return compiled
@@ -459,8 +515,9 @@ class ChunkingWanted(Exception):
         self.plan = plan
 
 
-def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, partitioner, *,
-                              aten_random: bool):
+def compile_with_chunk_choice(
+    compile_once, gm: fx.GraphModule, example_inputs, partitioner, *, aten_random: bool
+):
     """``compile_once(gm, example_inputs, partitioner, chosen)``, with ``chunks="auto"`` chosen lazily.
 
     Where the plan's goal is memory and the graph has regions that can be chunked, the partitioner plans
@@ -503,15 +560,21 @@ def _symbolic(example_inputs) -> bool:
     """Whether the graph has symbolic sizes (``dynamic=True``): ``"auto"`` leaves it unchunked, since
     reading a region's tokens as a number would specialise the graph to this length (a recompile per
     length); forced chunks work there."""
-    return any(isinstance(x, torch.SymInt) or isinstance(x, torch.Tensor)
-               and any(isinstance(d, torch.SymInt) for d in x.shape) for x in example_inputs)
+    return any(
+        isinstance(x, torch.SymInt)
+        or isinstance(x, torch.Tensor)
+        and any(isinstance(d, torch.SymInt) for d in x.shape)
+        for x in example_inputs
+    )
 
 
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
 # keywords that rewrite (and the region's description and plan entry) take
-CHUNKERS = {"loss": (find_loss_regions, chunk_loss, {}),
-            "loss_recompute": (find_loss_regions, chunk_loss, {"recompute": True}),
-            "mlp": (find_mlp_regions, chunk_mlp, {})}
+CHUNKERS = {
+    "loss": (find_loss_regions, chunk_loss, {}),
+    "loss_recompute": (find_loss_regions, chunk_loss, {"recompute": True}),
+    "mlp": (find_mlp_regions, chunk_mlp, {}),
+}
 
 
 def chunk_regions(gm: fx.GraphModule, partitioner, chosen: dict | None) -> Chunked:
@@ -544,12 +607,19 @@ def chunk_regions(gm: fx.GraphModule, partitioner, chosen: dict | None) -> Chunk
 @dataclasses.dataclass
 class Chunked:
     """What :func:`chunk_regions` did: note lines and one plan entry per chunked region."""
+
     notes: list = dataclasses.field(default_factory=list)
     records: list = dataclasses.field(default_factory=list)
 
 
-def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner, candidates: list,
-                   unchunked: Plan, aten_random: bool) -> dict:
+def _choose_chunks(
+    gm: fx.GraphModule,
+    example_inputs,
+    partitioner: RecompilePartitioner,
+    candidates: list,
+    unchunked: Plan,
+    aten_random: bool,
+) -> dict:
     """Plan ``gm`` chunked as the candidates say, against its ``unchunked`` plan
     (:func:`chunk_choice.choose`). The plan taken is handed to ``partitioner``, which then does not plan
     its graph again."""
@@ -573,9 +643,11 @@ def _choose_chunks(gm: fx.GraphModule, example_inputs, partitioner: RecompilePar
     # the planning this choice took, the unchunked plan's included: the plan's planning time counts it
     best.solver["chunk_choice_s"] = round(unchunked.solver["plan_s"] + time.perf_counter() - start, 3)
     planned = list({id(p): p for p in planned if p is not None}.values())
-    best.solver["chunk_choice"] = {"plannings": len(planned),
-                                   "simulations": sum(p.solver.get("simulations", 0) for p in planned),
-                                   "walks": sum(p.solver.get("exact_peaks", 0) for p in planned)}
+    best.solver["chunk_choice"] = {
+        "plannings": len(planned),
+        "simulations": sum(p.solver.get("simulations", 0) for p in planned),
+        "walks": sum(p.solver.get("exact_peaks", 0) for p in planned),
+    }
     if options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory:
         partitioner.known[best.graph] = best  # else planned again, to warn (or raise: strict) as usual
     saved = unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
@@ -603,10 +675,18 @@ def _plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitio
     compile that hit Inductor's cache replayed the bf16 plan (CI: a plan of 48644 bytes where the
     compiled step kept 47620). And Inductor's layout settings, which its figures depend on (a ViT's
     plan stored with the layout optimisation off was replayed with it on: 132,076 B for 203,824)."""
-    meta = [(tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
-            for t in example_inputs]
-    blob = (gm.code + repr(meta) + partitioner.uuid() + f"replay_random={partitioner.replay_random()}"
-            + ti.graph_changing_state() + ti.layout_settings())
+    meta = [
+        (tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+        for t in example_inputs
+    ]
+    blob = (
+        gm.code
+        + repr(meta)
+        + partitioner.uuid()
+        + f"replay_random={partitioner.replay_random()}"
+        + ti.graph_changing_state()
+        + ti.layout_settings()
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

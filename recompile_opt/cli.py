@@ -1,12 +1,12 @@
 """``recompile-opt``: plan a model, show or diff saved plans, and run the demo.
 
-    recompile-opt plan recompile_opt.models:gpt3_175b_layer --budget 0.3 [--policy P] [--json out.json]
-        (FACTORY returns (model, example_inputs): a tuple of positional inputs, or a dict of keyword inputs)
-    recompile-opt show plan.json
-    recompile-opt diff a.json b.json
-    recompile-opt demo [--budget 0.3]
-    recompile-opt frontier [MODULE:FACTORY] [--budgets 0,0.1,...] [--out frontier] [--md table.md] [--measure]
-                           [--no-pytorch]
+recompile-opt plan recompile_opt.models:gpt3_175b_layer --budget 0.3 [--policy P] [--json out.json]
+    (FACTORY returns (model, example_inputs): a tuple of positional inputs, or a dict of keyword inputs)
+recompile-opt show plan.json
+recompile-opt diff a.json b.json
+recompile-opt demo [--budget 0.3]
+recompile-opt frontier [MODULE:FACTORY] [--budgets 0,0.1,...] [--out frontier] [--md table.md] [--measure]
+                       [--no-pytorch]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class UsageError(Exception):
 
 
 def parse_budget_arg(text: str | None):
-    """"0.3" is a fraction, "1000000" bytes, "512MiB" a size with units."""
+    """ "0.3" is a fraction, "1000000" bytes, "512MiB" a size with units."""
     if text is None:
         return None
     for kind in (int, float):
@@ -41,8 +41,10 @@ def parse_budget_arg(text: str | None):
 def load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise UsageError(f"expected MODULE:FACTORY, got {spec!r} (a function returning (model, example_inputs), "
-                         "e.g. recompile_opt.models:demo_gpt)")
+        raise UsageError(
+            f"expected MODULE:FACTORY, got {spec!r} (a function returning (model, example_inputs), "
+            "e.g. recompile_opt.models:demo_gpt)"
+        )
     sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
@@ -53,8 +55,10 @@ def load_factory(spec: str):
     factory = getattr(module, attr, None)
     if not callable(factory):
         found = _factories(module)
-        raise UsageError(f"module {module_name!r} has no factory {attr!r}"
-                         + (f"; its functions without required arguments: {', '.join(found)}" if found else ""))
+        raise UsageError(
+            f"module {module_name!r} has no factory {attr!r}"
+            + (f"; its functions without required arguments: {', '.join(found)}" if found else "")
+        )
     model, inputs = factory()
     if isinstance(inputs, Mapping):  # keyword inputs, as Hugging Face models are called
         return model, dict(inputs)
@@ -117,8 +121,9 @@ def _read_plans(path: str) -> list:
     try:
         return [Plan.from_json(json.dumps(d)) for d in (data if isinstance(data, list) else [data])]
     except (KeyError, TypeError) as e:
-        raise UsageError(f"{path} holds no plan written by 'recompile-opt plan --json' "
-                         f"({type(e).__name__}: {e})") from None
+        raise UsageError(
+            f"{path} holds no plan written by 'recompile-opt plan --json' ({type(e).__name__}: {e})"
+        ) from None
 
 
 def cmd_show(args) -> None:
@@ -129,8 +134,10 @@ def cmd_show(args) -> None:
 def cmd_diff(args) -> None:
     a, b = _read_plans(args.a), _read_plans(args.b)
     if len(a) != len(b):
-        raise UsageError(f"{args.a} holds {len(a)} plan(s), {args.b} {len(b)}; "
-                         "diff compares files of the same model, graph by graph")
+        raise UsageError(
+            f"{args.a} holds {len(a)} plan(s), {args.b} {len(b)}; "
+            "diff compares files of the same model, graph by graph"
+        )
     print("\n\n".join(pa.diff(pb) for pa, pb in zip(a, b)))
 
 
@@ -150,12 +157,20 @@ def cmd_frontier(args) -> None:
     budgets = frontier.BUDGETS if args.budgets is None else [_fraction(b) for b in args.budgets.split(",")]
     model, inputs = load_factory(args.factory)
     if isinstance(inputs, dict):
-        raise UsageError(f"{args.factory} returns keyword inputs: 'recompile-opt plan' takes them, 'frontier' "
-                         "takes positional inputs only (return a tuple, or wrap the model)")
+        raise UsageError(
+            f"{args.factory} returns keyword inputs: 'recompile-opt plan' takes them, 'frontier' "
+            "takes positional inputs only (return a tuple, or wrap the model)"
+        )
     t0 = time.perf_counter()
-    points = frontier.sweep(model, inputs, budgets, measure=args.measure, steps=args.steps,
-                            pytorch_budgets=() if args.no_pytorch else frontier.PYTORCH_BUDGETS,
-                            compiler=args.compiler)
+    points = frontier.sweep(
+        model,
+        inputs,
+        budgets,
+        measure=args.measure,
+        steps=args.steps,
+        pytorch_budgets=() if args.no_pytorch else frontier.PYTORCH_BUDGETS,
+        compiler=args.compiler,
+    )
     print(frontier.table(points))
     print(f"\n{len(points)} points in {time.perf_counter() - t0:.1f} s")
     for path in frontier.draw(points, args.out, title=args.factory):
@@ -176,11 +191,15 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recompile-opt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="recompile-opt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan MODULE:FACTORY (returns model and a tuple of inputs, or a dict of "
-                       "keyword inputs) and print the plan")
+    p = sub.add_parser(
+        "plan",
+        help="plan MODULE:FACTORY (returns model and a tuple of inputs, or a dict of "
+        "keyword inputs) and print the plan",
+    )
     p.add_argument("factory")
     p.add_argument("--budget", help="bytes, a size like 512MiB, or a fraction in [0, 1]")
     p.add_argument("--peak", help="limit on the predicted step peak (bytes or size with units)")
@@ -200,17 +219,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("frontier", help="sweep the budget: kept memory against recompute, with the fixed "
-                       "policies and PyTorch's knapsack; a table, PNG and SVG")
+    p = sub.add_parser(
+        "frontier",
+        help="sweep the budget: kept memory against recompute, with the fixed "
+        "policies and PyTorch's knapsack; a table, PNG and SVG",
+    )
     p.add_argument("factory", nargs="?", default="recompile_opt.models:demo_gpt")
     p.add_argument("--budgets", help="comma-separated fractions in [0, 1] (default 0,0.05,...,1)")
     p.add_argument("--out", default="frontier", help="path stem: writes STEM.png and STEM.svg")
-    p.add_argument("--md", metavar="FILE", help="also write the table as markdown here, opening with one "
-                   "provenance line (versions, machine, load, date)")
+    p.add_argument(
+        "--md",
+        metavar="FILE",
+        help="also write the table as markdown here, opening with one "
+        "provenance line (versions, machine, load, date)",
+    )
     p.add_argument("--measure", action="store_true", help="also train each strategy a few steps and measure")
     p.add_argument("--steps", type=int, default=3, help="measured steps per strategy")
-    p.add_argument("--compiler", default="eager", choices=("inductor", "eager"),
-                   help="how measured strategies compile (eager: same partitions, no code generation)")
+    p.add_argument(
+        "--compiler",
+        default="eager",
+        choices=("inductor", "eager"),
+        help="how measured strategies compile (eager: same partitions, no code generation)",
+    )
     p.add_argument("--no-pytorch", action="store_true", help="leave out PyTorch's knapsack")
     p.set_defaults(func=cmd_frontier)
     return parser

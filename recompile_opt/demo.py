@@ -40,8 +40,13 @@ def _measure(name: str, model: torch.nn.Module, compiled, inputs, steps: int) ->
     peak = peak_memory(lambda: compiled(*inputs).backward())
     opt.zero_grad(set_to_none=True)
     times = step_time(step, steps=steps, warmup=1)
-    return {"name": name, "saved": report.total_bytes, "peak": peak,
-            "step_s": statistics.median(times), "compile_s": compile_s}
+    return {
+        "name": name,
+        "saved": report.total_bytes,
+        "peak": peak,
+        "step_s": statistics.median(times),
+        "compile_s": compile_s,
+    }
 
 
 def run_demo(*, budget=0.0, steps: int = 6, compiler: str = "inductor") -> list[dict]:
@@ -54,17 +59,22 @@ def run_demo(*, budget=0.0, steps: int = 6, compiler: str = "inductor") -> list[
     print(plan.summary() + "\n")
     rows = []
     for name, backend, options in (
-            ("torch.compile (inductor)", "inductor", None),
-            (f"recompile_opt budget={budget}", "recompile_opt", {"memory_budget": budget,
-                                                               "compiler": compiler})):
+        ("torch.compile (inductor)", "inductor", None),
+        (f"recompile_opt budget={budget}", "recompile_opt", {"memory_budget": budget, "compiler": compiler}),
+    ):
         torch._dynamo.reset()
         m = copy.deepcopy(model)
-        compiled = torch.compile(m, backend=backend, options=options) if options else \
-            torch.compile(m, backend=backend)
+        compiled = (
+            torch.compile(m, backend=backend, options=options)
+            if options
+            else torch.compile(m, backend=backend)
+        )
         rows.append(_measure(name, m, compiled, inputs, steps))
     print(f"{'variant':<34} {'kept for bwd':>12} {'step peak':>11} {'step (median)':>14} {'compile':>8}")
     for r in rows:
-        print(f"{r['name']:<34} {fmt_bytes(r['saved']):>12} {fmt_bytes(r['peak']):>11} "
-              f"{r['step_s'] * 1e3:>11.1f} ms {r['compile_s']:>7.1f}s")
+        print(
+            f"{r['name']:<34} {fmt_bytes(r['saved']):>12} {fmt_bytes(r['peak']):>11} "
+            f"{r['step_s'] * 1e3:>11.1f} ms {r['compile_s']:>7.1f}s"
+        )
     print("\nmeasured on this machine; step time is the median of", steps, "steps")
     return rows

@@ -53,12 +53,12 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.api import _empty_outputs
 from recompile_opt.backend import compile_eager, graph_id
+from recompile_opt.costs.peak import predict_peak
+from recompile_opt.costs.simulator import PeakSimulator
 from recompile_opt.options import Options, parse_options
 from recompile_opt.passes.joint_graph import JointGraph, build_problem
-from recompile_opt.costs.peak import predict_peak
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import make_plan
-from recompile_opt.costs.simulator import PeakSimulator
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -93,6 +93,7 @@ class Point:
 @dataclass
 class _Figures:
     """One strategy on one graph."""
+
     key: tuple  # (kept names, recomputed names): equal keys are equal plans
     kept: int
     peak: int
@@ -103,16 +104,26 @@ class _Figures:
     budget_bytes: int | None = None
 
 
-def sweep(model: torch.nn.Module, inputs, budgets=BUDGETS, *, policies=POLICIES,
-          pytorch_budgets=PYTORCH_BUDGETS, measure: bool = False, compiler: str = "eager", steps: int = 3,
-          **options) -> list[Point]:
+def sweep(
+    model: torch.nn.Module,
+    inputs,
+    budgets=BUDGETS,
+    *,
+    policies=POLICIES,
+    pytorch_budgets=PYTORCH_BUDGETS,
+    measure: bool = False,
+    compiler: str = "eager",
+    steps: int = 3,
+    **options,
+) -> list[Point]:
     """Estimated frontier points of ``model`` on ``inputs`` (``options``: recompile_opt options such as
     ``solver`` or ``roofline``). ``measure=True`` also trains every strategy ``steps`` steps, compiled
     with ``compiler``, and fills the measured fields (:func:`measure_points`)."""
     module = getattr(model, "_orig_mod", model)
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    part = FrontierPartitioner(parse_options({**options, "compiler": "eager"}), sorted(set(budgets)),
-                               policies, pytorch_budgets)
+    part = FrontierPartitioner(
+        parse_options({**options, "compiler": "eager"}), sorted(set(budgets)), policies, pytorch_budgets
+    )
 
     def capture(gm, graph_inputs):  # as recompile_opt.plan: the graphs Inductor would see, no step run
         compile_eager(gm, graph_inputs, part, aten_random=False)
@@ -145,20 +156,33 @@ class FrontierPartitioner:
         simulate = PeakSimulator(gm, num_fwd_outputs=nfo, static_lifetime_input_indices=static, info=jg.info)
 
         def ours(**changes) -> tuple[_Figures, Plan]:
-            plan = make_plan(problem, dataclasses.replace(self.options, **changes), graph=graph_id(gm),
-                             simulate=simulate)
+            plan = make_plan(
+                problem, dataclasses.replace(self.options, **changes), graph=graph_id(gm), simulate=simulate
+            )
             saved = {e.name for e in plan.saved if e.op != "rng_state"}  # as RecompilePartitioner
-            figures = _Figures((frozenset(saved), frozenset(plan.recomputed_names())), plan.saved_bytes,
-                               simulate(saved, plan.recomputed_names()), plan.recompute_flops,
-                               plan.recompute_s, plan.step_s)
+            figures = _Figures(
+                (frozenset(saved), frozenset(plan.recomputed_names())),
+                plan.saved_bytes,
+                simulate(saved, plan.recomputed_names()),
+                plan.recompute_flops,
+                plan.recompute_s,
+                plan.step_s,
+            )
             return figures, plan
 
         out = self._ilp(ours)
         for policy in self.policies:
             out["policy", policy], _ = ours(policy=policy, memory_budget=None)
         for b in self.pytorch_budgets:
-            out["pytorch", b] = _torch_figures(fx.GraphModule(gm, _copy(pristine)), joint_inputs,
-                                               jg, problem, b, num_fwd_outputs=nfo, static=static)
+            out["pytorch", b] = _torch_figures(
+                fx.GraphModule(gm, _copy(pristine)),
+                joint_inputs,
+                jg,
+                problem,
+                b,
+                num_fwd_outputs=nfo,
+                static=static,
+            )
             if b == 1.0 and not out["pytorch", b].note:
                 out["pytorch", b].note = "plain torch.compile"
         self.graphs.append(out)
@@ -196,14 +220,17 @@ def _torch_partition(gm: fx.GraphModule, joint_inputs, **kwargs):
     return ti.min_cut_rematerialization_partition(gm, joint_inputs, compiler="inductor", **kwargs)
 
 
-def _torch_figures(gm: fx.GraphModule, joint_inputs, jg: JointGraph, problem, budget: float, *,
-                   num_fwd_outputs: int, static) -> _Figures:
+def _torch_figures(
+    gm: fx.GraphModule, joint_inputs, jg: JointGraph, problem, budget: float, *, num_fwd_outputs: int, static
+) -> _Figures:
     """Torch's partition of ``gm`` (a copy of the joint graph) at ``budget``, in our Problem's terms."""
     with ti.functorch_config.patch(activation_memory_budget=budget):
-        fw, bw = _torch_partition(gm, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                  static_lifetime_input_indices=static)
-    inputs = [n for n in bw.graph.find_nodes(op="placeholder")
-              if not ti._is_tangent(n) and not ti.is_sym_node(n)]
+        fw, bw = _torch_partition(
+            gm, joint_inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static
+        )
+    inputs = [
+        n for n in bw.graph.find_nodes(op="placeholder") if not ti._is_tangent(n) and not ti.is_sym_node(n)
+    ]
     saved = {n.name for n in inputs}
     recomputed = {n.name for n in bw.graph.nodes if n.op == "call_function" and n.name in problem.values}
     known = saved & set(problem.values)
@@ -216,24 +243,38 @@ def _torch_figures(gm: fx.GraphModule, joint_inputs, jg: JointGraph, problem, bu
     if direct != kept:
         problems.append(f"kept bytes {kept} != {direct} bytes of the backward's non-parameter inputs")
     after_cse = {n.name for n in gm.graph.nodes}  # torch's partitioner CSEs the joint graph in place
-    uncovered = [n for n, v in problem.values.items()
-                 if v.needed and n not in known and n not in recomputed and n in after_cse]
+    uncovered = [
+        n
+        for n, v in problem.values.items()
+        if v.needed and n not in known and n not in recomputed and n in after_cse
+    ]
     if uncovered:
         problems.append(f"values the backward reads, neither kept nor recomputed: {uncovered[:5]}")
     note = ""
     if problems:
         note = "mapping check failed: " + "; ".join(problems)
         warnings.warn(f"recompile_opt.frontier: PyTorch knapsack at {budget:g}: {note}")
-    flops = sum(problem.values[n].flops for n in recomputed
-                if n in problem.values and problem.values[n].in_forward)
-    return _Figures((frozenset(saved), frozenset(recomputed)), kept, predict_peak(fw, bw), flops,
-                    problem.recompute_seconds(recomputed), problem.step_s, note)
+    flops = sum(
+        problem.values[n].flops for n in recomputed if n in problem.values and problem.values[n].in_forward
+    )
+    return _Figures(
+        (frozenset(saved), frozenset(recomputed)),
+        kept,
+        predict_peak(fw, bw),
+        flops,
+        problem.recompute_seconds(recomputed),
+        problem.step_s,
+        note,
+    )
 
 
 def _input_storage_bytes(inputs: list[fx.Node], jg: JointGraph) -> int:
     """Bytes of the distinct storages of ``inputs``' fake tensors, parameters and constants excluded."""
-    free = [n.meta["val"] for n in jg.fwd_nodes if (n in jg.static_primals or n.op == "get_attr")
-            and isinstance(n.meta.get("val"), torch.Tensor)]
+    free = [
+        n.meta["val"]
+        for n in jg.fwd_nodes
+        if (n in jg.static_primals or n.op == "get_attr") and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
     free_ids = {id(t.untyped_storage()) for t in free}
     storages = {}
     for n in inputs:
@@ -257,11 +298,17 @@ def _combine(graphs: list[dict[tuple, _Figures]]) -> list[Point]:
                 points[key].budgets += (what,)
             continue
         points[key] = Point(
-            label=what, kind=group, budgets=(what,) if kind in ("ilp", "pytorch") else (),
+            label=what,
+            kind=group,
+            budgets=(what,) if kind in ("ilp", "pytorch") else (),
             budget_bytes=sum(f.budget_bytes for f in figs) if kind == "bytes" else None,
-            kept_bytes=sum(f.kept for f in figs), predicted_peak_bytes=sum(f.peak for f in figs),
-            recompute_flops=sum(f.flops for f in figs), recompute_s=sum(f.recompute_s for f in figs),
-            step_s=sum(f.step_s for f in figs), notes=sorted({f.note for f in figs if f.note}))
+            kept_bytes=sum(f.kept for f in figs),
+            predicted_peak_bytes=sum(f.peak for f in figs),
+            recompute_flops=sum(f.flops for f in figs),
+            recompute_s=sum(f.recompute_s for f in figs),
+            step_s=sum(f.step_s for f in figs),
+            notes=sorted({f.note for f in figs if f.note}),
+        )
     for p in points.values():
         if p.budget_bytes is not None:
             p.label = f"ilp {fmt_bytes(p.budget_bytes)}"
@@ -285,8 +332,10 @@ def knee(points: list[Point]) -> Point | None:
         return None
 
     def norm(p: Point) -> tuple[float, float]:
-        return ((p.kept_bytes - min(xs)) / (max(xs) - min(xs)),
-                (p.recompute_s - min(ys)) / (max(ys) - min(ys)))
+        return (
+            (p.kept_bytes - min(xs)) / (max(xs) - min(xs)),
+            (p.recompute_s - min(ys)) / (max(ys) - min(ys)),
+        )
 
     (ax, ay), (bx, by) = norm(ilp[0]), norm(ilp[-1])
 
@@ -298,8 +347,15 @@ def knee(points: list[Point]) -> Point | None:
     return best if below(best) > 1e-9 else None
 
 
-def measure_points(model: torch.nn.Module, inputs: tuple, points: list[Point], *, compiler: str = "eager",
-                   steps: int = 3, options: dict | None = None) -> None:
+def measure_points(
+    model: torch.nn.Module,
+    inputs: tuple,
+    points: list[Point],
+    *,
+    compiler: str = "eager",
+    steps: int = 3,
+    options: dict | None = None,
+) -> None:
     """Train each point's strategy for a few steps and fill its measured fields: bytes saved for backward
     (saved_tensors_hooks, storages counted once, parameters excluded), the step's peak above its
     baseline (profiler allocation records) and the median step time (forward + backward + SGD).
@@ -320,12 +376,18 @@ def measure_points(model: torch.nn.Module, inputs: tuple, points: list[Point], *
         budget = p.budgets[0] if p.kind == "pytorch" else 1.0
         patch = ti.functorch_config.patch(activation_memory_budget=budget)
         if p.kind == "pytorch":
-            compiled = torch.compile(m, backend="inductor") if compiler == "inductor" else torch.compile(
-                m, backend=lambda gm, ex: compile_eager(gm, ex, _torch_partition))
+            compiled = (
+                torch.compile(m, backend="inductor")
+                if compiler == "inductor"
+                else torch.compile(m, backend=lambda gm, ex: compile_eager(gm, ex, _torch_partition))
+            )
         else:
             opts = {**(options or {}), "compiler": compiler}
-            opts.update({"memory_budget": p.budgets[0] if p.budgets else p.budget_bytes} if p.kind == "ilp"
-                        else {"policy": p.label})
+            opts.update(
+                {"memory_budget": p.budgets[0] if p.budgets else p.budget_bytes}
+                if p.kind == "ilp"
+                else {"policy": p.label}
+            )
             if p.budget_bytes is not None:  # a whole-model byte budget: learn the graphs, split it
                 recompile_opt.plan(m, inputs, **opts)
             compiled = torch.compile(m, backend="recompile_opt", options=opts)
@@ -339,17 +401,33 @@ def table(points: list[Point]) -> str:
     """The points as a markdown table (measured columns when any point was measured)."""
     measured = any(p.measured_peak_bytes is not None for p in points)
     k = knee(points)
-    head = ["point", "kind", "kept MiB", "pred. peak MiB", "recompute GFLOP", "est. recompute ms",
-            "% of est. step"]
+    head = [
+        "point",
+        "kind",
+        "kept MiB",
+        "pred. peak MiB",
+        "recompute GFLOP",
+        "est. recompute ms",
+        "% of est. step",
+    ]
     head += ["meas. saved MiB", "meas. peak MiB", "meas. step ms"] if measured else []
     rows = ["| " + " | ".join(head + ["notes"]) + " |", "|" + "---|" * (len(head) + 1)]
     for p in points:
-        cells = [p.label, p.kind, f"{p.kept_bytes / MiB:.3f}", f"{p.predicted_peak_bytes / MiB:.3f}",
-                 f"{p.recompute_flops / 1e9:.3f}", f"{p.recompute_s * 1e3:.3f}",
-                 f"{100 * p.recompute_share:.1f}"]
+        cells = [
+            p.label,
+            p.kind,
+            f"{p.kept_bytes / MiB:.3f}",
+            f"{p.predicted_peak_bytes / MiB:.3f}",
+            f"{p.recompute_flops / 1e9:.3f}",
+            f"{p.recompute_s * 1e3:.3f}",
+            f"{100 * p.recompute_share:.1f}",
+        ]
         if measured:
-            cells += [_mib(p.measured_saved_bytes), _mib(p.measured_peak_bytes),
-                      "-" if p.measured_step_s is None else f"{p.measured_step_s * 1e3:.1f}"]
+            cells += [
+                _mib(p.measured_saved_bytes),
+                _mib(p.measured_peak_bytes),
+                "-" if p.measured_step_s is None else f"{p.measured_step_s * 1e3:.1f}",
+            ]
         cells.append("; ".join((["knee"] if p is k else []) + list(p.notes)))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -361,8 +439,10 @@ def markdown(points: list[Point], *, title: str = "") -> str:
     from recompile_opt.provenance import header_line
 
     what = f"{title}: " if title else ""
-    return (f"{header_line()}\n\n{what}{len(points)} points; kept bytes, recompute and peaks estimated "
-            f"by our cost model and simulator\n\n{table(points)}\n")
+    return (
+        f"{header_line()}\n\n{what}{len(points)} points; kept bytes, recompute and peaks estimated "
+        f"by our cost model and simulator\n\n{table(points)}\n"
+    )
 
 
 def _mib(n: int | None) -> str:
@@ -378,25 +458,41 @@ def draw(points: list[Point], path_stem: str | Path, *, title: str = "") -> list
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend, no display needed
     except ImportError as e:
-        raise ImportError("recompile_opt.frontier.draw needs matplotlib: "
-                          "pip install recompile_opt[plots]") from e
+        raise ImportError(
+            "recompile_opt.frontier.draw needs matplotlib: pip install recompile_opt[plots]"
+        ) from e
     measured = [p for p in points if p.measured_peak_bytes is not None]
     fig = Figure(figsize=(13 if measured else 7.5, 5.2), layout="constrained")
     axes = fig.subplots(1, 2 if measured else 1, squeeze=False)[0]
     _panel(axes[0], points, lambda p: p.kept_bytes / MiB, lambda p: 100 * p.recompute_share)
-    axes[0].set(xlabel="activation memory kept for backward (MiB)",
-                ylabel="estimated recompute (% of the estimated step)", title="estimated (our cost model)")
+    axes[0].set(
+        xlabel="activation memory kept for backward (MiB)",
+        ylabel="estimated recompute (% of the estimated step)",
+        title="estimated (our cost model)",
+    )
     k = knee(points)
     if k is not None:
-        axes[0].annotate(f"knee: {k.label}", xy=(k.kept_bytes / MiB, 100 * k.recompute_share),
-                         xytext=(25, 30), textcoords="offset points", fontsize=9,
-                         arrowprops={"arrowstyle": "->", "color": "k"})
+        axes[0].annotate(
+            f"knee: {k.label}",
+            xy=(k.kept_bytes / MiB, 100 * k.recompute_share),
+            xytext=(25, 30),
+            textcoords="offset points",
+            fontsize=9,
+            arrowprops={"arrowstyle": "->", "color": "k"},
+        )
     if measured:
-        _panel(axes[1], measured, lambda p: p.measured_peak_bytes / MiB, lambda p: p.measured_step_s * 1e3,
-               lines=False)
-        axes[1].set(xlabel="measured step peak above baseline (MiB)",
-                    ylabel="measured step time (ms, median)",
-                    title="measured")
+        _panel(
+            axes[1],
+            measured,
+            lambda p: p.measured_peak_bytes / MiB,
+            lambda p: p.measured_step_s * 1e3,
+            lines=False,
+        )
+        axes[1].set(
+            xlabel="measured step peak above baseline (MiB)",
+            ylabel="measured step time (ms, median)",
+            title="measured",
+        )
     if title:
         fig.suptitle(title)
     stem = Path(path_stem)
@@ -417,25 +513,64 @@ def _panel(ax, points: list[Point], x, y, *, lines: bool = True) -> None:
     below = sorted((p for p in points if p.budget_bytes is not None), key=lambda p: p.kept_bytes)
     solid, dotted, dashed = ("-o", ":o", "X--") if lines else ("o", "o", "X")
     if ilp:
-        ax.plot([x(p) for p in ilp], [y(p) for p in ilp], solid, color="C0", ms=5,
-                label="recompile_opt ILP, memory_budget 0.0 ... 1.0")
+        ax.plot(
+            [x(p) for p in ilp],
+            [y(p) for p in ilp],
+            solid,
+            color="C0",
+            ms=5,
+            label="recompile_opt ILP, memory_budget 0.0 ... 1.0",
+        )
         step = max(1, round(len(ilp) / 6))  # label about six fractions
         for p in ilp[::step] + ([ilp[-1]] if (len(ilp) - 1) % step else []):
-            ax.annotate(f"{p.budgets[0]:g}", (x(p), y(p)), xytext=(4, 5), textcoords="offset points",
-                        fontsize=7, color="C0")
+            ax.annotate(
+                f"{p.budgets[0]:g}",
+                (x(p), y(p)),
+                xytext=(4, 5),
+                textcoords="offset points",
+                fontsize=7,
+                color="C0",
+            )
     if below:
         line = below + (ilp[:1] if lines else [])  # joined to the 0.0 point
-        ax.plot([x(p) for p in line], [y(p) for p in line], dotted, color="C0", ms=4, mfc="white",
-                label="recompile_opt ILP, byte budgets below 0.0 (higher peak)")
+        ax.plot(
+            [x(p) for p in line],
+            [y(p) for p in line],
+            dotted,
+            color="C0",
+            ms=4,
+            mfc="white",
+            label="recompile_opt ILP, byte budgets below 0.0 (higher peak)",
+        )
     for i, p in enumerate(p for p in points if p.kind == "policy"):
-        ax.scatter([x(p)], [y(p)], marker=_MARKERS.get(p.label, "o"), s=70, color=f"C{i + 1}", zorder=3,
-                   label=f"policy {p.label}")
+        ax.scatter(
+            [x(p)],
+            [y(p)],
+            marker=_MARKERS.get(p.label, "o"),
+            s=70,
+            color=f"C{i + 1}",
+            zorder=3,
+            label=f"policy {p.label}",
+        )
     torch_pts = sorted((p for p in points if p.kind == "pytorch"), key=lambda p: p.kept_bytes)
     if torch_pts:
-        ax.plot([x(p) for p in torch_pts], [y(p) for p in torch_pts], dashed, color="C3", ms=8, lw=1,
-                label="PyTorch knapsack, activation_memory_budget")
+        ax.plot(
+            [x(p) for p in torch_pts],
+            [y(p) for p in torch_pts],
+            dashed,
+            color="C3",
+            ms=8,
+            lw=1,
+            label="PyTorch knapsack, activation_memory_budget",
+        )
         for p in torch_pts:
-            ax.annotate(f"{p.budgets[0]:g}", (x(p), y(p)), xytext=(5, -12), textcoords="offset points",
-                        fontsize=7, color="C3")
+            ax.annotate(
+                f"{p.budgets[0]:g}",
+                (x(p), y(p)),
+                xytext=(5, -12),
+                textcoords="offset points",
+                fontsize=7,
+                color="C3",
+            )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -45,8 +45,9 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
         mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask.view(1, 1, config.block_size, config.block_size),
-                             persistent=False)
+        self.register_buffer(
+            "causal_mask", mask.view(1, 1, config.block_size, config.block_size), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -261,8 +262,16 @@ class GPTLayer(nn.Module):
         return self.block(x).float().sum()
 
 
-def paper_layer(h: int, heads: int, s: int = 2048, b: int = 1, *, dtype=torch.bfloat16,
-                device: str = "meta", dropout: float = 0.1):
+def paper_layer(
+    h: int,
+    heads: int,
+    s: int = 2048,
+    b: int = 1,
+    *,
+    dtype=torch.bfloat16,
+    device: str = "meta",
+    dropout: float = 0.1,
+):
     """A GPT layer at a Korthikanti et al. shape (e.g. GPT-3 175B: h=12288, 96 heads) and its input."""
     cfg = GPTConfig(n_layer=1, n_head=heads, n_embd=h, block_size=s, dropout=dropout)
     with torch.device(device):
@@ -273,10 +282,10 @@ def paper_layer(h: int, heads: int, s: int = 2048, b: int = 1, *, dtype=torch.bf
 
 # -- factories: ``MODULE:FACTORY`` targets for ``recompile-opt plan`` (each returns model, inputs) --
 
+
 def demo_gpt(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4, dropout: float = 0.0):
     """The demo's and the benchmark's GPT: 2 layers, h=256, s=256, b=4, fp32, on the CPU."""
-    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512,
-                    dropout=dropout)
+    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512, dropout=dropout)
     torch.manual_seed(0)
     return GPT(cfg), example_batch(cfg, batch)
 
@@ -307,8 +316,10 @@ def demo_encoder(n_layer: int = 2, d_model: int = 64, seq: int = 256, batch: int
     """A 2-layer ``nn.TransformerEncoder`` LM (d_model 64, s=256, b=4, fp32, CPU)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return TorchEncoderLM(n_layer, d_model), (torch.randint(0, 512, (batch, seq), generator=g),
-                                              torch.randint(0, 512, (batch, seq), generator=g))
+    return TorchEncoderLM(n_layer, d_model), (
+        torch.randint(0, 512, (batch, seq), generator=g),
+        torch.randint(0, 512, (batch, seq), generator=g),
+    )
 
 
 def gpt3_175b_layer():

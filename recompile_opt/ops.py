@@ -54,8 +54,11 @@ def op_name(node: fx.Node, *, qualified: bool = False) -> str | None:
         return ("input" if node.op == "placeholder" else str(target)) if qualified else None
     packet = getattr(target, "_overloadpacket", None)
     if packet is not None:
-        return str(packet).replace("aten.", "").replace("_c10d_functional.", "c10d.") if qualified \
+        return (
+            str(packet).replace("aten.", "").replace("_c10d_functional.", "c10d.")
+            if qualified
             else packet.__name__
+        )
     if qualified and target is not operator.getitem:
         return str(target)
     return getattr(target, "__name__", str(target))
@@ -92,8 +95,11 @@ def is_pointwise(node: fx.Node) -> bool:
 def is_fusible_pointwise(node: fx.Node) -> bool:
     """A pointwise ATen op that is not random: Inductor fuses it into its reader (it keeps random ones as
     fallback kernels of their own)."""
-    return (is_pointwise(node) and isinstance(node.target, torch._ops.OpOverload)
-            and not is_seeded_op(node.target))
+    return (
+        is_pointwise(node)
+        and isinstance(node.target, torch._ops.OpOverload)
+        and not is_seeded_op(node.target)
+    )
 
 
 def is_seeded_op(target) -> bool:
@@ -130,13 +136,20 @@ def is_generated_random(node: fx.Node) -> bool:
 # --- scratch: kernels that allocate workspace of their own (no tag says it) -------------------------------
 
 # torch's extern kernels whose workspace depends on the backend's algorithm choice (im2col, cuDNN, ...)
-TORCH_SCRATCH = frozenset({
-    "convolution", "convolution_backward",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-})
+TORCH_SCRATCH = frozenset(
+    {
+        "convolution",
+        "convolution_backward",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+    }
+)
 # ops (overload packets) whose kernels allocate workspace above their outputs: torch's, and our chunked
 # LM-head loss (recompile_opt.passes.chunking: one chunk's logits and their gradient)
 SCRATCH = TORCH_SCRATCH | {"chunked_head_loss"}
@@ -156,20 +169,60 @@ def has_scratch(node: fx.Node) -> bool:
 PYTHON_SPELLINGS = frozenset({"iadd", "imul", "truediv", "float", "half", "bfloat16"})
 
 # elementwise activations, as torch functions and tensor methods name them
-ACTIVATIONS = frozenset({"relu", "gelu", "silu", "tanh", "sigmoid", "erf", "mish", "softplus", "relu6",
-                         "leaky_relu", "elu", "hardswish"})
+ACTIVATIONS = frozenset(
+    {
+        "relu",
+        "gelu",
+        "silu",
+        "tanh",
+        "sigmoid",
+        "erf",
+        "mish",
+        "softplus",
+        "relu6",
+        "leaky_relu",
+        "elu",
+        "hardswish",
+    }
+)
 
 # ops that draw from the RNG (dropout: elementwise as well)
 RANDOM = frozenset({"dropout", "native_dropout", "alpha_dropout", "feature_alpha_dropout"})
 
 # ops whose each output element depends only on the same element of each (broadcast) input
 ELEMENTWISE = ACTIVATIONS | {
-    "add", "iadd", "sub", "mul", "imul", "truediv", "div", "neg", "pow", "square", "sqrt", "rsqrt", "exp",
+    "add",
+    "iadd",
+    "sub",
+    "mul",
+    "imul",
+    "truediv",
+    "div",
+    "neg",
+    "pow",
+    "square",
+    "sqrt",
+    "rsqrt",
+    "exp",
     "gelu_",  # ATen's in-place GELU
-    "dropout", "native_dropout",
-    "float", "half", "bfloat16", "to", "type_as", "_to_copy",  # casts
-    "contiguous", "clone", "alias", "detach", "lift_fresh_copy",  # copies
-    "where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not",
+    "dropout",
+    "native_dropout",
+    "float",
+    "half",
+    "bfloat16",
+    "to",
+    "type_as",
+    "_to_copy",  # casts
+    "contiguous",
+    "clone",
+    "alias",
+    "detach",
+    "lift_fresh_copy",  # copies
+    "where",
+    "masked_fill",
+    "scalar_tensor",
+    "logical_not",
+    "bitwise_not",
 }
 
 # normalisations over the last dimensions (``normalized_shape``)

@@ -18,8 +18,15 @@ POLICIES = ("auto", "save-all", "full", "megatron-selective")
 SOLVERS = ("cbc", "highs")
 TARGET_DEVICES = ("cuda", "cpu")
 _UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 # Roofline constants per device type: fixed so plans are deterministic (override with `roofline`).
 # A collective costs latency + the bytes one rank sends over the link (a ring): CPU ranks talk through
@@ -27,9 +34,24 @@ _UNITS = {
 # per direction, ~0.3 of it reached by a ring all-gather of a few MiB). Only the ratio to the compute
 # constants matters to a plan: it prices a re-gather in the backward against keeping the gathered value.
 DEFAULT_ROOFLINE = {
-    "cpu": {"flops_per_s": 1.0e11, "bytes_per_s": 2.0e10, "link_bytes_per_s": 2.0e9, "collective_latency_s": 5e-5},
-    "cuda": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12, "link_bytes_per_s": 1.5e11, "collective_latency_s": 1e-5},
-    "meta": {"flops_per_s": 3.0e14, "bytes_per_s": 2.0e12, "link_bytes_per_s": 1.5e11, "collective_latency_s": 1e-5},
+    "cpu": {
+        "flops_per_s": 1.0e11,
+        "bytes_per_s": 2.0e10,
+        "link_bytes_per_s": 2.0e9,
+        "collective_latency_s": 5e-5,
+    },
+    "cuda": {
+        "flops_per_s": 3.0e14,
+        "bytes_per_s": 2.0e12,
+        "link_bytes_per_s": 1.5e11,
+        "collective_latency_s": 1e-5,
+    },
+    "meta": {
+        "flops_per_s": 3.0e14,
+        "bytes_per_s": 2.0e12,
+        "link_bytes_per_s": 1.5e11,
+        "collective_latency_s": 1e-5,
+    },
 }
 
 
@@ -49,7 +71,9 @@ class Options:
     time_limit_s: float = 30.0
     mip_gap: float = 0.01  # stop when proven within this relative gap of the optimum
     plan_dir: str | None = None
-    roofline: dict = field(default_factory=dict)  # flops_per_s, bytes_per_s, link_bytes_per_s, collective_latency_s
+    roofline: dict = field(
+        default_factory=dict
+    )  # flops_per_s, bytes_per_s, link_bytes_per_s, collective_latency_s
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
@@ -80,8 +104,10 @@ class Options:
 def parse_bytes(name: str, value) -> int:
     """An int is bytes; a string has units: "512MiB" (2^20-based) or "2GB" (10^9-based)."""
     if isinstance(value, bool):
-        raise OptionError(f"option {name!r}: got a bool ({value}); expected bytes as an int or a "
-                          "string with units such as '512MiB' or '2GB'")
+        raise OptionError(
+            f"option {name!r}: got a bool ({value}); expected bytes as an int or a "
+            "string with units such as '512MiB' or '2GB'"
+        )
     if isinstance(value, int):
         if value < 0:
             raise OptionError(f"option {name!r}: got {value}; a byte count must be >= 0")
@@ -89,16 +115,21 @@ def parse_bytes(name: str, value) -> int:
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", value)
         if not m:
-            raise OptionError(f"option {name!r}: cannot read {value!r}; write a number with units, "
-                              f"one of {sorted(_UNITS)} (e.g. '512MiB', '2GB')")
+            raise OptionError(
+                f"option {name!r}: cannot read {value!r}; write a number with units, "
+                f"one of {sorted(_UNITS)} (e.g. '512MiB', '2GB')"
+            )
         # exact: in floats 2.01 * 10**9 is 2009999999.9999998, and int() dropped a byte
         number, unit = Fraction(m.group(1)), m.group(2).lower()
         if unit not in _UNITS:
-            raise OptionError(f"option {name!r}: unknown unit {m.group(2)!r} in {value!r}; "
-                              f"accepted units: {sorted(_UNITS)}")
+            raise OptionError(
+                f"option {name!r}: unknown unit {m.group(2)!r} in {value!r}; accepted units: {sorted(_UNITS)}"
+            )
         return int(number * _UNITS[unit])
-    raise OptionError(f"option {name!r}: got {type(value).__name__} {value!r}; expected an int of "
-                      "bytes or a string with units such as '512MiB'")
+    raise OptionError(
+        f"option {name!r}: got {type(value).__name__} {value!r}; expected an int of "
+        "bytes or a string with units such as '512MiB'"
+    )
 
 
 def parse_budget(value) -> int | float | None:
@@ -107,17 +138,23 @@ def parse_budget(value) -> int | float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         got = f"a bool ({value})" if isinstance(value, bool) else f"{type(value).__name__} {value!r}"
-        raise OptionError(f"option 'memory_budget': got {got}; expected a float fraction in [0, 1] "
-                          "(0.0 the least-memory plan, 1.0 save-all), an int of bytes, or a string with "
-                          "units such as '512MiB' or '2GB'")
+        raise OptionError(
+            f"option 'memory_budget': got {got}; expected a float fraction in [0, 1] "
+            "(0.0 the least-memory plan, 1.0 save-all), an int of bytes, or a string with "
+            "units such as '512MiB' or '2GB'"
+        )
     if isinstance(value, float):
         if not 0.0 <= value <= 1.0:
-            raise OptionError(f"option 'memory_budget': the fraction {value} is outside [0, 1]; use a "
-                              "float in [0, 1], an int of bytes or a string such as '6GiB'")
+            raise OptionError(
+                f"option 'memory_budget': the fraction {value} is outside [0, 1]; use a "
+                "float in [0, 1], an int of bytes or a string such as '6GiB'"
+            )
         return value
     if isinstance(value, str) and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", value):
-        raise OptionError(f"option 'memory_budget': {value!r} has no units; write e.g. '{value}MiB', "
-                          f"'{value}GB', an int of bytes, or a float fraction in [0, 1]")
+        raise OptionError(
+            f"option 'memory_budget': {value!r} has no units; write e.g. '{value}MiB', "
+            f"'{value}GB', an int of bytes, or a float fraction in [0, 1]"
+        )
     return parse_bytes("memory_budget", value)
 
 
@@ -132,16 +169,22 @@ def parse_options(raw: dict | Options | None) -> Options:
     out = {"memory_budget": parse_budget(raw.get("memory_budget"))}
     if raw.get("peak_memory") is not None:
         out["peak_memory"] = parse_bytes("peak_memory", raw["peak_memory"])
-    for name, allowed in (("policy", POLICIES), ("solver", SOLVERS), ("compiler", ("inductor", "eager")),
-                          ("target_device", TARGET_DEVICES)):
+    for name, allowed in (
+        ("policy", POLICIES),
+        ("solver", SOLVERS),
+        ("compiler", ("inductor", "eager")),
+        ("target_device", TARGET_DEVICES),
+    ):
         if name in raw and raw[name] not in allowed:
             raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: {list(allowed)}")
         if name in raw:
             out[name] = raw[name]
     limits = [n for n in ("memory_budget", "peak_memory") if raw.get(n) is not None]
     if out.get("policy", "auto") != "auto" and limits:
-        raise OptionError(f"option 'policy': {out['policy']!r} is a fixed baseline and takes no "
-                          f"{' or '.join(limits)}; accepted with a limit: 'auto' (the default, the ILP)")
+        raise OptionError(
+            f"option 'policy': {out['policy']!r} is a fixed baseline and takes no "
+            f"{' or '.join(limits)}; accepted with a limit: 'auto' (the default, the ILP)"
+        )
     for name in ("strict", "sequence_parallel"):
         if name in raw:
             if not isinstance(raw[name], bool):
@@ -173,16 +216,28 @@ APPROXIMATE_KEYS = ("activations", "linear")
 
 
 def _parse_approximate(value) -> dict | None:
-    accepted = ("accepted values: False, None, or a dict with 'activations': a bit width 1-4 (or False) and "
-                "'linear': a projection ratio in (0, 1] (or False), e.g. {'activations': 3, 'linear': 0.5}")
+    accepted = (
+        "accepted values: False, None, or a dict with 'activations': a bit width 1-4 (or False) and "
+        "'linear': a projection ratio in (0, 1] (or False), e.g. {'activations': 3, 'linear': 0.5}"
+    )
     if not isinstance(value, dict) or not value or set(value) - set(APPROXIMATE_KEYS):
         raise OptionError(f"option 'approximate': got {value!r}; {accepted}")
     bits, ratio = value.get("activations", False), value.get("linear", False)
-    if bits is not False and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in (1, 2, 3, 4)):
-        raise OptionError(f"option 'approximate': activations={bits!r}; accepted: a bit width 1, 2, 3 or 4, or False")
-    if ratio is not False and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+    if bits is not False and (
+        not isinstance(bits, int) or isinstance(bits, bool) or bits not in (1, 2, 3, 4)
+    ):
+        raise OptionError(
+            f"option 'approximate': activations={bits!r}; accepted: a bit width 1, 2, 3 or 4, or False"
+        )
+    if ratio is not False and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+    ):
         raise OptionError(f"option 'approximate': linear={ratio!r}; accepted: a ratio in (0, 1], or False")
-    out = {k: v for k, v in (("activations", bits), ("linear", float(ratio) if ratio is not False else False)) if v}
+    out = {
+        k: v
+        for k, v in (("activations", bits), ("linear", float(ratio) if ratio is not False else False))
+        if v
+    }
     return out or None
 
 
@@ -191,14 +246,17 @@ CHUNK_REGIONS = ("loss", "loss_recompute", "mlp")  # loss_recompute: the head re
 
 def _parse_chunks(value) -> dict:
     if not isinstance(value, dict) or not value or set(value) - set(CHUNK_REGIONS):
-        raise OptionError(f"option 'chunks': got {value!r}; accepted values: 'auto' (the default), False, or a dict from "
-                          f"{list(CHUNK_REGIONS)} to a number of chunks (e.g. {{'loss': 8}})")
+        raise OptionError(
+            f"option 'chunks': got {value!r}; accepted values: 'auto' (the default), False, or a dict from "
+            f"{list(CHUNK_REGIONS)} to a number of chunks (e.g. {{'loss': 8}})"
+        )
     for region, k in value.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise OptionError(f"option 'chunks': {region}={k!r}; the number of chunks must be an int >= 1")
     if {"loss", "loss_recompute"} <= set(value):
-        raise OptionError("option 'chunks': 'loss' and 'loss_recompute' are two ways to chunk the same regions; "
-                          "give one")
+        raise OptionError(
+            "option 'chunks': 'loss' and 'loss_recompute' are two ways to chunk the same regions; give one"
+        )
     return dict(value)
 
 

@@ -111,16 +111,27 @@ class Plan:
             + (f", least possible {fmt_bytes(self.min_bytes)}" if self.min_bytes is not None else ""),
             f"  recompute         : {fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms "
             f"= {100 * self.recompute_share:.1f}% of the est. step ({self.step_s * 1e3:.3f} ms)",
-            ("  predicted peak    : not simulated (planned without its graphs)" if not self.predicted_peak_bytes else
-             f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline")
-            + (f" (walked in Inductor's generated code; the kernel model below says "
-               f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
-               if self.solver.get("peak_from") == "inductor-code" else
-               f" (the kernel model's estimate, not walked in Inductor's code: {self.solver['unwalked']})"
-               if self.solver.get("unwalked") else ""),
-            *([f"  outputs held      : the peak assumes the caller drops the forward's outputs but the loss "
-               f"({fmt_bytes(self.outputs_bytes)}) before backward; holding them adds up to that"]
-              if self.outputs_bytes else []),
+            (
+                "  predicted peak    : not simulated (planned without its graphs)"
+                if not self.predicted_peak_bytes
+                else f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline"
+            )
+            + (
+                f" (walked in Inductor's generated code; the kernel model below says "
+                f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
+                if self.solver.get("peak_from") == "inductor-code"
+                else f" (the kernel model's estimate, not walked in Inductor's code: {self.solver['unwalked']})"
+                if self.solver.get("unwalked")
+                else ""
+            ),
+            *(
+                [
+                    f"  outputs held      : the peak assumes the caller drops the forward's outputs but the loss "
+                    f"({fmt_bytes(self.outputs_bytes)}) before backward; holding them adds up to that"
+                ]
+                if self.outputs_bytes
+                else []
+            ),
             *self._peak_lines(),
             *self._communication_lines(),
             *self._chunk_lines(),
@@ -142,12 +153,24 @@ class Plan:
         if not s.get("solves") and not s.get("simulations"):
             return ""
         n, m = s.get("solves", 0), s.get("simulations", 0)
-        walks = f", {s['exact_peaks']} walked in Inductor's code, {s.get('exact_s', 0.0):.2f} s" if s.get("exact_peaks") else ""
+        walks = (
+            f", {s['exact_peaks']} walked in Inductor's code, {s.get('exact_s', 0.0):.2f} s"
+            if s.get("exact_peaks")
+            else ""
+        )
         choice = s.get("chunk_choice")  # the trials' own planning: the figures before count only the last
-        tried = (f"; choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated, "
-                 f"{choice['walks']} walked") if choice else ""
-        return (f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
-                f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s{walks}{tried})")
+        tried = (
+            (
+                f"; choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated, "
+                f"{choice['walks']} walked"
+            )
+            if choice
+            else ""
+        )
+        return (
+            f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
+            f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s{walks}{tried})"
+        )
 
     def communication_bytes(self) -> int:
         """Bytes one rank sends in a step: every collective once, and each re-gather a second time."""
@@ -162,8 +185,11 @@ class Plan:
             parts.append(f"{phase} {len(ops)} collectives {fmt_bytes(sum(c['bytes'] for c in ops))}")
         again = [c for c in self.collectives if c.get("regathered")]
         parts.append(f"{len(again)} re-gathered in the backward {fmt_bytes(sum(c['bytes'] for c in again))}")
-        return [f"  communication     : {fmt_bytes(self.communication_bytes())} sent per rank per step ("
-                + ", ".join(parts) + ")"]
+        return [
+            f"  communication     : {fmt_bytes(self.communication_bytes())} sent per rank per step ("
+            + ", ".join(parts)
+            + ")"
+        ]
 
     def _chunk_lines(self) -> list[str]:
         """One line: the chunked regions by kind, with k and the recompute they cost, and whether the
@@ -176,11 +202,16 @@ class Plan:
             if regions:
                 ks = "/".join(str(k) for k in sorted({c["chunks"] for c in regions}))
                 flops = sum(c["recompute_flops"] for c in regions)
-                parts.append(f"{len(regions)} {kind} region{'s' * (len(regions) > 1)} in {ks} chunks"
-                             + (f" (recompute {fmt_flops(flops)})" if flops else ""))
+                parts.append(
+                    f"{len(regions)} {kind} region{'s' * (len(regions) > 1)} in {ks} chunks"
+                    + (f" (recompute {fmt_flops(flops)})" if flops else "")
+                )
         saved = self.chunks[0].get("peak_saved_bytes")
-        how = ("forced by option 'chunks'" if saved is None
-               else f"chosen by the planner: predicted peak {fmt_bytes(saved)} below the unchunked plan's")
+        how = (
+            "forced by option 'chunks'"
+            if saved is None
+            else f"chosen by the planner: predicted peak {fmt_bytes(saved)} below the unchunked plan's"
+        )
         return [f"  chunked           : {', '.join(parts)}; {how}"]
 
     def _approximation_lines(self) -> list[str]:
@@ -188,8 +219,10 @@ class Plan:
         if not self.approximated:
             return []
         parts = []
-        for kind, what in (("few-bit", "activation inputs as {}-bit codes"),
-                           ("randomized", "linear inputs as projections of ratio {}")):
+        for kind, what in (
+            ("few-bit", "activation inputs as {}-bit codes"),
+            ("randomized", "linear inputs as projections of ratio {}"),
+        ):
             mine = [a for a in self.approximated if a["kind"] == kind]
             if mine:
                 detail = "/".join(sorted({f"{a.get('bits', a.get('ratio'))}" for a in mine}))
@@ -197,8 +230,10 @@ class Plan:
         exact = sum(a["bytes"] for a in self.approximated)
         kept = sum(a["kept_as_bytes"] for a in self.approximated)
         cost = sum(a.get("cost_s", 0.0) for a in self.approximated)
-        return [f"  approximated      : {', '.join(parts)}: {fmt_bytes(kept)} read by the backward instead of "
-                f"{fmt_bytes(exact)} (est. +{cost * 1e3:.3f} ms)"]
+        return [
+            f"  approximated      : {', '.join(parts)}: {fmt_bytes(kept)} read by the backward instead of "
+            f"{fmt_bytes(exact)} (est. +{cost * 1e3:.3f} ms)"
+        ]
 
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
@@ -208,8 +243,11 @@ class Plan:
             return []
         kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in bd["bytes"].items())
         ops = "+".join(bd.get("kernel_ops", [])[:4]) or "-"
-        where = (f"{bd['phase']} kernel {bd['kernel'] + 1}/{bd['kernels']} ({ops})" if bd.get("kernel", -1) >= 0
-                 else f"start of the {bd['phase']}")
+        where = (
+            f"{bd['phase']} kernel {bd['kernel'] + 1}/{bd['kernels']} ({ops})"
+            if bd.get("kernel", -1) >= 0
+            else f"start of the {bd['phase']}"
+        )
         return [f"  at the peak       : {where}: {kinds}"]
 
     def table(self) -> str:
@@ -219,23 +257,68 @@ class Plan:
         sections = []
         for title, entries, show in (("kept", self.saved, "bytes"), ("recomputed", self.recomputed, "flops")):
             params = [e for e in entries if e.reason == "param"]
-            header = f"{title} ({len(entries)}" + (f", of which {len(params)} parameters and their views, "
-                                                   "free and not listed" if params else "") + "):"
-            rows = [(fmt_type(e.dtype, e.shape), fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops),
-                     e.op, e.name, e.reason, e.module, e.source) for e in entries if e.reason != "param"]
+            header = (
+                f"{title} ({len(entries)}"
+                + (
+                    f", of which {len(params)} parameters and their views, free and not listed"
+                    if params
+                    else ""
+                )
+                + "):"
+            )
+            rows = [
+                (
+                    fmt_type(e.dtype, e.shape),
+                    fmt_bytes(e.bytes) if show == "bytes" else fmt_flops(e.flops),
+                    e.op,
+                    e.name,
+                    e.reason,
+                    e.module,
+                    e.source,
+                )
+                for e in entries
+                if e.reason != "param"
+            ]
             sections.append((header, rows))
         if self.approximated:
-            sections.append((f"approximated ({len(self.approximated)}; bytes: what the backward reads instead):", [
-                (fmt_type(a["dtype"], a["shape"]), fmt_bytes(a["kept_as_bytes"]),
-                 f"{a['bits']}-bit {a['activation']}" if a["kind"] == "few-bit" else f"ratio {a['ratio']:g} linear",
-                 a["value"], f"of {fmt_bytes(a['bytes'])}", a.get("module", ""), a.get("source", ""))
-                for a in self.approximated]))
+            sections.append(
+                (
+                    f"approximated ({len(self.approximated)}; bytes: what the backward reads instead):",
+                    [
+                        (
+                            fmt_type(a["dtype"], a["shape"]),
+                            fmt_bytes(a["kept_as_bytes"]),
+                            f"{a['bits']}-bit {a['activation']}"
+                            if a["kind"] == "few-bit"
+                            else f"ratio {a['ratio']:g} linear",
+                            a["value"],
+                            f"of {fmt_bytes(a['bytes'])}",
+                            a.get("module", ""),
+                            a.get("source", ""),
+                        )
+                        for a in self.approximated
+                    ],
+                )
+            )
         forward = [c for c in self.collectives if c["phase"] == "forward"]
         if forward:
-            sections.append((f"collectives in the forward ({len(forward)}; bytes: sent by each rank):", [
-                (fmt_type(c.get("dtype", ""), c.get("shape", [])), fmt_bytes(c["bytes"]), c["op"], c["name"],
-                 "gathered again in the backward" if c.get("regathered") else "", c.get("module", ""),
-                 c.get("source", "")) for c in forward]))
+            sections.append(
+                (
+                    f"collectives in the forward ({len(forward)}; bytes: sent by each rank):",
+                    [
+                        (
+                            fmt_type(c.get("dtype", ""), c.get("shape", [])),
+                            fmt_bytes(c["bytes"]),
+                            c["op"],
+                            c["name"],
+                            "gathered again in the backward" if c.get("regathered") else "",
+                            c.get("module", ""),
+                            c.get("source", ""),
+                        )
+                        for c in forward
+                    ],
+                )
+            )
         rows = [row for _, section in sections for row in section]
         widths = [max([len(row[i]) for row in rows], default=0) for i in range(6)]
         out = []
@@ -252,24 +335,32 @@ class Plan:
 
     def __repr__(self) -> str:
         """One line: ``print(recompile_opt.last_plans())`` lists the plans, ``print(plan)`` shows one."""
-        limits = "".join(f"{name}={fmt_bytes(n)}, " for name, n in (("budget", self.budget_bytes),
-                                                                     ("peak_memory", self.peak_limit_bytes))
-                         if n is not None)
+        limits = "".join(
+            f"{name}={fmt_bytes(n)}, "
+            for name, n in (("budget", self.budget_bytes), ("peak_memory", self.peak_limit_bytes))
+            if n is not None
+        )
         peak = fmt_bytes(self.predicted_peak_bytes) if self.predicted_peak_bytes else "not simulated"
-        return (f"Plan(graph={self.graph}, policy={self.policy}, {limits}kept {fmt_bytes(self.saved_bytes)} "
-                f"of {fmt_bytes(self.baseline_bytes)}, recomputes {len(self.recomputed)} values "
-                f"({fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms), peak {peak})")
+        return (
+            f"Plan(graph={self.graph}, policy={self.policy}, {limits}kept {fmt_bytes(self.saved_bytes)} "
+            f"of {fmt_bytes(self.baseline_bytes)}, recomputes {len(self.recomputed)} values "
+            f"({fmt_flops(self.recompute_flops)}, est. {self.recompute_s * 1e3:.3f} ms), peak {peak})"
+        )
 
     def diff(self, other: "Plan") -> str:
         """What changes from this plan to ``other``: values that move between kept and recomputed."""
         mine = {e.name: e for e in self.saved + self.recomputed}
         theirs = {e.name: e for e in other.saved + other.recomputed}
-        lines = [f"plan diff: kept {fmt_bytes(self.saved_bytes)} -> {fmt_bytes(other.saved_bytes)}, "
-                 f"recompute {fmt_flops(self.recompute_flops)} -> {fmt_flops(other.recompute_flops)}, "
-                 f"peak {fmt_bytes(self.predicted_peak_bytes)} -> {fmt_bytes(other.predicted_peak_bytes)}"]
+        lines = [
+            f"plan diff: kept {fmt_bytes(self.saved_bytes)} -> {fmt_bytes(other.saved_bytes)}, "
+            f"recompute {fmt_flops(self.recompute_flops)} -> {fmt_flops(other.recompute_flops)}, "
+            f"peak {fmt_bytes(self.predicted_peak_bytes)} -> {fmt_bytes(other.predicted_peak_bytes)}"
+        ]
         if self.graph != other.graph:
-            lines.append(f"  note: different graphs ({self.graph} and {other.graph}): values are matched by "
-                         "node name only")
+            lines.append(
+                f"  note: different graphs ({self.graph} and {other.graph}): values are matched by "
+                "node name only"
+            )
         header = len(lines)
         for name in sorted(set(mine) | set(theirs), key=lambda n: _node_order(n)):
             a, b = mine.get(name), theirs.get(name)
@@ -277,18 +368,23 @@ class Plan:
             after = b.action if b else "-"
             if before != after:  # the bytes of the side that keeps it (a recomputed entry has none)
                 e = a if a is not None and a.action == KEEP else (b or a)
-                lines.append(f"  {name:<24} {before:>9} -> {after:<9} {e.op:<20} "
-                             f"{fmt_bytes(e.bytes):>10} {e.module}")
+                lines.append(
+                    f"  {name:<24} {before:>9} -> {after:<9} {e.op:<20} {fmt_bytes(e.bytes):>10} {e.module}"
+                )
         mine_k, theirs_k = ({c["region"]: c["chunks"] for c in p.chunks} for p in (self, other))
         for region in sorted(set(mine_k) | set(theirs_k)):
             if mine_k.get(region, 1) != theirs_k.get(region, 1):
-                lines.append(f"  {region:<24} {mine_k.get(region, 1):>3} chunks -> {theirs_k.get(region, 1)} chunks")
+                lines.append(
+                    f"  {region:<24} {mine_k.get(region, 1):>3} chunks -> {theirs_k.get(region, 1)} chunks"
+                )
         mine_a, theirs_a = ({a["value"]: a for a in p.approximated} for p in (self, other))
         for value in sorted(set(mine_a) ^ set(theirs_a), key=_node_order):
             a = mine_a.get(value) or theirs_a[value]
             how = f"{a['bits']}-bit" if a["kind"] == "few-bit" else f"ratio {a['ratio']:g}"
             before, after = ("approx", "exact") if value in mine_a else ("exact", "approx")
-            lines.append(f"  {value:<24} {before:>9} -> {after:<9} {how:<20} {fmt_bytes(a['bytes']):>10} {a.get('module', '')}")
+            lines.append(
+                f"  {value:<24} {before:>9} -> {after:<9} {how:<20} {fmt_bytes(a['bytes']):>10} {a.get('module', '')}"
+            )
         if len(lines) == header:
             lines.append("  (same decisions)")
         return "\n".join(lines)

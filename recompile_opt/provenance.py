@@ -57,6 +57,8 @@ def header_line(*, device: str | None = None) -> str:
 
     load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     machine = device or f"CPU: {os.cpu_count()} cores ({_cpu_name()})"
-    return (f"torch {torch.__version__}, Python {platform.python_version()}, recompile_opt "
-            f"{_version('recompile_opt')}, highspy {_version('highspy')}, PuLP {_version('pulp')}; "
-            f"{machine}, {platform.system()} {platform.machine()}{load}; {datetime.date.today().isoformat()}")
+    return (
+        f"torch {torch.__version__}, Python {platform.python_version()}, recompile_opt "
+        f"{_version('recompile_opt')}, highspy {_version('highspy')}, PuLP {_version('pulp')}; "
+        f"{machine}, {platform.system()} {platform.machine()}{load}; {datetime.date.today().isoformat()}"
+    )

@@ -6,7 +6,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # pytest -n N: each worker's share of the cores (2 workers of 2 OpenMP threads each on 2 cores spent
     # a tenth of test_gradients.py waiting on each other); subprocesses inherit it
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 import pytest
 import torch
@@ -82,8 +84,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.heavy)
             found.add(key)
     whole_suite = not config.option.keyword and all(os.path.isdir(a) for a in config.args or ["."])
-    if whole_suite and config.option.markexpr in ("", "not slow") and HEAVY - found:  # a renamed test would drop out silently
-        raise pytest.UsageError(f"tests/conftest.py HEAVY names tests that do not exist: {sorted(HEAVY - found)}")
+    if (
+        whole_suite and config.option.markexpr in ("", "not slow") and HEAVY - found
+    ):  # a renamed test would drop out silently
+        raise pytest.UsageError(
+            f"tests/conftest.py HEAVY names tests that do not exist: {sorted(HEAVY - found)}"
+        )
     if whole_suite and SHARED_FIXTURE_MODULES - {item.path.name for item in items}:
-        raise pytest.UsageError("tests/conftest.py SHARED_FIXTURE_MODULES names modules that do not exist: "
-                                f"{sorted(SHARED_FIXTURE_MODULES - {item.path.name for item in items})}")
+        raise pytest.UsageError(
+            "tests/conftest.py SHARED_FIXTURE_MODULES names modules that do not exist: "
+            f"{sorted(SHARED_FIXTURE_MODULES - {item.path.name for item in items})}"
+        )

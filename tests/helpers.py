@@ -35,8 +35,18 @@ def max_grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((pa.grad - pb.grad).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-def train_side_by_side(model, inputs, *, options=None, reference_options=None, steps=3,
-                       rtol=1e-5, atol=1e-6, saved: list | None = None, measure_peak=False):
+def train_side_by_side(
+    model,
+    inputs,
+    *,
+    options=None,
+    reference_options=None,
+    steps=3,
+    rtol=1e-5,
+    atol=1e-6,
+    saved: list | None = None,
+    measure_peak=False,
+):
     """``steps`` SGD steps on an eager copy (or, with ``reference_options``, a second recompile_opt
     copy) and on the compiled model with identical seeds; assert every step's gradients match.
     Returns the last plan; with ``measure_peak``, also the measured peak of one more compiled step
@@ -65,8 +75,11 @@ def train_and_measure_saved(model, inputs, *, options=None, steps=3, rtol=1e-5, 
 
 def _train(model, inputs, options, reference_options, steps, rtol, atol, saved=None):
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
-    ref_fn = ref if reference_options is None else torch.compile(
-        ref, backend="recompile_opt", options=reference_options)
+    ref_fn = (
+        ref
+        if reference_options is None
+        else torch.compile(ref, backend="recompile_opt", options=reference_options)
+    )
     ours_fn = torch.compile(ours, backend="recompile_opt", options=options or {})
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     for step in range(steps):
@@ -80,8 +93,9 @@ def _train(model, inputs, options, reference_options, steps, rtol, atol, saved=N
             else:
                 fn(*inputs).backward()
         for (name, pa), pb in zip(ref.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(pb.grad, pa.grad, rtol=rtol, atol=atol,
-                                       msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(
+                pb.grad, pa.grad, rtol=rtol, atol=atol, msg=lambda m: f"step {step}, {name}: {m}"
+            )
         for opt in opts:
             opt.step()
     plans = recompile_opt.last_plans()
@@ -117,8 +131,8 @@ def forget_searches(monkeypatch) -> None:
     and walked for its plans (both are kept per graph for the process)."""
     from collections import OrderedDict
 
-    from recompile_opt.planner import least_peak
     from recompile_opt.costs import simulator
+    from recompile_opt.planner import least_peak
 
     monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
     monkeypatch.setattr(simulator, "_FOUND", OrderedDict())

@@ -27,9 +27,19 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 JOIN_DEADLINE_S = 480
 
 # (a module that does not import is skipped by the server: transformers is a test extra)
-mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.device_mesh", "torch._dynamo",
-                           "torch._inductor.compile_fx", "recompile_opt", "recompile_opt.parallel",
-                           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
+mp.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch.distributed.device_mesh",
+        "torch._dynamo",
+        "torch._inductor.compile_fx",
+        "recompile_opt",
+        "recompile_opt.parallel",
+        "transformers.models.llama.modeling_llama",
+        "transformers.models.gpt2.modeling_gpt2",
+    ]
+)
 
 
 def progress(out: str, rank: int, step: str) -> None:
@@ -42,8 +52,13 @@ def init_gloo(rank: int, world: int, out: str) -> None:
     """The rank's process group, met through a file of the test's own (not a TCP port another test could
     take meanwhile); its stacks dumped near the deadline."""
     faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'store')}", rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(out, 'store')}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
     progress(out, rank, "process group up")
 
 
@@ -81,8 +96,10 @@ def run_ranks(fn, args, out: str, world: int, start_method: str = "forkserver") 
         if time.monotonic() > deadline:
             for proc in ctx.processes:
                 proc.kill()
-            pytest.fail(f"ranks still running after {JOIN_DEADLINE_S} s: killed; last progress: "
-                        + "; ".join(f"rank {r}: {_last_progress(out, r)}" for r in range(world)))
+            pytest.fail(
+                f"ranks still running after {JOIN_DEADLINE_S} s: killed; last progress: "
+                + "; ".join(f"rank {r}: {_last_progress(out, r)}" for r in range(world))
+            )
 
 
 def _last_progress(out: str, rank: int) -> str:

@@ -10,6 +10,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_gpt
 
 import recompile_opt
 from recompile_opt import models
@@ -19,14 +20,13 @@ from recompile_opt.options import OptionError, parse_options
 from recompile_opt.planner import ilp, search
 from recompile_opt.planner.problem import Problem, Site, Value
 
-from helpers import tiny_gpt
-
 MiB = 1 << 20
 US = 1e-6
 BOTH = {"activations": 3, "linear": 0.5}
 
 
 # -- the ILP on a hand-built site ------------------------------------------------------------------
+
 
 def _site_problem(code_mib=1, cost_us=0.0):
     """x (8 MiB, recompute 100 us from the input) read by the backward through one site whose
@@ -36,10 +36,23 @@ def _site_problem(code_mib=1, cost_us=0.0):
         "x": Value("x", "x", inputs=("inp",), recompute_s=100 * US),
         "codes": Value("codes", "codes", inputs=("x",), recompute_s=1 * US),
     }
-    site = Site(choice="approximate:m", marker="m", kind="few-bit", exact=("x",), approx=("codes",),
-                replaced="x", detail={"bits": 3, "activation": "gelu"}, cost_s=cost_us * US)
-    return Problem(values=values, storage_bytes={"inp": 0, "x": 8 * MiB, "codes": code_mib * MiB},
-                   save_s={"inp": 0.0, "x": 0.0, "codes": 0.0}, bwd_steps=4, sites=[site])
+    site = Site(
+        choice="approximate:m",
+        marker="m",
+        kind="few-bit",
+        exact=("x",),
+        approx=("codes",),
+        replaced="x",
+        detail={"bits": 3, "activation": "gelu"},
+        cost_s=cost_us * US,
+    )
+    return Problem(
+        values=values,
+        storage_bytes={"inp": 0, "x": 8 * MiB, "codes": code_mib * MiB},
+        save_s={"inp": 0.0, "x": 0.0, "codes": 0.0},
+        bwd_steps=4,
+        sites=[site],
+    )
 
 
 def _kept(p: Problem, sol: ilp.Solution) -> int:
@@ -68,14 +81,18 @@ def test_an_approximation_dearer_than_the_recompute_is_not_taken():
 
 # -- options -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value,match", [
-    ({"activations": 5}, r"'approximate': activations=5; accepted: a bit width 1, 2, 3 or 4"),
-    ({"activations": 3.0}, r"activations=3.0"),
-    ({"linear": 0}, r"'approximate': linear=0; accepted: a ratio in \(0, 1\]"),
-    ({"linear": True}, r"linear=True"),
-    ({"bits": 3}, r"'approximate'.*accepted values: False, None, or a dict with 'activations'"),
-    (3, r"'approximate': got 3"),
-])
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ({"activations": 5}, r"'approximate': activations=5; accepted: a bit width 1, 2, 3 or 4"),
+        ({"activations": 3.0}, r"activations=3.0"),
+        ({"linear": 0}, r"'approximate': linear=0; accepted: a ratio in \(0, 1\]"),
+        ({"linear": True}, r"linear=True"),
+        ({"bits": 3}, r"'approximate'.*accepted values: False, None, or a dict with 'activations'"),
+        (3, r"'approximate': got 3"),
+    ],
+)
 def test_a_bad_approximate_option_names_the_accepted_values(value, match):
     with pytest.raises(OptionError, match=match):
         parse_options({"approximate": value})
@@ -88,6 +105,7 @@ def test_false_and_none_are_off():
 
 
 # -- plans of a model ---------------------------------------------------------------------------------
+
 
 def _plan(model, inputs, budget, **options):
     torch._dynamo.reset()
@@ -111,8 +129,10 @@ def _every_site_approximated():
     """The ILP is paid for approximating instead of paying: every site is approximated (to test the
     rewrites on every site, whatever a budget would choose), and at 0.0 the least-peak search keeps
     that search's plan (not the lowest of it, every site approximated, and none)."""
-    with mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3), \
-            mock.patch.object(search, "_least_peak_approximating", lambda *args: args[-1]):
+    with (
+        mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3),
+        mock.patch.object(search, "_least_peak_approximating", lambda *args: args[-1]),
+    ):
         yield
 
 
@@ -149,11 +169,21 @@ def _eager_approximate_grads(model, inputs, *, bits=None, ratio=None):
     """Eager gradients with every GELU few-bit at ``bits`` and every linear randomized at ``ratio``."""
     with contextlib.ExitStack() as stack:
         if bits:
-            stack.enter_context(mock.patch.object(models.GPTMLP, "forward", lambda self, x: self.dropout(
-                self.c_proj(few_bit_activation(self.c_fc(x), "gelu", bits)))))
+            stack.enter_context(
+                mock.patch.object(
+                    models.GPTMLP,
+                    "forward",
+                    lambda self, x: self.dropout(self.c_proj(few_bit_activation(self.c_fc(x), "gelu", bits))),
+                )
+            )
         if ratio:
-            stack.enter_context(mock.patch.object(torch.nn.Linear, "forward", lambda self, x: randomized_linear(
-                x, self.weight, self.bias, ratio)))
+            stack.enter_context(
+                mock.patch.object(
+                    torch.nn.Linear,
+                    "forward",
+                    lambda self, x: randomized_linear(x, self.weight, self.bias, ratio),
+                )
+            )
         return _grads(model, inputs)
 
 
@@ -168,7 +198,9 @@ def test_compiled_gradients_are_those_of_the_few_bit_ops_the_plan_names(compiler
         got = _grads(model, inputs, options)
     plan = recompile_opt.last_plans()[0]
     assert [a["kind"] for a in plan.approximated] == ["few-bit"] * len(model.blocks)
-    assert sorted(a["module"] for a in plan.approximated) == [f"blocks.{i}.mlp" for i in range(len(model.blocks))]
+    assert sorted(a["module"] for a in plan.approximated) == [
+        f"blocks.{i}.mlp" for i in range(len(model.blocks))
+    ]
 
     want = _eager_approximate_grads(model, inputs, bits=2)
     exact = _grads(model, inputs)
@@ -203,7 +235,9 @@ def test_every_activation_at_3_bits_keeps_the_gradient_within_cosine_0_99():
     exact = _grads(model, inputs)
     recompile_opt.reset_plans()
     with _every_site_approximated():
-        got = _grads(model, inputs, {"memory_budget": 1.0, "compiler": "eager", "approximate": {"activations": 3}})
+        got = _grads(
+            model, inputs, {"memory_budget": 1.0, "compiler": "eager", "approximate": {"activations": 3}}
+        )
     assert len(recompile_opt.last_plans()[0].approximated) == len(model.blocks)
     flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in (got, exact)]
     assert 0.99 < F.cosine_similarity(*flat, dim=0) < 1 - 1e-7
@@ -238,10 +272,17 @@ def test_through_inductors_own_rng_the_backward_projects_with_the_forwards_seed(
     exact = weight_grad(layer)
     torch._dynamo.reset()
     with _every_site_approximated():
-        got = weight_grad(torch.compile(layer, backend="recompile_opt",
-                                        options={"memory_budget": 1.0, "approximate": {"linear": 0.5}}))
-    eager = [F.cosine_similarity(weight_grad(lambda v: randomized_linear(v, layer.weight, layer.bias, 0.5)), exact,
-                                 dim=0) for _ in range(8)]
+        got = weight_grad(
+            torch.compile(
+                layer, backend="recompile_opt", options={"memory_budget": 1.0, "approximate": {"linear": 0.5}}
+            )
+        )
+    eager = [
+        F.cosine_similarity(
+            weight_grad(lambda v: randomized_linear(v, layer.weight, layer.bias, 0.5)), exact, dim=0
+        )
+        for _ in range(8)
+    ]
     assert F.cosine_similarity(got, exact, dim=0) > min(eager) - 0.1
 
 
@@ -286,14 +327,19 @@ def test_hugging_face_gpt2s_conv1d_layers_are_randomized_as_linears():
         got = _grads(model, inputs, options)
     approximated = sorted(a["module"] for p in recompile_opt.last_plans() for a in p.approximated)
     conv1d = {n for n, m in model.model.named_modules() if isinstance(m, transformers.pytorch_utils.Conv1D)}
-    assert conv1d and conv1d <= set(approximated) and any(m.endswith("lm_head") for m in approximated), approximated
+    assert conv1d and conv1d <= set(approximated) and any(m.endswith("lm_head") for m in approximated), (
+        approximated
+    )
 
     def conv1d_randomized(self, x):
         return randomized_linear(x, self.weight.t(), self.bias, 0.5)
 
-    with mock.patch.object(transformers.pytorch_utils.Conv1D, "forward", conv1d_randomized), \
-            mock.patch.object(torch.nn.Linear, "forward",
-                              lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)):
+    with (
+        mock.patch.object(transformers.pytorch_utils.Conv1D, "forward", conv1d_randomized),
+        mock.patch.object(
+            torch.nn.Linear, "forward", lambda self, x: randomized_linear(x, self.weight, self.bias, 0.5)
+        ),
+    ):
         want = _grads(model, inputs)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -330,8 +376,9 @@ def test_a_peak_limit_only_approximations_meet_is_met_with_them():
     with pytest.warns(UserWarning, match="peak_memory=23.00 MiB cannot be met"):
         recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", chunks=False)
     torch._dynamo.reset()
-    plan = recompile_opt.plan(model, inputs, peak_memory="23MiB", compiler="eager", approximate=BOTH,
-                              chunks=False)
+    plan = recompile_opt.plan(
+        model, inputs, peak_memory="23MiB", compiler="eager", approximate=BOTH, chunks=False
+    )
     assert plan.approximated and plan.predicted_peak_bytes <= 23 * MiB, plan.summary()
     assert "walked in Inductor's code" in " ".join(plan.notes), plan.notes
 
@@ -362,4 +409,6 @@ def test_a_linear_whose_weight_the_graph_computes_is_left_exact():
     torch.compile(Model(), backend=backend)(torch.randn(8, 16))
     (done,) = offered
     assert done.linears == 1, done
-    assert [why for _, why in done.skipped] == ["its weight is computed in the graph, not a trained parameter"] * 2
+    assert [why for _, why in done.skipped] == [
+        "its weight is computed in the graph, not a trained parameter"
+    ] * 2

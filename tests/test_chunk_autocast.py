@@ -7,20 +7,18 @@ Inductor is 3e-7 off on the tiny GPT)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_gpt, tiny_llama
+from recompile_opt.passes.chunk_mlp import chunked_mlp
+from recompile_opt.passes.chunking import chunked_linear_cross_entropy, head_loss_in_chunks
 from torch.overrides import TorchFunctionMode
 
 import recompile_opt
 from recompile_opt import models
-from recompile_opt.passes.chunk_mlp import chunked_mlp
-from recompile_opt.passes.chunking import chunked_linear_cross_entropy, head_loss_in_chunks
-
-from helpers import tiny_gpt, tiny_llama
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 reorderings (a chunk's sum, a loss summed in parts) are allowed where compile itself is exact
@@ -52,7 +50,9 @@ def _step(build: str, dtype: str, compile_model=None):
 def _deviation(got, ref) -> tuple[float, float]:
     """The loss's relative error and the largest of the gradients' (max |a - b| over max |b|)."""
     (loss, grads), (ref_loss, ref_grads) = got, ref
-    worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item() for n, g in ref_grads.items())
+    worst = max(
+        ((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item() for n, g in ref_grads.items()
+    )
     return abs(loss - ref_loss).item() / abs(ref_loss).item(), worst
 
 
@@ -67,9 +67,13 @@ def _assert_like_eager(build: str, dtype: str, options: dict):
     eager, (loss_dev, grad_dev) = _eager_and_compiles_deviation(build, dtype)
     ours = _step(build, dtype, lambda m: torch.compile(m, backend="recompile_opt", options=options))
     got_loss, got_grad = _deviation(ours, eager)
-    assert got_loss <= max(2 * loss_dev, FLOOR), (f"{options}: loss {ours[0].item()} against eager's "
-                                                  f"{eager[0].item()} (torch.compile's relative error {loss_dev:.2g})")
-    assert got_grad <= max(2 * grad_dev, FLOOR), f"{options}: gradients {got_grad:.3g} off, torch.compile {grad_dev:.3g}"
+    assert got_loss <= max(2 * loss_dev, FLOOR), (
+        f"{options}: loss {ours[0].item()} against eager's "
+        f"{eager[0].item()} (torch.compile's relative error {loss_dev:.2g})"
+    )
+    assert got_grad <= max(2 * grad_dev, FLOOR), (
+        f"{options}: gradients {got_grad:.3g} off, torch.compile {grad_dev:.3g}"
+    )
     return recompile_opt.last_plans()[-1]
 
 
@@ -84,6 +88,7 @@ def _assert_rounded_once(got, ref, dtype):
 
 # -- the ops on their own: exact against eager autocast ----------------------------------------------------
 
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["gradients-in-forward", "head-recomputed"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_chunked_loss_runs_the_head_in_autocasts_dtype_and_the_loss_in_fp32(dtype, recompute):
@@ -97,8 +102,16 @@ def test_the_chunked_loss_runs_the_head_in_autocasts_dtype_and_the_loss_in_fp32(
     assert logits.dtype == DTYPES[dtype] and loss.dtype == torch.float32  # what eager autocast does
     ref = torch.autograd.grad(loss, [x, head.weight, head.bias])
     with torch.autocast("cpu", dtype=DTYPES[dtype]):
-        got = chunked_linear_cross_entropy(x, head.weight, head.bias, target, chunks=3, dtype=torch.float32,
-                                           mm_dtype=DTYPES[dtype], recompute=recompute)
+        got = chunked_linear_cross_entropy(
+            x,
+            head.weight,
+            head.bias,
+            target,
+            chunks=3,
+            dtype=torch.float32,
+            mm_dtype=DTYPES[dtype],
+            recompute=recompute,
+        )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, loss, rtol=1e-6, atol=1e-6)
     for g, r in zip(torch.autograd.grad(got, [x, head.weight, head.bias]), ref, strict=True):
@@ -110,8 +123,12 @@ def test_compiled_code_runs_the_chunked_heads_matmuls_in_autocasts_dtype_though_
     """AOTAutograd runs compiled graphs with autocast off, so the op decides its dtypes itself: the
     head's matmuls in bf16 (fp32 before: 5x the step on an H200), the loss in fp32."""
     matmuls = []
-    products = {F.linear: "linear", torch.Tensor.__matmul__: "matmul", torch.Tensor.matmul: "matmul",
-                torch.matmul: "matmul"}
+    products = {
+        F.linear: "linear",
+        torch.Tensor.__matmul__: "matmul",
+        torch.Tensor.matmul: "matmul",
+        torch.matmul: "matmul",
+    }
 
     class Matmuls(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -121,8 +138,9 @@ def test_compiled_code_runs_the_chunked_heads_matmuls_in_autocasts_dtype_though_
 
     x, w, t = torch.randn(8, 4), torch.randn(16, 4), torch.randint(0, 16, (8,))
     with Matmuls():
-        total, *grads = head_loss_in_chunks(x, w, None, t, 2, torch.float32, -100, 0.0, True, True, False,
-                                            torch.bfloat16, torch.bfloat16)
+        total, *grads = head_loss_in_chunks(
+            x, w, None, t, 2, torch.float32, -100, 0.0, True, True, False, torch.bfloat16, torch.bfloat16
+        )
     # a chunk's logits and its input's gradient (the weight's is summed over chunks in fp32)
     assert matmuls == [("linear", {torch.bfloat16}), ("matmul", {torch.bfloat16})] * 2, matmuls
     assert total.dtype == torch.float32 and [g.dtype for g in grads[:2]] == [torch.float32, torch.float32]
@@ -143,8 +161,16 @@ def test_the_chunked_mlp_runs_its_matmuls_in_autocasts_dtype_and_rounds_each_gra
         out = down(act(*hidden))
     ref = torch.autograd.grad(out.float().square().sum(), params, retain_graph=True)
     with torch.autocast("cpu", dtype=DTYPES[dtype]):
-        got = chunked_mlp(x, [u.weight for u in ups], [u.bias for u in ups], down.weight, down.bias, act,
-                          chunks=3, mm_dtypes=(DTYPES[dtype],) * (len(ups) + 1))
+        got = chunked_mlp(
+            x,
+            [u.weight for u in ups],
+            [u.bias for u in ups],
+            down.weight,
+            down.bias,
+            act,
+            chunks=3,
+            mm_dtypes=(DTYPES[dtype],) * (len(ups) + 1),
+        )
     assert got.dtype == out.dtype == DTYPES[dtype]
     torch.testing.assert_close(got, out, rtol=0, atol=0)
     for g, r in zip(torch.autograd.grad(got.float().square().sum(), params), ref, strict=True):
@@ -153,6 +179,7 @@ def test_the_chunked_mlp_runs_its_matmuls_in_autocasts_dtype_and_rounds_each_gra
 
 
 # -- compiled, against eager within torch.compile's own deviation ----------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("build", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
@@ -177,13 +204,22 @@ def test_through_inductor_chunks_train_eagers_loss_and_gradients_under_autocast(
     assert any(c["kind"] == "loss" for c in plan.chunks), plan.summary()
 
 
-@pytest.mark.parametrize("approximate", [{"activations": 2}, {"linear": 0.5}], ids=["few-bit", "randomized-linear"])
+@pytest.mark.parametrize(
+    "approximate", [{"activations": 2}, {"linear": 0.5}], ids=["few-bit", "randomized-linear"]
+)
 def test_approximations_under_autocast_run_eagers_forward_in_its_dtypes(approximate):
     """The approximating rewrites build their own ops too: the randomized linear casts as autocast does
     (it failed with "expected m1 and m2 to have the same dtype" before); the forward is exact."""
     eager = _step("gpt", "bf16")
-    loss, grads = _step("gpt", "bf16", lambda m: torch.compile(
-        m, backend="recompile_opt", options={"approximate": approximate, "memory_budget": 0.0, "compiler": "eager"}))
+    loss, grads = _step(
+        "gpt",
+        "bf16",
+        lambda m: torch.compile(
+            m,
+            backend="recompile_opt",
+            options={"approximate": approximate, "memory_budget": 0.0, "compiler": "eager"},
+        ),
+    )
     assert abs(loss - eager[0]).item() <= FLOOR * abs(eager[0]).item()
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
     assert any(n.startswith("approximate: ") for n in recompile_opt.last_plans()[-1].notes)

@@ -11,15 +11,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
+from recompile_opt.passes.chunk_mlp import chunk_mlp, chunked_mlp, find_mlp_regions
+from test_chunking import EAGER, _assert_runs_alike, _dynamo_graph
 
 import recompile_opt
 from recompile_opt import models
 from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.options import parse_options
-from recompile_opt.passes.chunk_mlp import chunk_mlp, chunked_mlp, find_mlp_regions
-
-from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
-from test_chunking import EAGER, _assert_runs_alike, _dynamo_graph
 
 TOKENS, WIDTH = 2 * 16, 32  # tiny_gpt / tiny_llama: batch 2, block 16, n_embd 32
 
@@ -60,15 +59,26 @@ def test_no_buffer_of_the_hidden_width_holds_more_than_one_chunk(chunks):
     torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
     rows = math.ceil(TOKENS / chunks)
     hidden = 4 * WIDTH
-    up = [n for n in partitioner.last_forward.graph.nodes
-          if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-          and tuple(n.meta["val"].shape)[-1:] == (hidden,)]
+    up = [
+        n
+        for n in partitioner.last_forward.graph.nodes
+        if n.op == "call_function"
+        and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        and tuple(n.meta["val"].shape)[-1:] == (hidden,)
+    ]
     assert sorted(n.meta["val"].shape[0] for n in up) == sorted(
-        2 * [len(c) for c in torch.arange(TOKENS).tensor_split(chunks)])  # two blocks
+        2 * [len(c) for c in torch.arange(TOKENS).tensor_split(chunks)]
+    )  # two blocks
     for graph in (partitioner.last_forward.graph, partitioner.last_backward.graph):
-        wide = [n.name for n in graph.nodes if n.op == "call_function"
-                and isinstance(n.meta.get("val"), torch.Tensor) and hidden in n.meta["val"].shape
-                and n.meta["val"].numel() > rows * hidden and sorted(n.meta["val"].shape) != [WIDTH, hidden]]
+        wide = [
+            n.name
+            for n in graph.nodes
+            if n.op == "call_function"
+            and isinstance(n.meta.get("val"), torch.Tensor)
+            and hidden in n.meta["val"].shape
+            and n.meta["val"].numel() > rows * hidden
+            and sorted(n.meta["val"].shape) != [WIDTH, hidden]
+        ]
         assert not wide, f"values of the hidden width longer than a chunk: {wide}"
 
 
@@ -80,11 +90,20 @@ def test_the_backward_accumulates_weight_and_bias_gradients_with_matmuls_only():
     torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
     bw = partitioner.last_backward.graph
     hidden = 4 * WIDTH
-    sums = [n.name for n in bw.nodes if n.op == "call_function" and n.target == torch.ops.aten.sum.dim_IntList
-            and n.meta["val"].shape == (hidden,)]
+    sums = [
+        n.name
+        for n in bw.nodes
+        if n.op == "call_function"
+        and n.target == torch.ops.aten.sum.dim_IntList
+        and n.meta["val"].shape == (hidden,)
+    ]
     assert not sums, f"bias gradients summed as reductions: {sums}"
-    accumulations = [n for n in bw.nodes if n.target == torch.ops.aten.addmm.default
-                     and tuple(n.meta["val"].shape) in ((hidden, WIDTH), (WIDTH, hidden), (1, hidden))]
+    accumulations = [
+        n
+        for n in bw.nodes
+        if n.target == torch.ops.aten.addmm.default
+        and tuple(n.meta["val"].shape) in ((hidden, WIDTH), (WIDTH, hidden), (1, hidden))
+    ]
     assert len(accumulations) >= 2 * 3 * (4 - 1)  # two blocks, three accumulators, k - 1 addmm each
 
 
@@ -102,10 +121,13 @@ class _MLP(torch.nn.Module):
         return (out, h) if self.returns_hidden else out
 
 
-@pytest.mark.parametrize("module, why", [
-    (_MLP(dropout_inside=True), "not an elementwise op"),
-    (_MLP(returns_hidden=True), "also read by"),
-])
+@pytest.mark.parametrize(
+    "module, why",
+    [
+        (_MLP(dropout_inside=True), "not an elementwise op"),
+        (_MLP(returns_hidden=True), "also read by"),
+    ],
+)
 def test_an_mlp_that_cannot_be_chunked_is_refused_by_name(module, why):
     inputs = (torch.randn(2, 6, 8),)
     gm, _ = _dynamo_graph(module, inputs)
@@ -145,17 +167,33 @@ def test_in_a_stack_of_linears_an_mlp_sharing_a_projection_with_the_one_before_i
 
 # -- end to end -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("build, chunks, budget", [
-    pytest.param(build, chunks, budget, id=f"{name}-{chunks}-{budget}",
-                 marks=[pytest.mark.slow] if (name, budget) == ("llama", 0.0) else [])  # the GPT's beside it
-    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)) for chunks, budget in ((2, None), (5, 0.0))])
+
+@pytest.mark.parametrize(
+    "build, chunks, budget",
+    [
+        pytest.param(
+            build,
+            chunks,
+            budget,
+            id=f"{name}-{chunks}-{budget}",
+            marks=[pytest.mark.slow] if (name, budget) == ("llama", 0.0) else [],
+        )  # the GPT's beside it
+        for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama))
+        for chunks, budget in ((2, None), (5, 0.0))
+    ],
+)
 def test_gradients_equal_eager_with_dropout_replayed(build, chunks, budget):
     """Dropout on (after the down-projection, outside the region), Inductor's fallback_random: the
     chunks draw no random number of their own, so the masks are eager's."""
     model, inputs = build(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(model, inputs, options={"chunks": {"mlp": chunks, "loss": 8}, "memory_budget": budget,
-                                                          **EAGER}, rtol=1e-4, atol=1e-5)
+        plan = train_side_by_side(
+            model,
+            inputs,
+            options={"chunks": {"mlp": chunks, "loss": 8}, "memory_budget": budget, **EAGER},
+            rtol=1e-4,
+            atol=1e-5,
+        )
     lines = [n for n in plan.notes if n.startswith("chunk: mlp ")]
     assert len(lines) == 2 and all(f"in {chunks} chunks" in n for n in lines), plan.notes
     assert any(n.startswith("chunk: loss ") for n in plan.notes)

@@ -11,14 +11,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_gpt, tiny_llama, train_side_by_side
+from recompile_opt.passes.chunking import chunk_loss, chunked_linear_cross_entropy, find_loss_regions
 
 import recompile_opt
 from recompile_opt import models
 from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.options import parse_options
-from recompile_opt.passes.chunking import chunk_loss, chunked_linear_cross_entropy, find_loss_regions
-
-from helpers import tiny_gpt, tiny_llama, train_side_by_side
 
 EAGER = {"compiler": "eager"}
 
@@ -53,6 +52,7 @@ def _assert_runs_alike(chunked, gm, example_inputs):
 
 # -- the pass on small graphs -----------------------------------------------------------------------
 
+
 def test_the_benchmark_gpts_head_and_loss_are_one_region():
     gm, _ = _dynamo_graph(*tiny_gpt())
     (region,) = find_loss_regions(gm)
@@ -80,12 +80,21 @@ def test_the_graphs_hold_one_chunked_op_and_no_full_length_logits(chunks):
     partitioner = RecompilePartitioner(parse_options({"chunks": {"loss": chunks}, **EAGER}))
     torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
     vocab, width = 64, 32
-    (op,) = [n for n in partitioner.last_forward.graph.nodes
-             if n.target == torch.ops.recompile_opt.chunked_head_loss.default]
+    (op,) = [
+        n
+        for n in partitioner.last_forward.graph.nodes
+        if n.target == torch.ops.recompile_opt.chunked_head_loss.default
+    ]
     assert op.args[4] == chunks
     for graph in (partitioner.last_forward.graph, partitioner.last_backward.graph):
-        wide = [n.name for n in graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
-                and vocab in n.meta["val"].shape and tuple(n.meta["val"].shape) != (vocab, width)]
+        wide = [
+            n.name
+            for n in graph.nodes
+            if n.op == "call_function"
+            and isinstance(n.meta.get("val"), torch.Tensor)
+            and vocab in n.meta["val"].shape
+            and tuple(n.meta["val"].shape) != (vocab, width)
+        ]
         assert not wide, f"values of the vocabulary's width: {wide}"
 
 
@@ -99,8 +108,14 @@ def test_the_chunked_op_allocates_one_chunk_of_logits_besides_its_outputs(chunks
     x, w, t = torch.randn(tokens, width), torch.randn(vocab, width), torch.randint(0, vocab, (tokens,))
     outputs = []
     live = peak = 0
-    for nbytes in allocation_timeline(lambda: outputs.append(torch.ops.recompile_opt.chunked_head_loss(
-            x, w, None, t, chunks, torch.float32, -100, 0.0, True, True, False)), torch.device("cpu")):
+    for nbytes in allocation_timeline(
+        lambda: outputs.append(
+            torch.ops.recompile_opt.chunked_head_loss(
+                x, w, None, t, chunks, torch.float32, -100, 0.0, True, True, False
+            )
+        ),
+        torch.device("cpu"),
+    ):
         live += nbytes
         peak = max(peak, live)
     made = sum(o.untyped_storage().nbytes() for o in outputs[0])
@@ -157,17 +172,22 @@ class _Head(torch.nn.Module):
         return (loss, logits) if self.returns_logits else loss
 
 
-@pytest.mark.parametrize("module, why", [
-    (_Head(returns_logits=True), "also read elsewhere"),
-    (_Head(weight=torch.rand(32)), "class weights"),
-    (_Head(reduction="none"), "reduction 'none'"),
-])
+@pytest.mark.parametrize(
+    "module, why",
+    [
+        (_Head(returns_logits=True), "also read elsewhere"),
+        (_Head(weight=torch.rand(32)), "class weights"),
+        (_Head(reduction="none"), "reduction 'none'"),
+    ],
+)
 def test_a_region_that_cannot_be_chunked_is_refused_by_name(module, why):
     inputs = (torch.randn(2, 6, 8), torch.randint(0, 32, (2, 6)))
     gm, _ = _dynamo_graph(module, inputs)
     (region,) = find_loss_regions(gm)
     assert why in region.why_not
-    with pytest.raises(recompile_opt.OptionError, match=f"option 'chunks': loss .*cannot be chunked: .*{why}"):
+    with pytest.raises(
+        recompile_opt.OptionError, match=f"option 'chunks': loss .*cannot be chunked: .*{why}"
+    ):
         torch.compile(module, backend="recompile_opt", options={"chunks": {"loss": 2}, **EAGER})(*inputs)
     torch._dynamo.reset()  # without chunks, the same model compiles
     torch.compile(module, backend="recompile_opt", options={"chunks": False, **EAGER})(*inputs)
@@ -181,17 +201,33 @@ def test_bad_chunks_values_name_the_option_and_what_it_accepts(bad):
 
 # -- end to end -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("build, chunks, budget", [
-    pytest.param(build, chunks, budget, id=f"{name}-{chunks}-{budget}",
-                 marks=[pytest.mark.slow] if (name, budget) == ("llama", 0.0) else [])  # the GPT's beside it
-    for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama)) for chunks, budget in ((2, None), (8, None), (5, 0.0))])
+
+@pytest.mark.parametrize(
+    "build, chunks, budget",
+    [
+        pytest.param(
+            build,
+            chunks,
+            budget,
+            id=f"{name}-{chunks}-{budget}",
+            marks=[pytest.mark.slow] if (name, budget) == ("llama", 0.0) else [],
+        )  # the GPT's beside it
+        for name, build in (("gpt", tiny_gpt), ("llama", tiny_llama))
+        for chunks, budget in ((2, None), (8, None), (5, 0.0))
+    ],
+)
 def test_gradients_equal_eager_with_dropout_replayed(build, chunks, budget):
     """Dropout on, Inductor's fallback_random: chunking draws no random number of its own, so the
     masks are eager's; at 0.0 the least-peak plan recomputes (and replays) what it can."""
     model, inputs = build(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(model, inputs, options={"chunks": {"loss": chunks}, "memory_budget": budget, **EAGER},
-                                  rtol=1e-4, atol=1e-5)
+        plan = train_side_by_side(
+            model,
+            inputs,
+            options={"chunks": {"loss": chunks}, "memory_budget": budget, **EAGER},
+            rtol=1e-4,
+            atol=1e-5,
+        )
     assert any(n.startswith("chunk: ") and f"in {chunks} chunks" in n for n in plan.notes), plan.notes
     assert f"in {chunks} chunks" in str(plan)
 
@@ -215,7 +251,9 @@ def test_a_graph_break_between_head_and_loss_is_named():
     from test_hf_models import build
 
     model, inputs = build("gpt2")
-    with pytest.raises(recompile_opt.OptionError, match="a graph break lies between the head and the loss.*loss_type"):
+    with pytest.raises(
+        recompile_opt.OptionError, match="a graph break lies between the head and the loss.*loss_type"
+    ):
         torch.compile(model, backend="recompile_opt", options={"chunks": {"loss": 3}, **EAGER})(*inputs)
 
 
@@ -229,10 +267,13 @@ def test_hugging_face_gpt2_chunks_its_loss_and_conv1d_mlps_with_dropout(chunks):
     model, inputs = build("gpt2", dropout=0.1)
     model.model.loss_type = "ForCausalLM"
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(model, inputs, options={"chunks": {"loss": chunks, "mlp": chunks}, **EAGER},
-                                  rtol=1e-4, atol=1e-5)
+        plan = train_side_by_side(
+            model, inputs, options={"chunks": {"loss": chunks, "mlp": chunks}, **EAGER}, rtol=1e-4, atol=1e-5
+        )
     mlps = [n for n in plan.notes if n.startswith("chunk: mlp ")]
-    assert len(mlps) == 2 and all(f"1 up-projection, hidden 256) in {chunks} chunks" in n for n in mlps), plan.notes
+    assert len(mlps) == 2 and all(f"1 up-projection, hidden 256) in {chunks} chunks" in n for n in mlps), (
+        plan.notes
+    )
     assert any(n.startswith("chunk: loss ") and f"in {chunks} chunks" in n for n in plan.notes), plan.notes
 
 
@@ -248,11 +289,15 @@ def test_through_inductor_hugging_face_gpt2_chunks_with_eagers_gradients():
     model.model.loss_type = "ForCausalLM"
     ref = copy.deepcopy(model)
     ref(*inputs).backward()
-    step = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": {"loss": 3, "mlp": 3}})
+    step = torch.compile(
+        model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": {"loss": 3, "mlp": 3}}
+    )
     step(*inputs).backward()
     assert max_grad_diff(model, ref) < 1e-5
     notes = recompile_opt.last_plans()[-1].notes
-    assert sum(n.startswith("chunk: mlp ") for n in notes) == 2 and any(n.startswith("chunk: loss ") for n in notes)
+    assert sum(n.startswith("chunk: mlp ") for n in notes) == 2 and any(
+        n.startswith("chunk: loss ") for n in notes
+    )
 
 
 class _SlicedLogitsLoss(torch.nn.Module):
@@ -278,12 +323,16 @@ def test_a_users_cross_entropy_on_sliced_logits_is_chunked():
     (region,) = find_loss_regions(gm)
     assert region.why_not is None and region.tokens == 2 * 15, region.why_not
     plan = train_side_by_side(model, inputs, options={"chunks": {"loss": 4}, **EAGER}, rtol=1e-4, atol=1e-5)
-    assert any(n.startswith("chunk: loss ") and "in 4 chunks of <= 8 of 30 tokens" in n for n in plan.notes), plan.notes
+    assert any(
+        n.startswith("chunk: loss ") and "in 4 chunks of <= 8 of 30 tokens" in n for n in plan.notes
+    ), plan.notes
 
 
 def test_chunks_false_is_accepted_by_plan_and_changes_nothing():
     model, inputs = tiny_gpt()
-    plain, off = (recompile_opt.plan(model, inputs, memory_budget="40KiB", **kw) for kw in ({}, {"chunks": False}))
+    plain, off = (
+        recompile_opt.plan(model, inputs, memory_budget="40KiB", **kw) for kw in ({}, {"chunks": False})
+    )
     assert off.saved_names() == plain.saved_names() and off.saved_bytes == plain.saved_bytes
     assert not any("chunk" in n for n in off.notes)
 
@@ -306,7 +355,9 @@ def test_through_inductor_the_chunked_loss_lowers_the_measured_peak_the_plan_pre
     for chunks in (1, 4):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        step = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": {"loss": chunks}})
+        step = torch.compile(
+            model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": {"loss": chunks}}
+        )
         step(*inputs).backward()
         assert max_grad_diff(model, ref) < 1e-5
         model.zero_grad(set_to_none=True)
@@ -317,6 +368,7 @@ def test_through_inductor_the_chunked_loss_lowers_the_measured_peak_the_plan_pre
 
 
 # -- the planner's choice (chunks="auto") ----------------------------------------------------------
+
 
 def _logits_dominated():
     """A vocabulary of 8192 over 256 tokens of width 64: the logits are the step's largest values."""
@@ -343,12 +395,17 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
         assert liger[0].endswith("its step is too slow for its peak (chunk_choice.STEP_SLACK)"), liger
     assert loss["peak_saved_bytes"] > 0.1 * off.predicted_peak_bytes
     assert "chunked" in str(auto) and "chosen by the planner" in str(auto)
-    assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), auto.notes
+    assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), (
+        auto.notes
+    )
     # the plan's planning line counts the trials' planning too (the unchunked plan and the loss's trial;
     # their simulations and walks are those not found on disk already, so may be none here)
     choice = auto.solver["chunk_choice"]
     assert choice["plannings"] >= 2, choice
-    assert f"choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated" in str(auto)
+    assert (
+        f"choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated"
+        in str(auto)
+    )
     assert "chunk_choice" not in off.solver
     assert "chunks" in off.diff(auto) and not off.chunks
     assert recompile_opt.Plan.from_json(auto.to_json()).chunks == auto.chunks
@@ -367,13 +424,23 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
 
     loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
     plan = {}
-    for where, shapes in (("loss", [[512, 8192], [2, 4, 256, 256]]), ("attention", [[2, 4, 256, 256], [512, 64]])):
-        plan[where] = SimpleNamespace(peak_breakdown={"shapes": shapes}, predicted_peak_bytes=100, chunks=[],
-                                      step_s=1.0, recompute_s=0.0)
+    for where, shapes in (
+        ("loss", [[512, 8192], [2, 4, 256, 256]]),
+        ("attention", [[2, 4, 256, 256], [512, 64]]),
+    ):
+        plan[where] = SimpleNamespace(
+            peak_breakdown={"shapes": shapes},
+            predicted_peak_bytes=100,
+            chunks=[],
+            step_s=1.0,
+            recompute_s=0.0,
+        )
     assert loss.alive_at_peak(plan["loss"]) and not mlp.alive_at_peak(plan["loss"])
     assert not loss.alive_at_peak(plan["attention"])
     assert mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 256, 1024]]}))  # [b, s, hidden]
-    assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[256, 1024]]}))  # a weight: fewer rows
+    assert not mlp.alive_at_peak(
+        SimpleNamespace(peak_breakdown={"shapes": [[256, 1024]]})
+    )  # a weight: fewer rows
     # attention's scores where the sequence equals the width: not the region's
     assert not mlp.alive_at_peak(SimpleNamespace(peak_breakdown={"shapes": [[2, 16, 1024, 1024]]}))
     assert loss.alive_at_peak(SimpleNamespace(peak_breakdown={}))  # not known: planned
@@ -392,7 +459,9 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
     chunk_choice.choose([loss, mlp], lambda chunks: planned.append(chunks) or plan["attention"], None)
     assert planned == [{}]  # nothing tried, so nothing to try with
     notes = chunk_choice.choose([loss, mlp], lambda chunks: plan["attention"], None)[3]
-    assert notes == ["chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak"]
+    assert notes == [
+        "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak"
+    ]
 
 
 def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
@@ -413,14 +482,27 @@ def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
     def plan_with(chunks):
         planned.append(chunks)
         peak, shapes = peaks[tuple(sorted(chunks.items()))]
-        return SimpleNamespace(peak_breakdown={"shapes": shapes}, predicted_peak_bytes=peak, chunks=list(chunks),
-                               step_s=1.0, recompute_s=0.0)
+        return SimpleNamespace(
+            peak_breakdown={"shapes": shapes},
+            predicted_peak_bytes=peak,
+            chunks=list(chunks),
+            step_s=1.0,
+            recompute_s=0.0,
+        )
 
     taken, unchunked, best, notes = chunk_choice.choose([loss, mlp], plan_with, None)
     assert planned == [{}, {"mlp": 4}, {"mlp": 4, "loss": 4}]
-    assert taken == {"mlp": 4, "loss": 4} and best.predicted_peak_bytes == 80 and unchunked.predicted_peak_bytes == 100
-    assert notes[-1].startswith("chunks (auto): mlp in 4 + loss in 4 chunks: ") and notes[-1].endswith(": taken")
-    assert not loss.alive_at_peak(plan_with({"mlp": 4}))  # tried though the kernel model's peak does not show it
+    assert (
+        taken == {"mlp": 4, "loss": 4}
+        and best.predicted_peak_bytes == 80
+        and unchunked.predicted_peak_bytes == 100
+    )
+    assert notes[-1].startswith("chunks (auto): mlp in 4 + loss in 4 chunks: ") and notes[-1].endswith(
+        ": taken"
+    )
+    assert not loss.alive_at_peak(
+        plan_with({"mlp": 4})
+    )  # tried though the kernel model's peak does not show it
 
 
 def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step():
@@ -435,12 +517,24 @@ def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step()
     loss = Candidate("loss", 4, tokens=512, width=8192)
 
     def plan(peak, step):
-        return SimpleNamespace(peak_breakdown={"shapes": [[512, 8192]]}, predicted_peak_bytes=peak, chunks=[],
-                               step_s=step, recompute_s=0.0)
+        return SimpleNamespace(
+            peak_breakdown={"shapes": [[512, 8192]]},
+            predicted_peak_bytes=peak,
+            chunks=[],
+            step_s=step,
+            recompute_s=0.0,
+        )
 
-    for peak, step, taken in ((90, 1.0 + STEP_SLACK * 0.99, True), (90, 1.0 + STEP_SLACK * 1.01, False),
-                              (60, 1.39, True), (60, 1.41, False), (60, 5.8, False)):
-        result = chunk_choice.choose([loss], lambda chunks: plan(peak, step) if chunks else plan(100, 1.0), None)
+    for peak, step, taken in (
+        (90, 1.0 + STEP_SLACK * 0.99, True),
+        (90, 1.0 + STEP_SLACK * 1.01, False),
+        (60, 1.39, True),
+        (60, 1.41, False),
+        (60, 5.8, False),
+    ):
+        result = chunk_choice.choose(
+            [loss], lambda chunks: plan(peak, step) if chunks else plan(100, 1.0), None
+        )
         assert (result[0] == {"loss": 4}) == taken, (peak, step, result[3])
         assert taken or result[3][0].endswith("its step is too slow for its peak (chunk_choice.STEP_SLACK)")
     fits = chunk_choice.choose([loss], lambda chunks: plan(60, 5.8) if chunks else plan(100, 1.0), 70)
@@ -455,17 +549,22 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
 
     loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
     small = Candidate("loss", 64, below_floor=True, tokens=128, width=8192)
-    at_loss, at_attention = (SimpleNamespace(peak_breakdown={"shapes": shapes})
-                             for shapes in ([[512, 8192]], [[2, 4, 256, 256]]))
+    at_loss, at_attention = (
+        SimpleNamespace(peak_breakdown={"shapes": shapes}) for shapes in ([[512, 8192]], [[2, 4, 256, 256]])
+    )
     assert worth_trying([loss, mlp], at_loss, 100, None) is None
     assert worth_trying([loss, mlp], at_attention, 100, None) == (
-        "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak")
+        "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak"
+    )
     # a region shorter than two chunks of the floor's rows: not tried at the least peak, only under a limit
     assert for_goal([small], None) == [] and for_goal([small], 100) == [small]
     finer = Candidate("loss", 128, below_floor=True, tokens=512, width=8192)
     assert for_goal([loss, mlp, finer], None) == [loss, mlp, finer]  # after chunks at the floor
     assert worth_trying([small], at_attention, 101, 100) is None  # a missed limit: tried, whatever is alive
-    assert worth_trying([loss], at_loss, 100, 100) == "chunks (auto): not tried: the unchunked plan meets peak_memory"
+    assert (
+        worth_trying([loss], at_loss, 100, 100)
+        == "chunks (auto): not tried: the unchunked plan meets peak_memory"
+    )
 
 
 def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(monkeypatch):
@@ -479,10 +578,14 @@ def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(
     monkeypatch.setattr(backend, "make_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = models.GPTConfig(n_layer=1, n_head=16, n_embd=64, block_size=256, vocab_size=128)
     torch.manual_seed(0)
-    plan = train_side_by_side(models.GPT(cfg), models.example_batch(cfg, 2),
-                              options={"memory_budget": 0.0, **EAGER}, steps=1)
+    plan = train_side_by_side(
+        models.GPT(cfg), models.example_batch(cfg, 2), options={"memory_budget": 0.0, **EAGER}, steps=1
+    )
     assert len(calls) == 1 and not plan.chunks
-    assert "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak" in plan.notes
+    assert (
+        "chunks (auto): loss, mlp not tried: none of their full-length tensors is alive at the peak"
+        in plan.notes
+    )
     calls.clear()
     plan = train_side_by_side(*_logits_dominated(), options={"memory_budget": 0.0, **EAGER}, steps=1)
     assert len(calls) > 1 and any(c["kind"] == "loss" for c in plan.chunks), plan.summary()
@@ -496,7 +599,10 @@ def test_a_copy_of_a_dynamo_graph_keeps_what_tells_aotautograd_its_parameters():
     gm, _ = _dynamo_graph(*_logits_dominated())
     copied = ti.copy_dynamo_graph(gm)
     assert copied._param_name_to_source == gm._param_name_to_source
-    sources = [[getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")] for g in (gm, copied)]
+    sources = [
+        [getattr(n, "_dynamo_source", None) for n in g.graph.find_nodes(op="placeholder")]
+        for g in (gm, copied)
+    ]
     assert sources[0] == sources[1] and None not in sources[0]
 
 
@@ -514,20 +620,25 @@ def test_chunks_keep_a_floor_of_rows_and_go_below_it_after_every_kind_at_it():
     loss = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=4 * floor, itemsize=4, last=True)
     mlp = SimpleNamespace(why_not=None, hidden=1024, width=256, tokens=4 * floor, itemsize=4)
     assert chunk_choice.candidates([loss], [mlp], roofline) == [
-        Candidate("loss", 4, tokens=loss.tokens, width=32000), Candidate("mlp", 4, tokens=mlp.tokens, width=1024),
-        Candidate("loss", 128, below_floor=True, tokens=loss.tokens, width=32000)]
+        Candidate("loss", 4, tokens=loss.tokens, width=32000),
+        Candidate("mlp", 4, tokens=mlp.tokens, width=1024),
+        Candidate("loss", 128, below_floor=True, tokens=loss.tokens, width=32000),
+    ]
     assert chunk_choice.min_rows(2, roofline) == floor // 2  # bf16: half the bytes per pass
     few = SimpleNamespace(why_not=None, vocab=32000, width=256, tokens=floor, itemsize=4, last=True)
     assert chunk_choice.candidates([few], [], roofline) == [
-        Candidate("loss", 128, below_floor=True, tokens=floor, width=32000)]
+        Candidate("loss", 128, below_floor=True, tokens=floor, width=32000)
+    ]
 
 
 def test_under_a_peak_limit_the_fewest_chunks_that_meet_it_are_taken():
     """Where the loss in 2 chunks meets the limit, the planner stops there: 128 chunks would peak
     lower, but their passes over the head's weight make the step longer (the op's k-aware cost)."""
     model, inputs = _logits_dominated()
-    off, two, many = (recompile_opt.plan(model, inputs, memory_budget=0.0, chunks=c)
-                      for c in (False, {"loss": 2}, {"loss": 128}))
+    off, two, many = (
+        recompile_opt.plan(model, inputs, memory_budget=0.0, chunks=c)
+        for c in (False, {"loss": 2}, {"loss": 128})
+    )
     assert many.predicted_peak_bytes < two.predicted_peak_bytes < off.predicted_peak_bytes
     assert many.step_s > 2 * two.step_s, (many.step_s, two.step_s)
     limit = (two.predicted_peak_bytes + off.predicted_peak_bytes) // 2
@@ -576,13 +687,23 @@ def test_the_head_recomputed_in_the_backward_gives_eagers_gradients_with_dropout
     inputs = None
     if build is _LossThenStatistic:
         torch.manual_seed(0)
-        model, inputs = build(width=32, vocab=256, dropout=0.1), (torch.randn(40, 32), torch.randint(0, 256, (40,)))
+        model, inputs = (
+            build(width=32, vocab=256, dropout=0.1),
+            (torch.randn(40, 32), torch.randint(0, 256, (40,))),
+        )
     else:
         model, inputs = build(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(model, inputs, options={"chunks": {"loss_recompute": 3}, "memory_budget": 0.0,
-                                                          **EAGER}, rtol=1e-4, atol=1e-5)
-    assert any(n.startswith("chunk: loss ") and "the head recomputed in the backward" in n for n in plan.notes)
+        plan = train_side_by_side(
+            model,
+            inputs,
+            options={"chunks": {"loss_recompute": 3}, "memory_budget": 0.0, **EAGER},
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    assert any(
+        n.startswith("chunk: loss ") and "the head recomputed in the backward" in n for n in plan.notes
+    )
     assert "1 loss_recompute region in 3 chunks" in str(plan), str(plan)
 
 
@@ -615,8 +736,9 @@ def test_dynamic_sequence_lengths_keep_chunking_with_eagers_gradients():
     base = models.GPT(cfg)
     model = copy.deepcopy(base)
     recompile_opt.reset_plans()
-    step = torch.compile(model, backend="recompile_opt", dynamic=True,
-                         options={"chunks": {"loss": 3, "mlp": 2}, **EAGER})
+    step = torch.compile(
+        model, backend="recompile_opt", dynamic=True, options={"chunks": {"loss": 3, "mlp": 2}, **EAGER}
+    )
     for seq in (16, 23, 32):
         g = torch.Generator().manual_seed(seq)
         idx, tgt = (torch.randint(0, 64, (2, seq), generator=g) for _ in range(2))
@@ -640,6 +762,8 @@ def test_under_a_peak_limit_only_chunks_meet_auto_chunks_quietly_even_when_stric
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         auto = recompile_opt.plan(model, inputs, peak_memory=limit, strict=True, chunks="auto")
-    assert auto.predicted_peak_bytes <= limit and any(c["kind"] == "loss" for c in auto.chunks), auto.summary()
+    assert auto.predicted_peak_bytes <= limit and any(c["kind"] == "loss" for c in auto.chunks), (
+        auto.summary()
+    )
     with pytest.raises(recompile_opt.InfeasibleBudget):
         recompile_opt.plan(model, inputs, peak_memory=limit, strict=True, chunks=False)

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_gpt, tiny_mlp
+from test_graph_breaks import TwoHalves, _inputs
 
 import recompile_opt
 from recompile_opt import frontier
 from recompile_opt.cli import build_parser, main, parse_budget_arg
 from recompile_opt.plan import Plan
 from recompile_opt.planner import budget_split
-
-from helpers import tiny_gpt, tiny_mlp
-from test_graph_breaks import TwoHalves, _inputs
 
 
 def test_plan_show_and_diff(tmp_path, capsys):
@@ -51,17 +50,22 @@ def test_diff_of_files_holding_several_graphs_plans(tmp_path, capsys):
 
 def test_entry_point_backend_works_without_import():
     """backend="recompile_opt" resolves through the torch_dynamo_backends entry point."""
-    code = ("import torch; from recompile_opt.models import MLP; m = MLP((4, 8, 4)); "
-            "c = torch.compile(m, backend='recompile_opt', options={'compiler': 'eager'}); "
-            "c(torch.randn(2, 4), torch.randn(2, 4)).backward(); print('ok')")
+    code = (
+        "import torch; from recompile_opt.models import MLP; m = MLP((4, 8, 4)); "
+        "c = torch.compile(m, backend='recompile_opt', options={'compiler': 'eager'}); "
+        "c(torch.randn(2, 4), torch.randn(2, 4)).backward(); print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 def test_plan_dir_writes_every_plan(tmp_path):
     model, inputs = tiny_mlp()
-    compiled = torch.compile(model, backend="recompile_opt",
-                             options={"compiler": "eager", "plan_dir": str(tmp_path), "memory_budget": 0.5})
+    compiled = torch.compile(
+        model,
+        backend="recompile_opt",
+        options={"compiler": "eager", "plan_dir": str(tmp_path), "memory_budget": 0.5},
+    )
     compiled(*inputs).backward()
     files = list(tmp_path.glob("plan_*.json"))
     assert len(files) == 1
@@ -126,7 +130,8 @@ def test_a_cache_hit_replays_the_plan_of_its_own_fallback_random_setting(tmp_pat
         recompile_opt.reset_plans()
         with torch._inductor.config.patch(fallback_random=fallback_random):
             torch.compile(model, backend="recompile_opt", options={"policy": "megatron-selective"})(
-                *inputs).backward()
+                *inputs
+            ).backward()
         (plan,) = recompile_opt.last_plans()
         return plan
 
@@ -141,6 +146,7 @@ def test_a_cache_hit_replays_the_plan_of_its_own_fallback_random_setting(tmp_pat
 
 
 # -- every subcommand and flag ---------------------------------------------------------------------
+
 
 def two_halves():
     """A factory for the command line: a model Dynamo breaks into two graphs, and its inputs."""
@@ -183,7 +189,9 @@ def test_plan_peak_flag(tmp_path, capsys):
         out, (plan,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--peak", peak)
         assert plan.peak_limit_bytes == plan.options["peak_memory"] == 25600, peak
         assert plan.predicted_peak_bytes <= 25600 < free.predicted_peak_bytes, peak
-        assert "peak_memory 25.00 KiB: the least-recompute plan whose peak fits (peak walked in Inductor" in out, peak
+        assert (
+            "peak_memory 25.00 KiB: the least-recompute plan whose peak fits (peak walked in Inductor" in out
+        ), peak
         assert plan.recomputed_names() - free.recomputed_names(), peak
 
 
@@ -191,7 +199,9 @@ def test_plan_policy_flag(tmp_path, capsys):
     _, (auto,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp")
     out, (save_all,) = _plan_cli(tmp_path, capsys, "helpers:tiny_mlp", "--policy", "save-all")
     assert "policy=save-all" in out and save_all.policy == "save-all" and save_all.solver["name"] == "policy"
-    assert save_all.recompute_flops == 0 and save_all.saved_bytes == save_all.baseline_bytes > auto.saved_bytes
+    assert (
+        save_all.recompute_flops == 0 and save_all.saved_bytes == save_all.baseline_bytes > auto.saved_bytes
+    )
     with pytest.raises(SystemExit):  # argparse: not one of the choices
         main(["plan", "helpers:tiny_mlp", "--policy", "selective"])
     assert "invalid choice: 'selective'" in capsys.readouterr().err
@@ -208,16 +218,27 @@ def test_plan_solver_flag(tmp_path, capsys):
 
 # -- bad input: one line on stderr, status 2, no traceback -------------------------------------------
 
-@pytest.mark.parametrize("args,message", [
-    (["show", "nonexist.json"],
-     "recompile-opt show: error: cannot read nonexist.json: No such file or directory"),
-    (["plan", "recompile_opt.models:nope"],
-     "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions without "
-     "required arguments: demo_gpt, demo_llama, demo_encoder, gpt3_175b_layer"),
-    (["plan", "recompile_opt.models:demo_gpt", "--budget", "2 gigs"],
-     "recompile-opt plan: error: option 'memory_budget': unknown unit 'gigs' in '2 gigs'; accepted units: "
-     "['b', 'gb', 'gib', 'kb', 'kib', 'mb', 'mib', 'tb', 'tib']"),
-], ids=["missing-file", "missing-factory", "bad-unit"])
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["show", "nonexist.json"],
+            "recompile-opt show: error: cannot read nonexist.json: No such file or directory",
+        ),
+        (
+            ["plan", "recompile_opt.models:nope"],
+            "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions without "
+            "required arguments: demo_gpt, demo_llama, demo_encoder, gpt3_175b_layer",
+        ),
+        (
+            ["plan", "recompile_opt.models:demo_gpt", "--budget", "2 gigs"],
+            "recompile-opt plan: error: option 'memory_budget': unknown unit 'gigs' in '2 gigs'; accepted units: "
+            "['b', 'gb', 'gib', 'kb', 'kib', 'mb', 'mib', 'tb', 'tib']",
+        ),
+    ],
+    ids=["missing-file", "missing-factory", "bad-unit"],
+)
 def test_bad_input_from_the_shell_is_one_line_and_status_2(tmp_path, args, message):
     """Issue 26: each printed a raw traceback. The installed ``recompile-opt`` command, as a user runs it."""
     exe = Path(sys.executable).with_name("recompile-opt")
@@ -225,23 +246,41 @@ def test_bad_input_from_the_shell_is_one_line_and_status_2(tmp_path, args, messa
     assert (run.returncode, run.stderr, run.stdout) == (2, message + "\n", "")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["plan", "helpers.tiny_mlp"], "expected MODULE:FACTORY, got 'helpers.tiny_mlp'"),
-    (["plan", "no_such_module:f"], "cannot import 'no_such_module' (in 'no_such_module:f'): no module named "
-                                   "'no_such_module'"),
-    (["plan", "recompile_opt.nope:f"], "cannot import 'recompile_opt.nope' (in 'recompile_opt.nope:f'): no "
-                                       "module named 'recompile_opt.nope'"),
-    (["plan", "helpers:tiny_mlp", "--peak", "lots"], "option 'peak_memory': cannot read 'lots'"),
-    (["plan", "helpers:tiny_mlp", "--budget", "1.5"], "option 'memory_budget': the fraction 1.5 is outside [0, 1]"),
-    (["demo", "--budget", "2 gigs"], "option 'memory_budget': unknown unit 'gigs'"),
-    (["frontier", "helpers:tiny_mlp", "--budgets", "0,x"], "--budgets: 'x' is not a fraction in [0, 1]"),
-    (["show", "{tmp}"], "cannot read {tmp}: Is a directory"),
-    (["show", "{tmp}/text.json"], "{tmp}/text.json is not JSON (Expecting value: line 1 column 1 (char 0))"),
-    (["show", "{tmp}/other.json"], "{tmp}/other.json holds no plan written by 'recompile-opt plan --json' "
-                                   "(KeyError: 'saved')"),
-    (["plan", "helpers:tiny_mlp", "--json", "{tmp}/no/such/dir/p.json"], "cannot write {tmp}/no/such/dir/p.json: "
-                                                                         "No such file or directory"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["plan", "helpers.tiny_mlp"], "expected MODULE:FACTORY, got 'helpers.tiny_mlp'"),
+        (
+            ["plan", "no_such_module:f"],
+            "cannot import 'no_such_module' (in 'no_such_module:f'): no module named 'no_such_module'",
+        ),
+        (
+            ["plan", "recompile_opt.nope:f"],
+            "cannot import 'recompile_opt.nope' (in 'recompile_opt.nope:f'): no "
+            "module named 'recompile_opt.nope'",
+        ),
+        (["plan", "helpers:tiny_mlp", "--peak", "lots"], "option 'peak_memory': cannot read 'lots'"),
+        (
+            ["plan", "helpers:tiny_mlp", "--budget", "1.5"],
+            "option 'memory_budget': the fraction 1.5 is outside [0, 1]",
+        ),
+        (["demo", "--budget", "2 gigs"], "option 'memory_budget': unknown unit 'gigs'"),
+        (["frontier", "helpers:tiny_mlp", "--budgets", "0,x"], "--budgets: 'x' is not a fraction in [0, 1]"),
+        (["show", "{tmp}"], "cannot read {tmp}: Is a directory"),
+        (
+            ["show", "{tmp}/text.json"],
+            "{tmp}/text.json is not JSON (Expecting value: line 1 column 1 (char 0))",
+        ),
+        (
+            ["show", "{tmp}/other.json"],
+            "{tmp}/other.json holds no plan written by 'recompile-opt plan --json' (KeyError: 'saved')",
+        ),
+        (
+            ["plan", "helpers:tiny_mlp", "--json", "{tmp}/no/such/dir/p.json"],
+            "cannot write {tmp}/no/such/dir/p.json: No such file or directory",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, message):
     (tmp_path / "text.json").write_text("not json")
     (tmp_path / "other.json").write_text('{"a": 1}')
@@ -265,8 +304,12 @@ def test_plan_and_show_a_model_of_several_graphs(tmp_path, capsys, fresh_split):
     out, plans = _plan_cli(tmp_path, capsys, "test_cli_and_cache:two_halves", "--budget", "100KiB")
     assert len(plans) == 2 and plans[0].graph != plans[1].graph
     assert [p.graph for p in recompile_opt.last_plans()[-2:]] == [p.graph for p in plans]
-    assert out.index("== graph 1 of 2 ==") < out.index(f"graph={plans[0].graph}") \
-        < out.index("== graph 2 of 2 ==") < out.index(f"graph={plans[1].graph}")
+    assert (
+        out.index("== graph 1 of 2 ==")
+        < out.index(f"graph={plans[0].graph}")
+        < out.index("== graph 2 of 2 ==")
+        < out.index(f"graph={plans[1].graph}")
+    )
     assert sum(p.saved_bytes for p in plans) <= 102_400 < sum(p.baseline_bytes for p in plans)
     path = sorted(tmp_path.glob("*.json"))[-1]
     main(["show", str(path)])
@@ -283,9 +326,11 @@ def test_demo_flags_reach_the_demo(monkeypatch):
     main(["demo"])
     main(["demo", "--budget", "64KiB", "--steps", "2", "--compiler", "eager"])
     main(["demo", "--budget", "65536"])
-    assert calls == [{"budget": 0.0, "steps": 6, "compiler": "inductor"},
-                     {"budget": "64KiB", "steps": 2, "compiler": "eager"},
-                     {"budget": 65536, "steps": 6, "compiler": "inductor"}]
+    assert calls == [
+        {"budget": 0.0, "steps": 6, "compiler": "inductor"},
+        {"budget": "64KiB", "steps": 2, "compiler": "eager"},
+        {"budget": 65536, "steps": 6, "compiler": "inductor"},
+    ]
     assert [type(c["budget"]) for c in calls] == [float, str, int]  # a fraction, a size, bytes
 
 
@@ -296,14 +341,23 @@ def test_demo_runs_from_the_shell():
     backward what its plan says, less than plain torch.compile."""
     exe = Path(sys.executable).with_name("recompile-opt")
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    run = subprocess.run([str(exe), "demo", "--budget", "20MiB", "--steps", "1", "--compiler", "eager"],
-                         capture_output=True, text=True, timeout=900, env=env)
+    run = subprocess.run(
+        [str(exe), "demo", "--budget", "20MiB", "--steps", "1", "--compiler", "eager"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert "budget='20MiB'; compiler=eager" in out and "budget=20.00 MiB" in out
     planned = re.search(r"kept for backward : (\S+ \w+) of", out).group(1)
-    rows = {m.group(1).strip(): m.group(2) for m in
-            re.finditer(r"^(torch\.compile \(inductor\)|recompile_opt budget=20MiB)\s+(\S+ \w+)\s", out, re.M)}
+    rows = {
+        m.group(1).strip(): m.group(2)
+        for m in re.finditer(
+            r"^(torch\.compile \(inductor\)|recompile_opt budget=20MiB)\s+(\S+ \w+)\s", out, re.M
+        )
+    }
     assert rows["recompile_opt budget=20MiB"] == planned, out
     assert float(planned.split()[0]) <= 20 < float(rows["torch.compile (inductor)"].split()[0]), out
 
@@ -313,8 +367,22 @@ def test_frontier_flags_reach_the_sweep(tmp_path, capsys, monkeypatch):
     (--md: test_docs.test_frontier_md_opens_with_the_header_line.)"""
     calls = []
     monkeypatch.setattr(frontier, "measure_points", lambda model, inputs, points, **kw: calls.append(kw))
-    main(["frontier", "helpers:tiny_mlp", "--budgets", "1", "--no-pytorch", "--out", str(tmp_path / "f"),
-          "--measure", "--steps", "2", "--compiler", "inductor"])
+    main(
+        [
+            "frontier",
+            "helpers:tiny_mlp",
+            "--budgets",
+            "1",
+            "--no-pytorch",
+            "--out",
+            str(tmp_path / "f"),
+            "--measure",
+            "--steps",
+            "2",
+            "--compiler",
+            "inductor",
+        ]
+    )
     assert [(c["compiler"], c["steps"]) for c in calls] == [("inductor", 2)]
     assert "| ilp 1 | ilp |" in capsys.readouterr().out
     calls.clear()
@@ -324,8 +392,16 @@ def test_frontier_flags_reach_the_sweep(tmp_path, capsys, monkeypatch):
 
 def test_frontier_defaults():
     args = build_parser().parse_args(["frontier"])
-    assert (args.factory, args.budgets, args.out, args.md, args.measure, args.steps, args.compiler,
-            args.no_pytorch) == ("recompile_opt.models:demo_gpt", None, "frontier", None, False, 3, "eager", False)
+    assert (
+        args.factory,
+        args.budgets,
+        args.out,
+        args.md,
+        args.measure,
+        args.steps,
+        args.compiler,
+        args.no_pytorch,
+    ) == ("recompile_opt.models:demo_gpt", None, "frontier", None, False, 3, "eager", False)
     assert frontier.BUDGETS[0] == 0.0 and frontier.BUDGETS[-1] == 1.0 and len(frontier.BUDGETS) == 21
 
 
@@ -333,8 +409,22 @@ def test_frontier_measure(tmp_path, capsys):
     """--measure trains every point (eager compiler): the bytes saved for backward are the kept bytes
     the table estimates, for each row."""
     md = tmp_path / "f.md"
-    main(["frontier", "helpers:tiny_mlp", "--budgets", "1", "--no-pytorch", "--out", str(tmp_path / "f"),
-          "--measure", "--steps", "1", "--md", str(md)])
+    main(
+        [
+            "frontier",
+            "helpers:tiny_mlp",
+            "--budgets",
+            "1",
+            "--no-pytorch",
+            "--out",
+            str(tmp_path / "f"),
+            "--measure",
+            "--steps",
+            "1",
+            "--md",
+            str(md),
+        ]
+    )
     head, _, *rows = [line.split(" | ") for line in md.read_text().splitlines() if line.startswith("|")]
     col = {name.strip("| "): i for i, name in enumerate(head)}
     assert len(rows) == 4
@@ -367,5 +457,8 @@ def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeyp
     monkeypatch.setattr(simulator, "_load", lambda key: None)
     unaided = recompile_opt.plan(model, inputs, memory_budget=0.5)
     assert unaided.solver["simulations"] > 0
-    assert (second.saved_names(), second.recomputed_names()) == (unaided.saved_names(), unaided.recomputed_names())
+    assert (second.saved_names(), second.recomputed_names()) == (
+        unaided.saved_names(),
+        unaided.recomputed_names(),
+    )
     assert second.predicted_peak_bytes == unaided.predicted_peak_bytes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from test_ilp import MiB, inp, op, problem
 
 from recompile_opt.costs.cost_model import base_of, collective_bytes, node_cost
 from recompile_opt.ops import is_view_node
@@ -15,8 +16,6 @@ from recompile_opt.plan import Plan
 from recompile_opt.planner import ilp
 from recompile_opt.planner.policies import POLICIES, regathers
 from recompile_opt.planner.search import make_plan
-
-from test_ilp import MiB, US, inp, op, problem
 
 c10d = torch.ops._c10d_functional
 
@@ -28,9 +27,10 @@ def _graph():
     x.meta["val"] = torch.empty(4, 8)
     nodes = {"x": x}
     for name, target, args, shape in (
-            ("ag", c10d.all_gather_into_tensor.default, (x, 4, "0"), (16, 8)),
-            ("rs", c10d.reduce_scatter_tensor.default, (x, "sum", 4, "0"), (1, 8)),
-            ("ar", c10d.all_reduce.default, (x, "sum", "0"), (4, 8))):
+        ("ag", c10d.all_gather_into_tensor.default, (x, 4, "0"), (16, 8)),
+        ("rs", c10d.reduce_scatter_tensor.default, (x, "sum", 4, "0"), (1, 8)),
+        ("ar", c10d.all_reduce.default, (x, "sum", "0"), (4, 8)),
+    ):
         n = g.call_function(target, args)
         n.meta["val"] = torch.empty(shape)
         nodes[name] = n
@@ -67,7 +67,15 @@ def _sequence_parallel_block(gather_us: float = 50):
     return problem(
         inp("x", 1),
         op("ln", ["x"], 1, 1, needed=False),
-        op("ag", ["ln"], 2, gather_us, needed=False, can_save=False, info={"op": "c10d.all_gather_into_tensor"}),
+        op(
+            "ag",
+            ["ln"],
+            2,
+            gather_us,
+            needed=False,
+            can_save=False,
+            info={"op": "c10d.all_gather_into_tensor"},
+        ),
         op("wait", ["ag"], 0, 0, needed=False, storage="ag", info={"op": "c10d.wait_tensor"}),
         op("cat", ["wait"], 2, 1, info={"op": "cat"}),
         op("mm", ["cat"], 2, 100, needed=False, flops=10**6, info={"op": "mm"}),
@@ -89,7 +97,9 @@ def test_the_ilp_gathers_again_only_when_the_budget_needs_it():
     the re-gather fits."""
     p = _sequence_parallel_block()
     unlimited = ilp.solve(p, budget=None)
-    assert "ag" not in unlimited.recompute and p.needed_closure(unlimited.recompute, unlimited.keep)[0] == {"cat"}
+    assert "ag" not in unlimited.recompute and p.needed_closure(unlimited.recompute, unlimited.keep)[0] == {
+        "cat"
+    }
     tight = ilp.solve(p, budget=1 * MiB)
     saved, recomputed = p.needed_closure(tight.recompute, tight.keep)
     assert saved == {"ln"} and {"ag", "wait", "cat"} <= recomputed
@@ -98,13 +108,28 @@ def test_the_ilp_gathers_again_only_when_the_budget_needs_it():
 def test_the_plan_says_what_was_gathered_again_and_what_a_step_sends():
     p = _sequence_parallel_block()
     p.collectives = [
-        {"name": "ag", "op": "c10d.all_gather_into_tensor", "phase": "forward", "bytes": 1 * MiB,
-         "shape": [2, 8], "dtype": "float32"},
-        {"name": "rs_bw", "op": "c10d.reduce_scatter_tensor", "phase": "backward", "bytes": 1 * MiB,
-         "shape": [1, 8], "dtype": "float32"}]
+        {
+            "name": "ag",
+            "op": "c10d.all_gather_into_tensor",
+            "phase": "forward",
+            "bytes": 1 * MiB,
+            "shape": [2, 8],
+            "dtype": "float32",
+        },
+        {
+            "name": "rs_bw",
+            "op": "c10d.reduce_scatter_tensor",
+            "phase": "backward",
+            "bytes": 1 * MiB,
+            "shape": [1, 8],
+            "dtype": "float32",
+        },
+    ]
     plan = make_plan(p, Options(policy="save-all"))
     assert [c["regathered"] for c in plan.collectives] == [True, False]
-    assert plan.communication_bytes() == 3 * MiB  # the forward gather, its re-gather, the backward's reduce-scatter
+    assert (
+        plan.communication_bytes() == 3 * MiB
+    )  # the forward gather, its re-gather, the backward's reduce-scatter
     text = str(plan)
     assert "communication     : 3.00 MiB sent per rank per step" in text
     assert "gathered again in the backward" in text
@@ -134,6 +159,10 @@ def test_a_gathered_size_is_read_off_what_made_it():
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert sizes_before_gathers(gm) == 1
     targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    assert not targets & {c10d.all_gather_into_tensor.default, c10d.wait_tensor.default, torch.ops.aten.mm.default}
+    assert not targets & {
+        c10d.all_gather_into_tensor.default,
+        c10d.wait_tensor.default,
+        torch.ops.aten.mm.default,
+    }
     gm.recompile()
     assert gm(torch.randn(3, 4), torch.randn(4, 2)) == 6

@@ -20,10 +20,21 @@ _spec.loader.exec_module(compare)
 
 def run(name, step_ms, peak_mib, *, rnd=1, cache="cold", **extra):
     """A fake worker result: every step takes ``step_ms``."""
-    return {"strategy": name, "round": rnd, "cache": cache, "first_step_s": 60.0 if cache == "cold" else 5.0,
-            "step_s": [step_ms / 1e3] * 5, "step_median_s": step_ms / 1e3, "max_grad_diff": 0.0,
-            "graphs": 1, "recompiles": 0, "loadavg_1m": 0.0, "saved_bytes": peak_mib * MiB // 2,
-            "peak_bytes": peak_mib * MiB, **extra}
+    return {
+        "strategy": name,
+        "round": rnd,
+        "cache": cache,
+        "first_step_s": 60.0 if cache == "cold" else 5.0,
+        "step_s": [step_ms / 1e3] * 5,
+        "step_median_s": step_ms / 1e3,
+        "max_grad_diff": 0.0,
+        "graphs": 1,
+        "recompiles": 0,
+        "loadavg_1m": 0.0,
+        "saved_bytes": peak_mib * MiB // 2,
+        "peak_bytes": peak_mib * MiB,
+        **extra,
+    }
 
 
 def point(name, step_ms, peak_mib):
@@ -31,10 +42,20 @@ def point(name, step_ms, peak_mib):
 
 
 def test_aggregate_medians_spread_and_cold_warm_compile():
-    runs = [run("ours-0.5", 100, 30, recompute_flops=2e9, plan_recompute_flops=2e9, kernels_built=30,
-                kernel_build_s=40.0, plan_s=6.0),
-            run("ours-0.5", 120, 30, rnd=2, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0),
-            run("ours-0.5", 110, 30, rnd=3, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0)]
+    runs = [
+        run(
+            "ours-0.5",
+            100,
+            30,
+            recompute_flops=2e9,
+            plan_recompute_flops=2e9,
+            kernels_built=30,
+            kernel_build_s=40.0,
+            plan_s=6.0,
+        ),
+        run("ours-0.5", 120, 30, rnd=2, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0),
+        run("ours-0.5", 110, 30, rnd=3, cache="warm", kernels_built=0, kernel_build_s=0.0, plan_s=6.0),
+    ]
     runs[1]["step_s"] = [0.09, 0.12, 0.15]
     row = compare.aggregate("ours-0.5", runs)
     assert row["processes"] == 3
@@ -80,14 +101,22 @@ def cells(table: str) -> dict:
 
 
 def test_headline_table_repeats_the_full_tables_figures():
-    rows = [compare.aggregate("ours-0.5", [run("ours-0.5", 100, 30, recompute_flops=2e9)]),
-            compare.aggregate("rockmate", [{"strategy": "rockmate", "error": "boom"}])]
+    rows = [
+        compare.aggregate("ours-0.5", [run("ours-0.5", 100, 30, recompute_flops=2e9)]),
+        compare.aggregate("rockmate", [{"strategy": "rockmate", "error": "boom"}]),
+    ]
     head = compare.headline_table(rows).splitlines()[0]
-    assert head == ("| strategy | peak MiB [M] | step ms median [M] | recompute GFLOP [C] | "
-                    "kept (saved) MiB [M] |")
+    assert head == (
+        "| strategy | peak MiB [M] | step ms median [M] | recompute GFLOP [C] | kept (saved) MiB [M] |"
+    )
     short, full = cells(compare.headline_table(rows)), cells(compare.markdown_table(rows))
-    assert short["ours-0.5"] == {"strategy": "ours-0.5", "peak MiB [M]": "30.00", "step ms median [M]": "100.0",
-                                 "recompute GFLOP [C]": "2.000", "kept (saved) MiB [M]": "15.00"}
+    assert short["ours-0.5"] == {
+        "strategy": "ours-0.5",
+        "peak MiB [M]": "30.00",
+        "step ms median [M]": "100.0",
+        "recompute GFLOP [C]": "2.000",
+        "kept (saved) MiB [M]": "15.00",
+    }
     for name, row in short.items():  # the same figures, formatted the same, as the full table's
         assert row["kept (saved) MiB [M]"] == full[name]["saved MiB [M]"]
         assert all(row[k] == full[name][k] for k in row if k != "kept (saved) MiB [M]"), name
@@ -98,8 +127,13 @@ def test_report_opens_with_the_provenance_line_then_the_headlines():
     args = compare.parse_args(["--layers", "1"])
     rows = [compare.aggregate("eager", [run("eager", 100, 30)])]
     group = {"config": compare.group_configs(args)[0], "rows": rows, "pareto": compare.pareto_check(rows)}
-    text = compare.report_markdown([group], header="torch X; CPU; 2026-01-01", command="python bench/compare.py",
-                                   settings={}, wall_s=60.0)
+    text = compare.report_markdown(
+        [group],
+        header="torch X; CPU; 2026-01-01",
+        command="python bench/compare.py",
+        settings={},
+        wall_s=60.0,
+    )
     lines = text.splitlines()
     assert lines[0] == "torch X; CPU; 2026-01-01" and lines[1] == ""
     assert lines[2] == f"**{compare.group_title(group['config'])}**"
@@ -117,10 +151,17 @@ def test_dominance_needs_lower_peak_and_more_than_noise_faster():
 
 
 def test_pareto_check_statuses():
-    rows = [point("eager", 200, 48), point("compile", 180, 46), point("compile-amb-0.5", 158, 30),
-            point("eager-full-ckpt", 300, 29), point("compile-amb-0.0", 250, 20),
-            point("ours-none", 175, 46), point("ours-0.5", 220, 32), point("ours-0.0", 260, 24),
-            {"strategy": "rockmate", "error": "boom"}]
+    rows = [
+        point("eager", 200, 48),
+        point("compile", 180, 46),
+        point("compile-amb-0.5", 158, 30),
+        point("eager-full-ckpt", 300, 29),
+        point("compile-amb-0.0", 250, 20),
+        point("ours-none", 175, 46),
+        point("ours-0.5", 220, 32),
+        point("ours-0.0", 260, 24),
+        {"strategy": "rockmate", "error": "boom"},
+    ]
     check = compare.pareto_check(rows, noise=0.10)
     ours = {e["strategy"]: e for e in check["ours"]}
     assert ours["ours-none"]["status"] == "frontier"
@@ -130,28 +171,41 @@ def test_pareto_check_statuses():
     others = {e["strategy"]: e for e in check["others"]}
     assert others["eager"]["status"] == "dominated" and others["eager"]["by"] == ["ours-none"]
     assert others["compile"] == {"strategy": "compile", "status": "matched", "by": ["ours-none"]}
-    assert others["eager-full-ckpt"]["status"] == "dominated" and others["eager-full-ckpt"]["by"] == ["ours-0.0"]
+    assert others["eager-full-ckpt"]["status"] == "dominated" and others["eager-full-ckpt"]["by"] == [
+        "ours-0.0"
+    ]
     amb = others["compile-amb-0.5"]
     assert amb["status"] == "not covered"
     assert amb["nearest"]["strategy"] == "ours-0.0" and amb["nearest"]["slowdown"] == pytest.approx(260 / 158)
-    assert others["compile-amb-0.0"] == {"strategy": "compile-amb-0.0", "status": "not covered", "by": [],
-                                         "least_ours_peak_bytes": 24 * MiB}
+    assert others["compile-amb-0.0"] == {
+        "strategy": "compile-amb-0.0",
+        "status": "not covered",
+        "by": [],
+        "least_ours_peak_bytes": 24 * MiB,
+    }
     assert check["no_figures"] == ["rockmate"]
 
     text = compare.pareto_markdown(rows, check)
     assert "`ours-0.5` (32.00 MiB, 220.0 ms): dominated by `compile-amb-0.5` (30.00 MiB, 158.0 ms)" in text
     assert "`ours-none` (46.00 MiB, 175.0 ms): on the frontier" in text
     assert "is 1.65x slower" in text and "no ours point reaches its peak (least ours peak 24.00 MiB)" in text
-    assert "Summary: ours is on or below 3 of 5 other measured points; not below `compile-amb-0.5`, " \
-           "`compile-amb-0.0`." in text
+    assert (
+        "Summary: ours is on or below 3 of 5 other measured points; not below `compile-amb-0.5`, "
+        "`compile-amb-0.0`." in text
+    )
 
 
 def test_group_configs_presets_and_overrides():
-    args = compare.parse_args(["--model", "gpt,llama", "--size", "small,medium", "--layers", "3",
-                               "--dropout", "0.1"])
+    args = compare.parse_args(
+        ["--model", "gpt,llama", "--size", "small,medium", "--layers", "3", "--dropout", "0.1"]
+    )
     cfgs = compare.group_configs(args)
-    assert [(c["model"], c["size"]) for c in cfgs] == [("gpt", "small"), ("gpt", "medium"),
-                                                       ("llama", "small"), ("llama", "medium")]
+    assert [(c["model"], c["size"]) for c in cfgs] == [
+        ("gpt", "small"),
+        ("gpt", "medium"),
+        ("llama", "small"),
+        ("llama", "medium"),
+    ]
     assert all(c["layers"] == 3 for c in cfgs)  # an explicit flag overrides every preset
     assert cfgs[1]["embd"] == compare.SIZES["medium"]["embd"]
     assert cfgs[0]["dropout"] == 0.1 and cfgs[2]["dropout"] == 0.0  # Llama has no dropout
@@ -162,22 +216,56 @@ def test_group_configs_presets_and_overrides():
 def test_external_runner_missing_is_an_error_row(tmp_path, monkeypatch):
     args = compare.parse_args(["--rockmate-python", sys.executable])
     cfg = compare.group_configs(args)[0]
-    monkeypatch.setitem(compare.STRATEGIES, "rockmate",
-                        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "nope.py"})
-    assert compare.spawn_worker("rockmate", cfg, args) == {"strategy": "rockmate",
-                                                           "error": "bench/nope.py missing"}
+    monkeypatch.setitem(
+        compare.STRATEGIES,
+        "rockmate",
+        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "nope.py"},
+    )
+    assert compare.spawn_worker("rockmate", cfg, args) == {
+        "strategy": "rockmate",
+        "error": "bench/nope.py missing",
+    }
     args = compare.parse_args(["--rockmate-python", str(tmp_path / "python")])
-    monkeypatch.setitem(compare.STRATEGIES, "rockmate",
-                        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "compare.py"})
+    monkeypatch.setitem(
+        compare.STRATEGIES,
+        "rockmate",
+        {**compare.STRATEGIES["rockmate"], "runner": compare.REPO / "bench" / "compare.py"},
+    )
     assert "no interpreter at" in compare.spawn_worker("rockmate", cfg, args)["error"]
 
 
 def test_tiny_run_through_main(tmp_path, capsys):
     out = tmp_path / "out.json"
-    argv = ["--layers", "1", "--embd", "32", "--seq", "16", "--batch", "2", "--steps", "2", "--warmup", "1",
-            "--repeats", "1", "--strategies", "eager-selective,ours-0.5,ours-peak-64MiB", "--ours-compiler", "eager",
-            "--jobs", "2", "--timeout", "600",  # a stuck worker fails this test before pytest's limit
-            "--json", str(out), "--csv", str(tmp_path / "out.csv"), "--md", str(tmp_path / "out.md")]
+    argv = [
+        "--layers",
+        "1",
+        "--embd",
+        "32",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--strategies",
+        "eager-selective,ours-0.5,ours-peak-64MiB",
+        "--ours-compiler",
+        "eager",
+        "--jobs",
+        "2",
+        "--timeout",
+        "600",  # a stuck worker fails this test before pytest's limit
+        "--json",
+        str(out),
+        "--csv",
+        str(tmp_path / "out.csv"),
+        "--md",
+        str(tmp_path / "out.md"),
+    ]
     assert compare.main(argv) == 0
     data = json.loads(out.read_text())
     (group,) = data["groups"]

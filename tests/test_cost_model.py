@@ -16,8 +16,9 @@ def test_no_budget_plan_recomputes_a_norm_output_that_fuses_into_its_backward():
     # and a read, so with no budget it is recomputed (charged its full traffic, it was kept)
     model, batch = models.demo_llama(n_layer=1, n_embd=64, seq=32, batch=2)
     plan = recompile_opt.plan(model, batch)
-    assert {"attention_norm", "ffn_norm"} <= {e.module.rsplit(".", 1)[-1] for e in plan.recomputed
-                                              if e.op == "mul"}, plan
+    assert {"attention_norm", "ffn_norm"} <= {
+        e.module.rsplit(".", 1)[-1] for e in plan.recomputed if e.op == "mul"
+    }, plan
     assert plan.recompute_flops == 0  # nothing else: no matmul is worth recomputing without a budget
 
 

@@ -14,12 +14,11 @@ import os
 
 import pytest
 import torch
+from multiprocess import gloo_rank, progress, run_ranks
 
 import recompile_opt
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.models import GPT, GPTConfig, example_batch
-
-from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -46,7 +45,7 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
     torch._dynamo.config.optimize_ddp = optimize_ddp
     with gloo_rank(rank, WORLD, out):
         model = _model()
-        idx, tgt = (t[rank * ROWS:(rank + 1) * ROWS] for t in _batch())
+        idx, tgt = (t[rank * ROWS : (rank + 1) * ROWS] for t in _batch())
         if wrap == "compile(ddp)":  # the order PyTorch recommends: DDPOptimizer splits the graph
             step_fn = torch.compile(DDP(model), backend="recompile_opt", options=options)
         else:  # DDP over a compiled module
@@ -65,9 +64,15 @@ def _worker(rank: int, wrap: str, options: dict, optimize_ddp: bool, out: str):
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             opt.step()
         plans = recompile_opt.last_plans()
-        torch.save({"grads": grads, "n_plans": len(plans), "saved": saved,
-                    "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans]},
-                   os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "grads": grads,
+                "n_plans": len(plans),
+                "saved": saved,
+                "plans": [(p.saved_bytes, p.budget_bytes, p.baseline_bytes) for p in plans],
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
         progress(out, rank, "gradients saved")
 
 
@@ -103,8 +108,9 @@ CASES = {
 SLOW = {"compile(ddp)-budget0.5", "ddp(compile)", "ddp(compile)-optimize_ddp-off"}  # 15-80 s each here
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else [])
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CASES]
+)
 def test_ddp_gradients_equal_single_process(case, tmp_path):
     wrap, options, optimize_ddp = CASES[case]
     options = {**options, "compiler": "eager"}
@@ -128,8 +134,13 @@ def _check_ranks(tmp_path, options: dict, optimize_ddp: bool) -> None:
     for rank, res in enumerate(results):
         for step in range(STEPS):
             for name, g in ref[step].items():
-                torch.testing.assert_close(res["grads"][step][name], g, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"rank {rank}, step {step}, {name}: {m}")
+                torch.testing.assert_close(
+                    res["grads"][step][name],
+                    g,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m: f"rank {rank}, step {step}, {name}: {m}",
+                )
         if options.get("memory_budget") is not None:
             assert all(saved <= budget for saved, budget, _ in res["plans"]), res["plans"]
             # one step's report spans every graph: a storage two graphs keep counts once
@@ -154,7 +165,7 @@ def test_reference_is_the_average_of_the_ranks():
     parts = []
     for r in range(WORLD):
         m = _model()
-        m(idx[r * ROWS:(r + 1) * ROWS], tgt[r * ROWS:(r + 1) * ROWS]).backward()
+        m(idx[r * ROWS : (r + 1) * ROWS], tgt[r * ROWS : (r + 1) * ROWS]).backward()
         parts.append({n: p.grad for n, p in m.named_parameters()})
     for n, g in whole.items():
         torch.testing.assert_close(sum(p[n] for p in parts) / WORLD, g, rtol=1e-5, atol=1e-7)

@@ -18,12 +18,13 @@ import torch
 
 import recompile_opt
 from recompile_opt import backend
-from recompile_opt.planner import search
 from recompile_opt.models import GPT, GPTConfig, example_batch
 from recompile_opt.options import parse_options
+from recompile_opt.planner import search
 
 _spec = importlib.util.spec_from_file_location(
-    "bench_depth", Path(__file__).resolve().parents[1] / "bench" / "depth.py")
+    "bench_depth", Path(__file__).resolve().parents[1] / "bench" / "depth.py"
+)
 depth = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(depth)
 
@@ -64,8 +65,9 @@ def capture(n_layer: int):
 
 def costly_values(problem) -> int:
     """Values that cost something to keep or recompute (parameters and other free inputs excluded)."""
-    return sum(1 for v in problem.values.values()
-               if v.can_recompute or problem.storage_bytes.get(v.storage, 0) > 0)
+    return sum(
+        1 for v in problem.values.values() if v.can_recompute or problem.storage_bytes.get(v.storage, 0) > 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +86,21 @@ def deep48():
     recompile_opt.reset_plans()
     model, inputs = small_gpt(48)
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = torch.compile(ours, backend="recompile_opt",
-                             options={"memory_budget": "9MiB", "compiler": "eager"})
+    compiled = torch.compile(
+        ours, backend="recompile_opt", options={"memory_budget": "9MiB", "compiler": "eager"}
+    )
     grads = []
     with grab_problems() as problems:
         for _ in range(2):
             for fn, m in ((ref, ref), (compiled, ours)):
                 m.zero_grad(set_to_none=True)
                 fn(*inputs).backward()
-            grads.append([(n, a.grad.clone(), b.grad.clone())
-                          for (n, a), b in zip(ref.named_parameters(), ours.parameters())])
+            grads.append(
+                [
+                    (n, a.grad.clone(), b.grad.clone())
+                    for (n, a), b in zip(ref.named_parameters(), ours.parameters())
+                ]
+            )
             for m in (ref, ours):
                 with torch.no_grad():
                     for p in m.parameters():
@@ -108,8 +115,9 @@ def test_48_layer_gpt_compiles_with_eager_gradients(deep48):
     assert len(deep48["plans"]) == 1, "the 48-layer GPT should be one graph and one plan"
     for step, pairs in enumerate(deep48["grads"]):
         for name, ref, ours in pairs:
-            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(
+                ours, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}"
+            )
     assert deep48["plans"][0].recomputed, "a 9 MiB budget should recompute something"
     assert deep48["plans"][0].saved_bytes <= 9 * 2**20
 
@@ -152,7 +160,8 @@ def test_block_reuse_within_one_percent_of_full_solve(problem12, fraction):
     verdict = depth.quality(reuse, full, 0.01)
     assert verdict["within_1pct"] == "ok", (
         f"reuse recomputes {reuse['recompute_us']:.1f} µs, the full solve ({full['status']}) "
-        f"{full['recompute_us']:.1f} µs, its lower bound {full['cbc_lower_bound_us']} µs: {verdict}")
+        f"{full['recompute_us']:.1f} µs, its lower bound {full['cbc_lower_bound_us']} µs: {verdict}"
+    )
 
 
 def test_time_limit_reports_the_gap_highs_proved(problem12):
@@ -196,8 +205,15 @@ def test_deep_stack_plan_is_the_same_in_every_process():
     """Two processes with different string hash seeds plan the 12-layer GPT alike (they did not while
     the reduced problem's storages came from a set)."""
     code = PLAN_IN_A_FRESH_PROCESS.format(tests=str(Path(__file__).parent))
-    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        for seed in ("1", "2")
+    ]
     outs = [run.communicate(timeout=600)[0].strip().splitlines()[-1] for run in runs]
     assert all(run.returncode == 0 for run in runs)
     assert outs[0] == outs[1], outs

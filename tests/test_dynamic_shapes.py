@@ -9,11 +9,10 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_gpt
 
 import recompile_opt
 from recompile_opt.costs.measure import saved_bytes, saved_report
-
-from helpers import tiny_gpt
 
 
 def _batch(idx, tgt, length, bound=None):
@@ -28,8 +27,9 @@ def _batch(idx, tgt, length, bound=None):
 def test_one_plan_serves_every_length_with_eager_gradients(budget):
     model, (idx, tgt) = tiny_gpt()
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = torch.compile(ours, backend="recompile_opt", dynamic=True,
-                             options={"memory_budget": budget, "compiler": "eager"})
+    compiled = torch.compile(
+        ours, backend="recompile_opt", dynamic=True, options={"memory_budget": budget, "compiler": "eager"}
+    )
     recompile_opt.reset_plans()
     for length in (12, 8, 10, 15):
         i, t = _batch(idx, tgt, length)
@@ -38,7 +38,9 @@ def test_one_plan_serves_every_length_with_eager_gradients(budget):
         ref(i, t).backward()
         compiled(i, t).backward()
         for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"T={length} {name}: {m}")
+            torch.testing.assert_close(
+                b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"T={length} {name}: {m}"
+            )
     plans = recompile_opt.last_plans()
     assert len(plans) == 1, "a new length recompiled"
     assert any(isinstance(d, str) for e in plans[0].saved for d in e.shape), "sizes are not symbolic"
@@ -50,8 +52,9 @@ def test_an_int_budget_holds_at_every_length_up_to_the_bound():
     static = recompile_opt.plan(model, _batch(idx, tgt, bound), memory_budget=1.0)
     budget = static.saved_bytes // 2
     recompile_opt.reset_plans()
-    compiled = torch.compile(copy.deepcopy(model), backend="recompile_opt",
-                             options={"memory_budget": budget, "compiler": "eager"})
+    compiled = torch.compile(
+        copy.deepcopy(model), backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"}
+    )
     measured = {}
     for length in (8, 12, bound):
         i, t = _batch(idx, tgt, length, bound)
@@ -88,7 +91,9 @@ def test_an_int_budget_holds_at_every_length_through_inductor():
             measured[length] = report.total_bytes
             loss.backward()
         for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"T={length} {name}: {m}")
+            torch.testing.assert_close(
+                b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"T={length} {name}: {m}"
+            )
     plans = recompile_opt.last_plans()
     assert len(plans) == 1, "a new length recompiled"
     (plan,) = plans

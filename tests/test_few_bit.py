@@ -16,7 +16,7 @@ from recompile_opt.approximate.few_bit import few_bit_activation, pack_codes, un
 @pytest.mark.parametrize("bits", tables.BITS)
 @pytest.mark.parametrize("numel", [1, 8, 9, 1000])
 def test_codes_round_trip_eight_to_bits_bytes(bits, numel):
-    codes = torch.randint(0, 2 ** bits, (numel,), generator=torch.Generator().manual_seed(numel))
+    codes = torch.randint(0, 2**bits, (numel,), generator=torch.Generator().manual_seed(numel))
     packed = pack_codes(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(numel / 8) * bits
     assert torch.equal(unpack_codes(packed, bits, numel), codes)
@@ -69,9 +69,11 @@ def test_the_stored_tables_are_what_the_script_makes_and_beat_even_pieces():
     over [-3, 3] with the best value in each (a simpler quantiser the optimisation must beat)."""
     made = tables.optimise("gelu", 2)
     stored_breakpoints, stored_values = tables.table("gelu", 2)
-    assert made["breakpoints"] == pytest.approx(stored_breakpoints) and made["values"] == pytest.approx(stored_values)
+    assert made["breakpoints"] == pytest.approx(stored_breakpoints) and made["values"] == pytest.approx(
+        stored_values
+    )
     x = torch.linspace(-8, 8, 200_001, dtype=torch.float64)
-    weight = torch.exp(-x ** 2 / 2)
+    weight = torch.exp(-(x**2) / 2)
     d = tables.derivative("gelu", x)
     even = torch.bucketize(x, torch.linspace(-3, 3, 5, dtype=torch.float64)[1:-1])
     optimal = torch.bucketize(x, torch.tensor(stored_breakpoints, dtype=torch.float64))
@@ -89,7 +91,9 @@ def test_the_stored_tables_are_what_the_script_makes_and_beat_even_pieces():
 
 @pytest.mark.parametrize("name, bits", [("relu", 3), ("gelu", 5), ("silu", 0)])
 def test_an_unknown_activation_or_width_names_the_accepted_ones(name, bits):
-    with pytest.raises(ValueError, match=r"activations: \['gelu', 'gelu_tanh', 'silu'\], bits: \[1, 2, 3, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"activations: \['gelu', 'gelu_tanh', 'silu'\], bits: \[1, 2, 3, 4\]"
+    ):
         few_bit_activation(torch.randn(3), name, bits)
 
 

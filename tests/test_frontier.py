@@ -2,15 +2,14 @@
 
 import pytest
 import torch
+from helpers import partitioned, tiny_gpt
 
 import recompile_opt
 from recompile_opt import frontier
-from recompile_opt.costs import inductor_peak
-from recompile_opt.planner.least_peak import EXACT_TIE
 from recompile_opt.cli import main
+from recompile_opt.costs import inductor_peak
 from recompile_opt.frontier import Point, draw, knee, sweep, table
-
-from helpers import partitioned, tiny_gpt
+from recompile_opt.planner.least_peak import EXACT_TIE
 
 BUDGETS = (0.0, 0.3, 0.6, 1.0)
 
@@ -37,7 +36,9 @@ def test_sweep_is_monotone(points):
     kept = [p.kept_bytes for p in ilp]
     assert kept == sorted(kept) and kept[0] < kept[-1]
     least_peak = next(p for p in points if p.kind == "ilp" and p.budgets[:1] == (0.0,))
-    by_bytes = sorted((p for p in points if p.kind == "ilp" and p is not least_peak), key=lambda p: p.kept_bytes)
+    by_bytes = sorted(
+        (p for p in points if p.kind == "ilp" and p is not least_peak), key=lambda p: p.kept_bytes
+    )
     rec = [p.recompute_s for p in by_bytes]
     assert all(a >= b - 1e-12 for a, b in zip(rec, rec[1:])), rec
     assert rec[0] > rec[-1]
@@ -63,8 +64,11 @@ def test_sweep_points_are_the_plans_of_recompile_opt_plan(points):
         torch._dynamo.reset()
         plan = recompile_opt.plan(model, inputs, memory_budget=f)
         # the sweep's peaks are the simulator's; a plan's own may be walked in Inductor's code
-        assert (p.kept_bytes, p.recompute_flops, p.predicted_peak_bytes) == \
-            (plan.saved_bytes, plan.recompute_flops, plan.peak_breakdown["total"]), f
+        assert (p.kept_bytes, p.recompute_flops, p.predicted_peak_bytes) == (
+            plan.saved_bytes,
+            plan.recompute_flops,
+            plan.peak_breakdown["total"],
+        ), f
 
 
 def test_policies_and_points_below_the_least_peak_plan(points):
@@ -125,8 +129,14 @@ def test_graph_breaks_sum_over_the_graphs():
 
 
 def _pt(kept, rec, label=None):
-    return Point(label=label or f"ilp {kept}", kind="ilp", budgets=(kept / 100,), kept_bytes=kept,
-                 recompute_s=rec, step_s=10.0)
+    return Point(
+        label=label or f"ilp {kept}",
+        kind="ilp",
+        budgets=(kept / 100,),
+        kept_bytes=kept,
+        recompute_s=rec,
+        step_s=10.0,
+    )
 
 
 def test_knee_of_a_convex_curve_is_an_interior_point():

@@ -19,14 +19,16 @@ CHECK = REPO / "bench" / "gpu_check.py"
 
 def _run(cmd: list[str], *, timeout: int, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{cmd} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
 def _table_rows(doc: str, heading: str) -> list[list[str]]:
     """The body rows of the first table after ``heading``, as cells."""
     section = doc.split(heading, 1)[1].split("\n## ", 1)[0]
-    first = section[section.index("\n| "):].split("\n\n", 1)[0]
+    first = section[section.index("\n| ") :].split("\n\n", 1)[0]
     lines = [ln for ln in first.splitlines() if ln.startswith("| ")]
     return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines[1:]]
 
@@ -35,9 +37,28 @@ def test_the_tiny_cpu_check_passes_every_row(tmp_path):
     """Correctness and fidelity of the tiny GPT, fp32, at three options (one needs another's predicted
     peak), without code generation: every row passes or is measured, the header names the machine."""
     out = tmp_path / "gpu.md"
-    _run([sys.executable, str(CHECK), "--device", "cpu", "--tiny", "--compiler", "eager",
-          "--parts", "correctness,fidelity", "--models", "gpt", "--dtypes", "fp32",
-          "--options", "0.0,peak,full", "--out", str(out)], timeout=600)
+    _run(
+        [
+            sys.executable,
+            str(CHECK),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--compiler",
+            "eager",
+            "--parts",
+            "correctness,fidelity",
+            "--models",
+            "gpt",
+            "--dtypes",
+            "fp32",
+            "--options",
+            "0.0,peak,full",
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     doc = out.read_text()
     for field in ("| device | cpu |", "| driver / CUDA |", "| torch |", "| Triton |", "| recompile_opt |"):
         assert field in doc
@@ -54,8 +75,24 @@ def test_the_tiny_performance_part_measures_each_strategy(tmp_path):
     """Three strategies on the tiny performance GPT (plain compiles through aot_eager, ours without code
     generation): each row has a first call, a step time, a peak and a loss."""
     out = tmp_path / "gpu.md"
-    _run([sys.executable, str(CHECK), "--device", "cpu", "--tiny", "--compiler", "eager",
-          "--parts", "performance", "--strategies", "eager,compile,ours-none", "--out", str(out)], timeout=600)
+    _run(
+        [
+            sys.executable,
+            str(CHECK),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--compiler",
+            "eager",
+            "--parts",
+            "performance",
+            "--strategies",
+            "eager,compile,ours-none",
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     rows = _table_rows(out.read_text(), "## Performance")
     assert [r[0] for r in rows] == ["eager", "compile", "ours-none"]
     number = re.compile(r"^-?\d+(\.\d+)?$")

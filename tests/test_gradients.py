@@ -6,10 +6,9 @@ import functools
 
 import pytest
 import torch
+from helpers import TINY_GPT, tiny_gpt, tiny_llama, tiny_mlp, train_and_measure_saved, train_side_by_side
 
 from recompile_opt.models import GPT, GPTConfig, example_batch
-
-from helpers import TINY_GPT, tiny_gpt, tiny_llama, tiny_mlp, train_and_measure_saved, train_side_by_side
 
 BUDGETS = [None, 0.5, 0.1, 0.0]
 POLICIES = ["save-all", "full", "megatron-selective"]
@@ -54,8 +53,7 @@ def test_dropout_replays_the_same_mask(setting):
     or the first step's mask (Rockmate) shows as errors near 0.1."""
     module, inputs = tiny_gpt(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4,
-                                  atol=1e-5)
+        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4, atol=1e-5)
     if setting == "full":
         assert any(e.reason == "rng" for e in plan.recomputed), "expected a replayed random op"
 
@@ -66,8 +64,7 @@ def test_llama_dropout_replays_the_same_mask(setting):
     attention probabilities): the replayed masks are this step's."""
     module, inputs = tiny_llama(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4,
-                                  atol=1e-5)
+        plan = train_side_by_side(module, inputs, options=_options(setting), steps=3, rtol=1e-4, atol=1e-5)
     sdpa = [e for e in plan.recomputed if e.reason == "rng" and e.module.endswith(".attention")]
     assert sdpa, f"expected SDPA's dropout replayed\n{plan}"
 
@@ -87,5 +84,6 @@ def test_least_peak_plan_replays_a_dropout_whose_mask_outweighs_its_rng_state():
 def test_eager_compiler_draws_eagers_dropout_masks_without_a_config_patch():
     """compiler="eager" keeps aten's random ops, so even without fallback_random the masks are eager's."""
     module, inputs = tiny_gpt(dropout=0.1)
-    train_side_by_side(module, inputs, options={"memory_budget": 0.0, "compiler": "eager"}, steps=2,
-                       rtol=1e-4, atol=1e-5)
+    train_side_by_side(
+        module, inputs, options={"memory_budget": 0.0, "compiler": "eager"}, steps=2, rtol=1e-4, atol=1e-5
+    )

@@ -5,12 +5,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import train_side_by_side
 
 import recompile_opt
 from recompile_opt.planner import budget_split
 from recompile_opt.planner.search import InfeasibleBudget
-
-from helpers import train_side_by_side
 
 
 class TwoHalves(torch.nn.Module):
@@ -20,8 +19,13 @@ class TwoHalves(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.first = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        self.second = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
-                                          torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
+        self.second = torch.nn.Sequential(
+            torch.nn.Linear(32, 128),
+            torch.nn.GELU(),
+            torch.nn.Linear(128, 128),
+            torch.nn.GELU(),
+            torch.nn.Linear(128, 1),
+        )
 
     def forward(self, x):
         x = torch.tanh(self.first(x))
@@ -69,8 +73,9 @@ def test_a_byte_budget_holds_for_the_whole_model_and_compile_uses_the_split():
 
     recompile_opt.reset_plans()
     ref, ours = copy.deepcopy(model), copy.deepcopy(model)
-    compiled = torch.compile(ours, backend="recompile_opt",
-                             options={"memory_budget": budget, "compiler": "eager"})
+    compiled = torch.compile(
+        ours, backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"}
+    )
     ref(*inputs).backward()
     compiled(*inputs).backward()
     for a, b in zip(ref.parameters(), ours.parameters()):
@@ -98,8 +103,9 @@ def test_a_split_byte_budget_holds_on_the_measured_step_through_inductor():
         assert report.total_bytes <= budget, report.summary()
         assert report.total_bytes <= sum(p.saved_bytes for p in plans), report.summary()
     assert sum(p.saved_bytes for p in plans) <= budget
-    assert all(any("split over the model's graphs" in n for n in p.notes) for p in plans), \
+    assert all(any("split over the model's graphs" in n for n in p.notes) for p in plans), (
         "a graph compiled by Inductor did not find its share of the budget"
+    )
 
 
 def test_an_unmeetable_whole_model_budget_warns_or_raises_with_strict():
@@ -113,8 +119,9 @@ def test_an_unmeetable_whole_model_budget_warns_or_raises_with_strict():
 
 def test_compiling_without_a_capture_pass_warns_that_the_budget_holds_per_graph():
     model, inputs = TwoHalves(), _inputs()
-    compiled = torch.compile(model, backend="recompile_opt",
-                             options={"memory_budget": 10**6, "compiler": "eager"})
+    compiled = torch.compile(
+        model, backend="recompile_opt", options={"memory_budget": 10**6, "compiler": "eager"}
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(*inputs).backward()

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import recompile_opt
-
 from helpers import tiny_mlp, train_side_by_side
 from test_hf_models import BATCH, DECODER, SEQ, VOCAB, WithLoss, t5
+
+import recompile_opt
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,18 +26,38 @@ def gemma2():
 
 
 def whisper():
-    cfg = transformers.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
-                                     encoder_attention_heads=4, decoder_attention_heads=4, d_model=64,
-                                     encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=SEQ // 2,
-                                     max_target_positions=SEQ, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-                                     decoder_start_token_id=0, attn_implementation="eager")
+    cfg = transformers.WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=8,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        d_model=64,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=SEQ // 2,
+        max_target_positions=SEQ,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        decoder_start_token_id=0,
+        attn_implementation="eager",
+    )
     return transformers.WhisperForConditionalGeneration(cfg)
 
 
 def qwen3_moe():
     # every layer's MLP routes each token to 2 of 4 experts
-    cfg = transformers.Qwen3MoeConfig(**DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=64, decoder_sparse_step=1, attn_implementation="eager")
+    cfg = transformers.Qwen3MoeConfig(
+        **DECODER,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        attn_implementation="eager",
+    )
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
@@ -60,10 +79,12 @@ class WhisperLoss(WithOutput):
 
 MODELS = {"t5": t5, "gemma2": gemma2, "whisper": whisper, "qwen3_moe": qwen3_moe}
 # each model's layers (module paths under the wrapper's ``model.``): what ``full`` must checkpoint
-LAYERS = {"t5": [f"model.{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)],
-          "gemma2": ["model.model.layers.0", "model.model.layers.1"],
-          "qwen3_moe": ["model.model.layers.0", "model.model.layers.1"],
-          "whisper": [f"model.model.{s}.layers.{i}" for s in ("encoder", "decoder") for i in (0, 1)]}
+LAYERS = {
+    "t5": [f"model.{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)],
+    "gemma2": ["model.model.layers.0", "model.model.layers.1"],
+    "qwen3_moe": ["model.model.layers.0", "model.model.layers.1"],
+    "whisper": [f"model.model.{s}.layers.{i}" for s in ("encoder", "decoder") for i in (0, 1)],
+}
 
 
 def build(name, returns):
@@ -75,7 +96,9 @@ def build(name, returns):
         x, key = torch.randn(BATCH, 8, SEQ, generator=g), "input_features"
     else:
         x, key = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), "input_ids"
-    labels = torch.randint(1, VOCAB, (BATCH, SEQ if name in ("gemma2", "qwen3_moe") else SEQ // 2), generator=g)
+    labels = torch.randint(
+        1, VOCAB, (BATCH, SEQ if name in ("gemma2", "qwen3_moe") else SEQ // 2), generator=g
+    )
     if returns == "loss":
         return (WhisperLoss(model, key) if name == "whisper" else WithLoss(model)), (x, labels)
     return WithOutput(model, key), (x, labels)
@@ -94,8 +117,9 @@ def test_full_checkpoints_each_layer_however_the_model_is_called(name, returns):
 @pytest.mark.parametrize("name", ["t5", "gemma2"])
 def test_full_on_layers_that_differ_gives_eagers_gradients(name):
     model, inputs = build(name, "loss")
-    plan = train_side_by_side(model, inputs, options={"policy": "full", "compiler": "eager"}, steps=2,
-                              rtol=1e-4, atol=1e-5)
+    plan = train_side_by_side(
+        model, inputs, options={"policy": "full", "compiler": "eager"}, steps=2, rtol=1e-4, atol=1e-5
+    )
     assert plan.recompute_flops > 0 and plan.saved_bytes < plan.baseline_bytes, plan.summary()
 
 
@@ -123,15 +147,22 @@ def test_every_plan_is_walked_and_its_peak_is_the_measured_steps(name, setting):
     if setting in ("peak_memory", "bytes"):
         least = recompile_opt.plan(model, inputs, memory_budget=0.0)
         assert least.solver["peak_from"] == "inductor-code", least.summary()
-        options = ({"peak_memory": int(least.predicted_peak_bytes * 1.05)} if setting == "peak_memory" else
-                   {"memory_budget": (least.budget_bytes + least.baseline_bytes) // 2})
+        options = (
+            {"peak_memory": int(least.predicted_peak_bytes * 1.05)}
+            if setting == "peak_memory"
+            else {"memory_budget": (least.budget_bytes + least.baseline_bytes) // 2}
+        )
     else:
         options = {"memory_budget": setting}
     torch._dynamo.reset()
-    plan, measured = train_side_by_side(model, inputs, options=options, steps=1, rtol=1e-4, atol=1e-5,
-                                        measure_peak=True)
+    plan, measured = train_side_by_side(
+        model, inputs, options=options, steps=1, rtol=1e-4, atol=1e-5, measure_peak=True
+    )
     assert plan.solver["peak_from"] == "inductor-code", plan.summary()
-    assert plan.predicted_peak_bytes == pytest.approx(measured, rel=0.03), (plan.predicted_peak_bytes, measured)
+    assert plan.predicted_peak_bytes == pytest.approx(measured, rel=0.03), (
+        plan.predicted_peak_bytes,
+        measured,
+    )
     if "peak_memory" in options:
         assert measured <= options["peak_memory"], (measured, options, plan.notes)
         assert any(n.startswith("peak_memory") and "peak walked in Inductor's code" in n for n in plan.notes)

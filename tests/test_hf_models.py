@@ -22,23 +22,38 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import train_and_measure_saved
 
 import recompile_opt
-
-from helpers import train_and_measure_saved
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, BATCH, SEQ = 128, 2, 16
 SMALL = dict(vocab_size=VOCAB, max_position_embeddings=64)
-DECODER = dict(SMALL, num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-               num_key_value_heads=2)
+DECODER = dict(
+    SMALL,
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def gpt2(dropout=0.0, attn="eager"):
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=dropout,
-                                  embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation=attn)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        attn_implementation=attn,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -58,16 +73,33 @@ def qwen2(dropout=0.0, attn="eager"):
 
 
 def bert(dropout=0.0, attn="eager"):
-    cfg = transformers.BertConfig(**SMALL, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                  num_attention_heads=4, hidden_dropout_prob=dropout,
-                                  attention_probs_dropout_prob=dropout, attn_implementation=attn)
+    cfg = transformers.BertConfig(
+        **SMALL,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=attn,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
 def t5(dropout=0.0, attn="eager"):
-    cfg = transformers.T5Config(vocab_size=VOCAB, num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128,
-                                d_kv=16, num_heads=4, dropout_rate=dropout, decoder_start_token_id=0,
-                                pad_token_id=0, attn_implementation=attn)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_heads=4,
+        dropout_rate=dropout,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        attn_implementation=attn,
+    )
     return transformers.T5ForConditionalGeneration(cfg)
 
 
@@ -128,8 +160,9 @@ def _matrix():
 @pytest.mark.parametrize("name,budget", list(_matrix()))
 def test_gradients_equal_eager(name, budget):
     model, inputs = build(name)
-    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": budget, "compiler": "eager"},
-                                      steps=2)
+    _, kept = train_and_measure_saved(
+        model, inputs, options={"memory_budget": budget, "compiler": "eager"}, steps=2
+    )
     plans = _check_plans(name, budget, kept)
     if budget == 0.1:
         assert any(p.recomputed for p in plans), "a 0.1 budget should recompute something"
@@ -142,8 +175,9 @@ def test_dropout_on_gradients_equal_eager(name):
     the masks are eager's, and a recomputed one is replayed from its saved RNG state."""
     model, inputs = build(name, dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):
-        _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.1, "compiler": "eager"},
-                                          steps=2, rtol=1e-4, atol=1e-5)
+        _, kept = train_and_measure_saved(
+            model, inputs, options={"memory_budget": 0.1, "compiler": "eager"}, steps=2, rtol=1e-4, atol=1e-5
+        )
     _check_plans(name, 0.1, kept)
 
 
@@ -151,11 +185,16 @@ def test_dropout_on_gradients_equal_eager(name):
 def test_sdpa_attention():
     """``attn_implementation="sdpa"``: attention is one SDPA call (CPU flash attention), no s x s tensor."""
     model, inputs = build("llama", attn="sdpa")
-    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.5, "compiler": "eager"}, steps=2)
+    _, kept = train_and_measure_saved(
+        model, inputs, options={"memory_budget": 0.5, "compiler": "eager"}, steps=2
+    )
     (plan,) = _check_plans("llama", 0.5, kept)
     # SDPA's outputs are getitems of its tuple; flash attention's logsumexp [b, heads, s] is among them
-    sdpa = [e for e in plan.saved + plan.recomputed if e.source.startswith("sdpa_attention.py")
-            and e.op == "getitem"]
+    sdpa = [
+        e
+        for e in plan.saved + plan.recomputed
+        if e.source.startswith("sdpa_attention.py") and e.op == "getitem"
+    ]
     assert any(e.shape == [BATCH, 4, SEQ] for e in sdpa), str(plan)
 
 
@@ -164,8 +203,9 @@ def test_gpt2_breaks_at_the_loss_warning():
     model, (ids, labels) = build("gpt2")
     explained = torch._dynamo.explain(model)(ids, labels)
     assert explained.graph_count == 2, explained
-    assert any("logging" in str(r.reason).lower() or r.reason == "step_unsupported"
-               for r in explained.break_reasons), explained.break_reasons
+    assert any(
+        "logging" in str(r.reason).lower() or r.reason == "step_unsupported" for r in explained.break_reasons
+    ), explained.break_reasons
     assert any("loss_function" in (f.line or "") for r in explained.break_reasons for f in r.user_stack)
     torch._dynamo.reset()
     model.model.loss_type = "ForCausalLM"  # a mapped loss type: no warning, no break
@@ -184,8 +224,9 @@ def test_gpt2_two_graphs_share_one_byte_budget():
     assert len(planned) == 2 and sum(p.saved_bytes for p in planned) <= budget
     torch._dynamo.reset()
     recompile_opt.reset_plans()
-    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": budget, "compiler": "eager"},
-                                      steps=2)
+    _, kept = train_and_measure_saved(
+        model, inputs, options={"memory_budget": budget, "compiler": "eager"}, steps=2
+    )
     compiled = _check_plans("gpt2", budget, kept)
     assert sum(p.saved_bytes for p in compiled) <= budget
     assert [p.saved_bytes for p in compiled] == [p.saved_bytes for p in planned]
@@ -194,6 +235,7 @@ def test_gpt2_two_graphs_share_one_byte_budget():
 @pytest.mark.slow
 def test_llama_through_inductor():
     model, inputs = build("llama")
-    _, kept = train_and_measure_saved(model, inputs, options={"memory_budget": 0.5}, steps=2, rtol=1e-4,
-                                      atol=1e-5)
+    _, kept = train_and_measure_saved(
+        model, inputs, options={"memory_budget": 0.5}, steps=2, rtol=1e-4, atol=1e-5
+    )
     _check_plans("llama", 0.5, kept)

@@ -26,10 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recompile_opt.planner import ilp
 from recompile_opt.options import SOLVERS
-from recompile_opt.planner.solving import greedy_recompute
+from recompile_opt.planner import ilp
 from recompile_opt.planner.problem import Problem, Value
+from recompile_opt.planner.solving import greedy_recompute
 
 MiB = 1 << 20
 US = 1e-6  # one microsecond
@@ -40,6 +40,7 @@ PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 # -- building problems by hand ---------------------------------------------------------------------
 
+
 def inp(name, mib=0, *, needed=False, **kw):
     """A graph input or parameter: cannot be recomputed (0 MiB: a parameter, free to keep)."""
     return Value(name, name, needed=needed, can_recompute=False, **kw), mib
@@ -48,8 +49,9 @@ def inp(name, mib=0, *, needed=False, **kw):
 def op(name, inputs, mib, us, *, needed=True, storage=None, **kw):
     """A forward op with its own storage of ``mib`` MiB (or a view of ``storage``; "" for a tuple)."""
     own = storage is None
-    return Value(name, name if own else storage, inputs=tuple(inputs), needed=needed,
-                 recompute_s=us * US, **kw), (mib if own else None)
+    return Value(
+        name, name if own else storage, inputs=tuple(inputs), needed=needed, recompute_s=us * US, **kw
+    ), (mib if own else None)
 
 
 def problem(*entries, save_us=None, rng_state_bytes=0, bwd_steps=4):
@@ -60,8 +62,13 @@ def problem(*entries, save_us=None, rng_state_bytes=0, bwd_steps=4):
         if v.storage and mib is not None:
             storage_bytes[v.storage] = mib * MiB
     save_s = {s: (save_us or {}).get(s, 0) * US for s in storage_bytes}
-    return Problem(values=values, storage_bytes=storage_bytes, save_s=save_s,
-                   rng_state_bytes=rng_state_bytes, bwd_steps=bwd_steps)
+    return Problem(
+        values=values,
+        storage_bytes=storage_bytes,
+        save_s=save_s,
+        rng_state_bytes=rng_state_bytes,
+        bwd_steps=bwd_steps,
+    )
 
 
 def derived(p: Problem, sol: ilp.Solution):
@@ -113,24 +120,30 @@ def chain():
 
     The backward reads c at step 0, b at step 1, a at step 2 (and a at step 1 to recompute b), x at 3.
     """
-    return problem(inp("x", 1, needed=True, last_use=3),
-                   op("a", ["x"], 2, 1, last_use=2),
-                   op("b", ["a"], 3, 2, last_use=1),
-                   op("c", ["b"], 4, 4, last_use=0))
+    return problem(
+        inp("x", 1, needed=True, last_use=3),
+        op("a", ["x"], 2, 1, last_use=2),
+        op("b", ["a"], 3, 2, last_use=1),
+        op("c", ["b"], 4, 4, last_use=0),
+    )
 
 
 # -- hand examples ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("budget_mib, recompute, kept_mib, us", [
-    (None, set(), 10, 0),             # no budget, saving is free: save all
-    (10, set(), 10, 0),               # save-all fits exactly
-    (9, {"a"}, 8, 1),                 # free >= 1: a (1 us frees 2)
-    (7, {"b"}, 7, 2),                 # free >= 3: b (2 us frees 3) beats a+b (3 us)
-    (6, {"a", "b"}, 5, 3),            # free >= 4: a+b (3 us frees 5) beats c (4 us frees 4)
-    (4, {"a", "c"}, 4, 5),            # free >= 6: a+c (5 us) beats b+c (6 us)
-    (3, {"b", "c"}, 3, 6),            # free >= 7: b+c (6 us) beats a+b+c (7 us)
-    (1, {"a", "b", "c"}, 1, 7),       # only the input is left
-])
+
+@pytest.mark.parametrize(
+    "budget_mib, recompute, kept_mib, us",
+    [
+        (None, set(), 10, 0),  # no budget, saving is free: save all
+        (10, set(), 10, 0),  # save-all fits exactly
+        (9, {"a"}, 8, 1),  # free >= 1: a (1 us frees 2)
+        (7, {"b"}, 7, 2),  # free >= 3: b (2 us frees 3) beats a+b (3 us)
+        (6, {"a", "b"}, 5, 3),  # free >= 4: a+b (3 us frees 5) beats c (4 us frees 4)
+        (4, {"a", "c"}, 4, 5),  # free >= 6: a+c (5 us) beats b+c (6 us)
+        (3, {"b", "c"}, 3, 6),  # free >= 7: b+c (6 us) beats a+b+c (7 us)
+        (1, {"a", "b", "c"}, 1, 7),  # only the input is left
+    ],
+)
 def test_chain_exact_budgets(budget_mib, recompute, kept_mib, us):
     p = chain()
     sol, saved, recomputed, kept = solve_ok(p, budget=None if budget_mib is None else budget_mib * MiB)
@@ -174,8 +187,12 @@ def test_recompute_pulls_in_an_unkept_input():
 def test_views_share_one_storage():
     """v1 and v2 are views of a (4 MiB): keeping both charges 4 MiB once. Recomputing one view alone
     frees nothing; freeing the storage means recomputing both views and a itself."""
-    p = problem(inp("x", 1), op("a", ["x"], 4, 5, needed=False),
-                op("v1", ["a"], None, 1, storage="a"), op("v2", ["a"], None, 1, storage="a"))
+    p = problem(
+        inp("x", 1),
+        op("a", ["x"], 4, 5, needed=False),
+        op("v1", ["a"], None, 1, storage="a"),
+        op("v2", ["a"], None, 1, storage="a"),
+    )
     assert p.storage_bytes == {"x": MiB, "a": 4 * MiB}
     saved, recomputed = p.needed_closure(set())
     assert saved == {"v1", "v2"}
@@ -199,8 +216,7 @@ def test_view_and_base_both_needed():
 
 def test_value_that_cannot_be_recomputed():
     """x (a graph input, 2 MiB) and c (a collective, can_recompute=False) must be kept whatever it costs."""
-    p = problem(inp("x", 2, needed=True), op("a", ["x"], 1, 1),
-                op("c", ["a"], 3, 1, can_recompute=False))
+    p = problem(inp("x", 2, needed=True), op("a", ["x"], 1, 1), op("c", ["a"], 3, 1, can_recompute=False))
     assert p.kept_bytes(*p.needed_closure(set())) == 6 * MiB
     _, saved, recomputed, kept = solve_ok(p, budget=5 * MiB)
     assert recomputed == {"a"} and saved == {"x", "c"} and kept == 5 * MiB
@@ -237,8 +253,7 @@ def test_backward_only_value_costs_nothing():
 
 def tagged(tag_a=None, tag_b=None):
     """x (1 MiB input) -> a (2 MiB, 1 us) -> b (2 MiB, 3 us), all read by the backward."""
-    return problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1, tag=tag_a),
-                   op("b", ["a"], 2, 3, tag=tag_b))
+    return problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1, tag=tag_a), op("b", ["a"], 2, 3, tag=tag_b))
 
 
 def test_must_save_is_honoured():
@@ -256,8 +271,7 @@ def test_must_recompute_is_honoured_without_a_budget():
     _, saved, recomputed, kept = solve_ok(tagged(tag_b="must_recompute"), budget=None)
     assert recomputed == {"b"} and kept == 3 * MiB
     # even when that forces an input to be recomputed too
-    p = problem(inp("x", 1), op("a", ["x"], 4, 10, needed=False), op("b", ["a"], 2, 1,
-                                                                       tag="must_recompute"))
+    p = problem(inp("x", 1), op("a", ["x"], 4, 10, needed=False), op("b", ["a"], 2, 1, tag="must_recompute"))
     _, saved, recomputed, kept = solve_ok(p, budget=None)
     assert "b" in recomputed and "b" not in saved
 
@@ -277,18 +291,17 @@ def test_prefer_tags_are_soft():
     assert recomputed == {"b"}
 
 
-@pytest.mark.parametrize("recompute_us, save_us, expect", [
-    (1, 5, {"a"}),     # recompute is cheaper than writing and reading back a
-    (5, 1, set()),     # saving is cheaper
-])
+@pytest.mark.parametrize(
+    "recompute_us, save_us, expect",
+    [
+        (1, 5, {"a"}),  # recompute is cheaper than writing and reading back a
+        (5, 1, set()),  # saving is cheaper
+    ],
+)
 def test_no_budget_recomputes_only_when_cheaper(recompute_us, save_us, expect):
-    p = problem(inp("x", 1, needed=True), op("a", ["x"], 2, recompute_us),
-                save_us={"x": 1, "a": save_us})
+    p = problem(inp("x", 1, needed=True), op("a", ["x"], 2, recompute_us), save_us={"x": 1, "a": save_us})
     _, _, recomputed, _ = solve_ok(p, budget=None)
     assert recomputed == expect
-
-
-
 
 
 def test_solution_reports_model_size():
@@ -299,8 +312,9 @@ def test_solution_reports_model_size():
 
 def test_unsaveable_tuple_is_recomputed_with_its_getitem():
     """t is a tuple (no storage, can_save=False): the ILP can only have it by recomputing it."""
-    p = problem(inp("w"), op("t", ["w"], None, 5, needed=False, storage="", can_save=False),
-                op("g", ["t"], 1, 1))
+    p = problem(
+        inp("w"), op("t", ["w"], None, 5, needed=False, storage="", can_save=False), op("g", ["t"], 1, 1)
+    )
     _, saved, recomputed, kept = solve_ok(p, budget=0)
     assert recomputed == {"t", "g"} and saved == {"w"} and kept == 0
     assert p.recompute_seconds(recomputed) == pytest.approx(6 * US)
@@ -310,8 +324,9 @@ def test_greedy_never_keeps_an_unsaveable_value():
     """Regression: t is a tuple (no storage, can_save=False) between the parameter w and its getitem
     g. Dropping g's 1 MiB means recomputing g *and* t (6 us); needed_closure used to put t in `saved`,
     so the greedy plan recomputed only g and 'kept' t (1 us, cheaper than any valid plan)."""
-    p = problem(inp("w"), op("t", ["w"], None, 5, needed=False, storage="", can_save=False),
-                op("g", ["t"], 1, 1))
+    p = problem(
+        inp("w"), op("t", ["w"], None, 5, needed=False, storage="", can_save=False), op("g", ["t"], 1, 1)
+    )
     assert p.needed_closure({"g"}) == ({"w"}, {"g", "t"})
     rec = greedy_recompute(p, 0)
     saved, recomputed = p.needed_closure(rec)
@@ -325,9 +340,15 @@ def test_cbc_preprocessing_returns_a_suboptimal_optimal():
     RNG state = 4 + 3 + 3 + 0.5 = 10.5 MiB, within the budget; CBC instead also recomputes m (1 us)
     and reports optimal ("Postprocessing changed objective from 1 to 1.001 - possible tolerance
     issue - try without preprocessing" in its log)."""
-    p = problem(inp("x", 4), inp("y", 3), inp("w", 1),
-                op("d", ["x", "y"], 4, 0, random=True), op("v", ["x", "y"], None, 0, storage="x"),
-                op("m", ["x", "y", "w"], 3, 1), rng_state_bytes=MiB // 2)
+    p = problem(
+        inp("x", 4),
+        inp("y", 3),
+        inp("w", 1),
+        op("d", ["x", "y"], 4, 0, random=True),
+        op("v", ["x", "y"], None, 0, storage="x"),
+        op("m", ["x", "y", "w"], 3, 1),
+        rng_state_bytes=MiB // 2,
+    )
     budget = 10 * MiB + MiB // 2
     best_saved, best_rec = p.needed_closure({"d", "v"})
     assert p.kept_bytes(best_saved, best_rec) == budget and p.recompute_seconds(best_rec) == 0
@@ -344,9 +365,16 @@ def test_highs_solve_error_on_an_infeasible_model_is_answered_by_cbc():
     """Found by test_ilp_is_optimal_against_brute_force[highs]: on this infeasible model (v9 and v10
     each need 1 MiB kept, the budget is 1 byte short of 2 MiB) HiGHS says "Solve error", not
     infeasible; the solve must still report "infeasible" so that the planner names the least budget."""
-    p = problem(inp("v0"), inp("v1"), inp("v2", 1), op("v3", ["v0", "v1"], None, 0, needed=False, storage="v0"),
-                op("v4", ["v0"], 1, 0, needed=False), op("v8", ["v0"], 1, 0, needed=False, can_recompute=False),
-                op("v9", ["v0", "v2"], 1, 0), op("v10", ["v0", "v8", "v2"], 1, 0))
+    p = problem(
+        inp("v0"),
+        inp("v1"),
+        inp("v2", 1),
+        op("v3", ["v0", "v1"], None, 0, needed=False, storage="v0"),
+        op("v4", ["v0"], 1, 0, needed=False),
+        op("v8", ["v0"], 1, 0, needed=False, can_recompute=False),
+        op("v9", ["v0", "v2"], 1, 0),
+        op("v10", ["v0", "v8", "v2"], 1, 0),
+    )
     assert ilp.solve(p, budget=2 * MiB - 1, solver="highs").status == "infeasible"
     assert ilp.solve(p, budget=2 * MiB, solver="highs").status == "optimal"
 
@@ -369,6 +397,7 @@ def test_a_cbc_run_that_stops_without_a_solution_leaves_no_files(monkeypatch, tm
 
 
 # -- random problems -------------------------------------------------------------------------------
+
 
 @st.composite
 def problems(draw, *, max_values=12, zero_save=False, steps=4):
@@ -399,17 +428,26 @@ def problems(draw, *, max_values=12, zero_save=False, steps=4):
             storage, can_save = name, True
             storage_bytes[name] = draw(st.integers(1, 8)) * MiB
         values[name] = Value(
-            name, storage, inputs=inputs, needed=needed and can_save, can_save=can_save,
+            name,
+            storage,
+            inputs=inputs,
+            needed=needed and can_save,
+            can_save=can_save,
             can_recompute=draw(st.sampled_from([True] * 5 + [False])),
             in_forward=draw(st.sampled_from([True] * 7 + [False])),
             random=draw(st.sampled_from([False] * 5 + [True])),
-            recompute_s=draw(st.integers(0, 20)) * US, last_use=last,
+            recompute_s=draw(st.integers(0, 20)) * US,
+            last_use=last,
             tag=draw(st.sampled_from([None] * 8 + ["must_save", "must_recompute"])) if can_save else None,
         )
     save_s = {s: 0.0 if zero_save else draw(st.integers(0, 10)) * US for s in storage_bytes}
-    return Problem(values=values, storage_bytes=storage_bytes, save_s=save_s,
-                   rng_state_bytes=draw(st.sampled_from([0, MiB // 2, MiB])),
-                   bwd_steps=steps)
+    return Problem(
+        values=values,
+        storage_bytes=storage_bytes,
+        save_s=save_s,
+        rng_state_bytes=draw(st.sampled_from([0, MiB // 2, MiB])),
+        bwd_steps=steps,
+    )
 
 
 def save_seconds(p: Problem, saved: set[str]) -> float:
@@ -424,10 +462,11 @@ def cost(p: Problem, saved, recomputed) -> float:
 
 def valid(p: Problem, saved, recomputed) -> bool:
     """A plan the backend can run: nothing unsaveable kept, and the user's MUST_* tags respected."""
-    return (all(p.values[n].can_save for n in saved)
-            and not any(p.values[n].tag == "must_save" for n in recomputed)
-            and not any(p.values[n].tag == "must_recompute" and p.values[n].can_recompute
-                        for n in saved))
+    return (
+        all(p.values[n].can_save for n in saved)
+        and not any(p.values[n].tag == "must_save" for n in recomputed)
+        and not any(p.values[n].tag == "must_recompute" and p.values[n].can_recompute for n in saved)
+    )
 
 
 def all_plans(p: Problem):
@@ -590,7 +629,6 @@ def test_minimize_memory_finds_the_least_kept_bytes(p):
     assert kept == min(k for _, _, k, _ in plans)
 
 
-
 def test_a_node_limit_returns_the_best_plan_found_with_its_gap():
     # a strongly correlated knapsack (recompute time = bytes + a constant) is not solved at the root;
     # stopped after one node, HiGHS ends with kSolutionLimit, which PuLP 3.3 cannot map (ilp._HiGHS)
@@ -652,17 +690,30 @@ def test_the_batched_model_is_the_model_pulp_builds(p, data):
         m.lp.solverModel = highspy.Highs()
         build(ilp._HiGHS(msg=False), m.lp)
         lp = m.lp.solverModel.getLp()
-        lps.append((list(lp.col_cost_), list(lp.col_lower_), list(lp.col_upper_), list(lp.integrality_),
-                    list(lp.row_lower_), list(lp.row_upper_), _row_wise(lp.a_matrix_)))
+        lps.append(
+            (
+                list(lp.col_cost_),
+                list(lp.col_lower_),
+                list(lp.col_upper_),
+                list(lp.integrality_),
+                list(lp.row_lower_),
+                list(lp.row_upper_),
+                _row_wise(lp.a_matrix_),
+            )
+        )
     assert lps[0] == lps[1]
 
 
 def _row_wise(matrix) -> list:
     """A HiGHS matrix as (row, column, value) triples, in order, whichever way it is stored."""
-    triples = [(i, col, v) if matrix.format_ == matrix.format_.__class__.kRowwise else (col, i, v)
-               for i in range(len(matrix.start_) - 1)
-               for col, v in zip(matrix.index_[matrix.start_[i]:matrix.start_[i + 1]],
-                                 matrix.value_[matrix.start_[i]:matrix.start_[i + 1]])]
+    triples = [
+        (i, col, v) if matrix.format_ == matrix.format_.__class__.kRowwise else (col, i, v)
+        for i in range(len(matrix.start_) - 1)
+        for col, v in zip(
+            matrix.index_[matrix.start_[i] : matrix.start_[i + 1]],
+            matrix.value_[matrix.start_[i] : matrix.start_[i + 1]],
+        )
+    ]
     return sorted(triples)
 
 
@@ -679,8 +730,13 @@ def test_no_budget_recomputes_what_costs_less_than_the_solvers_gap_of_the_step()
     1 ms step) is recomputed, ``costly`` (50 us) is not."""
     from recompile_opt.options import Options
     from recompile_opt.planner.search import make_plan
-    p = problem(inp("x", 1, needed=True), op("cheap", ["x"], 4, 2), op("costly", ["x"], 4, 50),
-                save_us={"x": 0, "cheap": 1, "costly": 1})
+
+    p = problem(
+        inp("x", 1, needed=True),
+        op("cheap", ["x"], 4, 2),
+        op("costly", ["x"], 4, 50),
+        save_us={"x": 0, "cheap": 1, "costly": 1},
+    )
     p = dataclasses.replace(p, step_s=1000 * US)
     fastest, _, recomputed, _ = solve_ok(p, budget=None)
     assert recomputed == set()

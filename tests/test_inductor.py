@@ -6,16 +6,18 @@ import secrets
 
 import pytest
 import torch
+from helpers import TINY_GPT, tiny_gpt, tiny_llama, train_side_by_side
 
 import recompile_opt
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.planner.policies import block_of
 
-from helpers import TINY_GPT, tiny_gpt, tiny_llama, train_side_by_side
 
-
-@pytest.mark.parametrize("options", [pytest.param({"memory_budget": 0.0}, marks=pytest.mark.slow),
-                                     {"policy": "megatron-selective"}], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [pytest.param({"memory_budget": 0.0}, marks=pytest.mark.slow), {"policy": "megatron-selective"}],
+    ids=str,
+)
 def test_dropout_is_kept_not_replayed_under_fallback_random_and_gradients_equal_eager(options):
     """With ``fallback_random`` Inductor draws eager's masks, so gradients compare with eager's; the
     backend then keeps every random op (the documented limit: Inductor cannot lower the CPU replay),
@@ -30,17 +32,27 @@ def test_dropout_is_kept_not_replayed_under_fallback_random_and_gradients_equal_
     assert any("random ops are kept, not replayed" in n for n in plan.notes)
 
 
-@pytest.mark.parametrize("options", [{"memory_budget": 0.0},
-                                     pytest.param({"policy": "megatron-selective"}, marks=pytest.mark.slow)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [{"memory_budget": 0.0}, pytest.param({"policy": "megatron-selective"}, marks=pytest.mark.slow)],
+    ids=str,
+)
 def test_dropout_replayed_by_inductors_rng_equals_the_same_model_at_save_all(options):
     """With Inductor's own RNG the masks differ from eager's, so compare with the same model compiled at
     save-all: each recomputed mask must be the one its forward drew (the same seeds draw the same
     masks). The random op itself is recomputed, and the compiled step saves what the plan keeps."""
     model, inputs, saved = *tiny_gpt(dropout=0.1), []
     with torch._inductor.config.patch(fallback_random=False):
-        plan = train_side_by_side(model, inputs, options=options, reference_options={"policy": "save-all"},
-                                  steps=3, rtol=1e-4, atol=1e-5, saved=saved)
+        plan = train_side_by_side(
+            model,
+            inputs,
+            options=options,
+            reference_options={"policy": "save-all"},
+            steps=3,
+            rtol=1e-4,
+            atol=1e-5,
+            saved=saved,
+        )
     replayed = [e for e in plan.recomputed if e.op == "prims.inductor_random"]
     assert len(replayed) >= TINY_GPT["n_layer"], plan  # at least each block's attention dropout
     assert saved[-1].total_bytes == pytest.approx(plan.saved_bytes, rel=0.02), saved[-1].summary()

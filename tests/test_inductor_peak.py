@@ -7,14 +7,13 @@ Units are MiB: a (256, 1024) fp32 buffer is exactly 1 MiB.
 from __future__ import annotations
 
 import pytest
-
-from recompile_opt.costs import inductor_peak
-from recompile_opt.planner import least_peak, search
-from recompile_opt.options import parse_options
-from recompile_opt.planner.solving import SimulateOnly
-
 from helpers import forget_searches
 from test_ilp import MiB, inp, op, problem
+
+from recompile_opt.costs import inductor_peak
+from recompile_opt.options import parse_options
+from recompile_opt.planner import least_peak, search
+from recompile_opt.planner.solving import SimulateOnly
 
 # What Inductor writes for a backward: an allocation, a buffer handed on (# reuse), a multi-output
 # fallback kernel whose third output is never unpacked, inputs freed after their last use.
@@ -41,9 +40,14 @@ def call(self, args):
 
 def walk(**kw):
     sizes = {"buf3": MiB, "buf4": MiB, "buf5": MiB}
-    return inductor_peak.walk(WRAPPER, inputs={"saved_a": "a", "saved_b": "b", "view_of_b": "b"},
-                              storage_bytes={"a": MiB, "b": MiB}, sizes=sizes,
-                              multi={"buf2": ["buf3", "buf4", "buf5"]}, **kw)
+    return inductor_peak.walk(
+        WRAPPER,
+        inputs={"saved_a": "a", "saved_b": "b", "view_of_b": "b"},
+        storage_bytes={"a": MiB, "b": MiB},
+        sizes=sizes,
+        multi={"buf2": ["buf3", "buf4", "buf5"]},
+        **kw,
+    )
 
 
 def test_the_walk_counts_storages_reuse_and_multi_output_calls():
@@ -70,10 +74,16 @@ def test_an_extern_kernels_scratch_counts_while_it_runs():
 
 # -- the planner's check --------------------------------------------------------------------------
 
+
 def chain():
     """x is kept by every plan; keeping a (2 MiB) saves 1000 us of recompute, b and c cost little."""
-    return problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 2),
-                   op("c", ["b"], 4, 4), bwd_steps=0)
+    return problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1000),
+        op("b", ["a"], 3, 2),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
 
 
 class _ScriptedSimulator(SimulateOnly):
@@ -99,8 +109,11 @@ class _ScriptedSimulator(SimulateOnly):
         return int((self.rival if "a" in saved else 20) * MiB)
 
 
-@pytest.mark.parametrize(("rival", "kept_a"), [(20.8, True), (21.2, False), (19.0, True), (None, False)],
-                         ids=["4%-above", "6%-above", "below", "unknown"])
+@pytest.mark.parametrize(
+    ("rival", "kept_a"),
+    [(20.8, True), (21.2, False), (19.0, True), (None, False)],
+    ids=["4%-above", "6%-above", "below", "unknown"],
+)
 def test_a_plan_that_recomputes_less_wins_within_the_exact_tie(monkeypatch, rival, kept_a):
     forget_searches(monkeypatch)  # the same problem under other simulators
     sim = _ScriptedSimulator(rival)
@@ -132,8 +145,9 @@ def test_no_plan_is_lowered_without_a_rival_in_range(monkeypatch):
 
 
 def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
-    import recompile_opt
     from helpers import tiny_gpt
+
+    import recompile_opt
 
     model, inputs = tiny_gpt()
     least = recompile_opt.plan(model, inputs, memory_budget=0.0)
@@ -145,18 +159,20 @@ def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
     assert recompile_opt.plan(model, inputs).solver["peak_from"] == "simulator"  # no budget: no search
 
 
-
 def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
     """The walks are kept per graph and settings (``simulator.simulator_for``): compiled again, the 0.0
     plan (walked by its search) is not lowered again; another fraction's plan is, in this compile's
     graph; under other Inductor settings the 0.0 plan is walked anew."""
-    import recompile_opt
     import torch
     from helpers import tiny_llama
 
+    import recompile_opt
+
     def compiled_plan(budget):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"})
+        compiled = torch.compile(
+            model, backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"}
+        )
         compiled(*inputs).backward()
         return recompile_opt.last_plans()[-1]
 
@@ -178,6 +194,7 @@ def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
 
 # -- no side effects on the compile that follows ------------------------------------------------------
 
+
 def _small_gpt():
     from recompile_opt import models
 
@@ -192,8 +209,9 @@ def small_gpt_bounds():
     op (the eager compiler), measured from the allocator's records: Inductor's code fuses away and
     reuses what that run allocates (on torch 2.13: 570 KB walked, 901 KB measured, 471 KB of
     gradients; the Inductor step itself measures 570 KB, 4 bytes above the walk)."""
-    from recompile_opt.costs.measure import peak_memory, saved_report
     from helpers import partitioned_and_compiled
+
+    from recompile_opt.costs.measure import peak_memory, saved_report
 
     model, inputs = _small_gpt()
     _, compiled = partitioned_and_compiled(model, inputs, {"memory_budget": 0.0})
@@ -241,8 +259,10 @@ def test_the_walk_gives_the_peak_measured_in_the_step_inductor_compiles():
         compiled(*inputs).backward()
 
     # a cache hit would skip the partitioner, leaving no graphs to walk
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
         for _ in range(3):
             step()
     measured = peak_memory(step)
@@ -255,9 +275,8 @@ def test_the_walk_leaves_the_process_generating_simd_kernels(small_gpt_bounds):
     # the walk once lowered with Inductor's vector ISA switched off (a third faster) and every kernel the
     # process compiled afterwards came out scalar: the benchmark's plans stepped 25-40% slower
     import torch
-    from torch._inductor.utils import run_and_get_code
-
     from helpers import partitioned
+    from torch._inductor.utils import run_and_get_code
 
     part = partitioned(*_small_gpt(), {"memory_budget": 0.0})
     fw, bw = part.last_forward, part.last_backward
@@ -270,9 +289,8 @@ def test_the_walk_leaves_the_process_generating_simd_kernels(small_gpt_bounds):
 def test_the_walk_runs_no_custom_post_grad_pass(small_gpt_bounds):
     # a user's pass (here a counter, as bench/compare.py's FLOP count) sees only the graphs compiled
     import torch
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
     from helpers import partitioned
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class Count(CustomGraphPass):
         seen = 0
@@ -297,15 +315,16 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
     import contextlib
 
     import torch
+    from helpers import tiny_gpt
 
     import recompile_opt
     from recompile_opt import backend
     from recompile_opt.costs import measure, simulator
-    from helpers import tiny_gpt
 
     walked, real = [], simulator.exact_peak
-    monkeypatch.setattr(simulator, "exact_peak",
-                        lambda *a, **k: walked.append(k.get("compiled") is not None) or real(*a, **k))
+    monkeypatch.setattr(
+        simulator, "exact_peak", lambda *a, **k: walked.append(k.get("compiled") is not None) or real(*a, **k)
+    )
     model, inputs = tiny_gpt()
 
     def compiled_step() -> tuple[int, object]:
@@ -323,8 +342,10 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         return measured, recompile_opt.last_plans()[-1]
 
     # compiled anew, whatever an earlier run left in the caches (a hit calls no partitioner, lowers nothing)
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
         measured, plan = compiled_step()
         assert walked.count(True) == 1 and walked[-1], walked  # the search's walks lower; the plan's does not
         assert plan.solver["peak_from"] == "inductor-code", plan.notes
@@ -332,7 +353,10 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
 
         monkeypatch.setattr(backend.ti, "compiled_wrapper_code", lambda: contextlib.nullcontext([]))
         _, again = compiled_step()
-        assert walked and not any(walked) and again.solver["peak_from"] == "inductor-code", (walked, again.notes)
+        assert walked and not any(walked) and again.solver["peak_from"] == "inductor-code", (
+            walked,
+            again.notes,
+        )
         assert again.predicted_peak_bytes == plan.predicted_peak_bytes
 
 
@@ -343,10 +367,10 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
     import contextlib
 
     import torch
+    from helpers import tiny_gpt
 
     import recompile_opt
     from recompile_opt import backend
-    from helpers import tiny_gpt
 
     recorded, real = [], backend.ti.compiled_wrapper_code
 
@@ -358,8 +382,10 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
 
     monkeypatch.setattr(backend.ti, "compiled_wrapper_code", recording)
     model, inputs = tiny_gpt()
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            torch._inductor.config.patch(fx_graph_cache=False):
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
         torch._dynamo.reset()
         recompile_opt.reset_plans()
         torch.compile(model, backend="recompile_opt", options={"memory_budget": None})(*inputs)

@@ -50,20 +50,51 @@ def _wheel(tmp_path: Path) -> Path:
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src),
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("recompile_opt-*.whl")
     return wheel
 
 
 def test_the_installed_wheel_plans_the_parallel_helpers_ops_in_the_users_module(tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "-q", "--target", str(site),
-                    str(_wheel(tmp_path))], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(site),
+            str(_wheel(tmp_path)),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
     # run from tmp_path: the checkout (the interpreter's working directory) must not be on sys.path
-    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(out["package"]).resolve().is_relative_to(site.resolve())
@@ -71,4 +102,6 @@ def test_the_installed_wheel_plans_the_parallel_helpers_ops_in_the_users_module(
     helpers = [k for k in out["kept"] if k[3].split(":")[0] in ("collectives.py", "dropout.py")]
     assert helpers, out["kept"]  # the sliced mask is kept, made by the helpers
     activations = [k for k in out["kept"] if k[1] not in ("input", "param")]
-    assert activations and all(module == "block" for _op, _reason, module, _source in activations), out["kept"]
+    assert activations and all(module == "block" for _op, _reason, module, _source in activations), out[
+        "kept"
+    ]

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import partitioned
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import recompile_opt
-from recompile_opt.costs import kernels, measure, peak
 from recompile_opt import models
+from recompile_opt.costs import kernels, measure, peak
 from recompile_opt.plan import fmt_bytes
-
-from helpers import partitioned
 
 UNIT = 256 * 256 * 4
 
@@ -96,6 +95,7 @@ def test_plan_peak_breakdown_adds_up_to_the_predicted_peak():
 def test_views_and_getitems_are_not_kernels():
     def f(x, w):
         return (x.t() @ w).relu().view(-1).sum()
+
     order, _, _ = kernels.schedule(graph(f, 2))
     names = [n.name for k in order for n in k.nodes]
     assert not any(n.startswith(("t", "view")) and not n.startswith("tanh") for n in names), names
@@ -125,12 +125,15 @@ def _measured_and_predicted(model_cls, config_cls, options):
 
 
 # the benchmark's GPT at 0.0 (its plan checked in Inductor's code) runs by default, the rest are slow
-@pytest.mark.parametrize("name, options", [
-    pytest.param("gpt", {"policy": "full"}, marks=pytest.mark.slow, id="full-gpt"),
-    pytest.param("llama", {"policy": "full"}, marks=pytest.mark.slow, id="full-llama"),
-    pytest.param("gpt", {"memory_budget": 0.0}, id="0.0-gpt"),
-    pytest.param("llama", {"memory_budget": 0.0}, marks=pytest.mark.slow, id="0.0-llama"),
-])
+@pytest.mark.parametrize(
+    "name, options",
+    [
+        pytest.param("gpt", {"policy": "full"}, marks=pytest.mark.slow, id="full-gpt"),
+        pytest.param("llama", {"policy": "full"}, marks=pytest.mark.slow, id="full-llama"),
+        pytest.param("gpt", {"memory_budget": 0.0}, id="0.0-gpt"),
+        pytest.param("llama", {"memory_budget": 0.0}, marks=pytest.mark.slow, id="0.0-llama"),
+    ],
+)
 def test_predicted_peak_within_ten_percent_of_measured(name, options):
     """Through Inductor, fp32, one thread: the node-by-node model missed the Llama by up to 31%."""
     threads = torch.get_num_threads()
@@ -142,12 +145,14 @@ def test_predicted_peak_within_ten_percent_of_measured(name, options):
         torch.set_num_threads(threads)
     predicted = plan.predicted_peak_bytes
     assert abs(predicted / measured - 1) <= 0.10, (
-        f"{name} {options}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+        f"{name} {options}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
+    )
     if name == "gpt" and options == {"memory_budget": 0.0}:  # the benchmark's GPT: checked against rivals
         assert plan.solver["peak_from"] == "inductor-code", plan.notes
     if plan.solver["peak_from"] == "inductor-code":  # walked in Inductor's own code: SDPA's scratch aside
         assert abs(predicted / measured - 1) <= 0.005, (
-            f"{name} {options}: walked {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+            f"{name} {options}: walked {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB"
+        )
 
 
 def test_the_simulated_timeline_reaches_the_predicted_peak():

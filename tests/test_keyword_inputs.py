@@ -10,12 +10,11 @@ import json
 
 import pytest
 import torch
+from test_hf_models import BATCH, SEQ, VOCAB, llama
 
 import recompile_opt
 from recompile_opt.cli import main
 from recompile_opt.plan import Plan
-
-from test_hf_models import BATCH, SEQ, VOCAB, llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,11 +39,14 @@ class Positional(torch.nn.Module):
 
 def _decisions(plan: Plan, prefix: str = "") -> list[tuple]:
     """What a plan decides, value by value, with module paths less ``prefix`` (the wrapper's)."""
+
     def module(path):
         return "" if path + "." == prefix else path.removeprefix(prefix)
 
-    return sorted((e.op, tuple(e.shape), e.action, e.reason, e.bytes, module(e.module))
-                  for e in plan.saved + plan.recomputed)
+    return sorted(
+        (e.op, tuple(e.shape), e.action, e.reason, e.bytes, module(e.module))
+        for e in plan.saved + plan.recomputed
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +61,18 @@ def test_a_dict_of_keyword_inputs_plans_as_positional_inputs_do(positional):
     expected, decisions = positional
     model, kw = tiny_llama_keywords()
     plan = recompile_opt.plan(model, kw, compiler="eager")
-    assert (plan.saved_bytes, plan.baseline_bytes, plan.recompute_flops) == \
-        (expected.saved_bytes, expected.baseline_bytes, expected.recompute_flops), plan.summary()
+    assert (plan.saved_bytes, plan.baseline_bytes, plan.recompute_flops) == (
+        expected.saved_bytes,
+        expected.baseline_bytes,
+        expected.recompute_flops,
+    ), plan.summary()
     assert _decisions(plan) == decisions  # module paths as the model names them (not "0.model.layers.0")
     # a tokenizer's BatchEncoding is a Mapping, not a dict; kwargs= goes beside positional inputs
     encoding = collections.UserDict(kw)
-    for again in (recompile_opt.plan(model, encoding, compiler="eager"),
-                  recompile_opt.plan(model, (kw["input_ids"],), kwargs={"labels": kw["labels"]}, compiler="eager")):
+    for again in (
+        recompile_opt.plan(model, encoding, compiler="eager"),
+        recompile_opt.plan(model, (kw["input_ids"],), kwargs={"labels": kw["labels"]}, compiler="eager"),
+    ):
         assert _decisions(again) == decisions, again.summary()
 
 

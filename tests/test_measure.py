@@ -139,7 +139,9 @@ def test_memory_profile_prints_no_usdt_lines(capfd, monkeypatch):
         real = getattr(profile, method)
 
         def noisy(self, real=real, method=method):
-            os.write(2, f"USDT:2026-11-25 1:1 SyncActivityProfilerHandler.cpp:52] profiler_{method}\n".encode())
+            os.write(
+                2, f"USDT:2026-11-25 1:1 SyncActivityProfilerHandler.cpp:52] profiler_{method}\n".encode()
+            )
             return real(self)
 
         monkeypatch.setattr(profile, method, noisy)

@@ -27,9 +27,14 @@ class LastHidden(torch.nn.Module):
 
 
 def _llama(device, dtype, seq, **shape):
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, vocab_size=shape.pop("vocab", 128),
-                                   max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False,
-                                   **shape)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        vocab_size=shape.pop("vocab", 128),
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+        use_cache=False,
+        **shape,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaModel(cfg).to(dtype)
@@ -39,16 +44,28 @@ def _llama(device, dtype, seq, **shape):
 @pytest.mark.parametrize("setting", [{"memory_budget": 0.0}, {"policy": "megatron-selective"}], ids=str)
 def test_a_7b_shaped_llama_planned_on_meta_keeps_no_attention_matrix(setting):
     seq, heads = 4096, 32
-    model, inputs = _llama("meta", torch.bfloat16, seq, hidden_size=4096, intermediate_size=11008,
-                           num_attention_heads=heads, num_key_value_heads=heads, vocab=32000)
+    model, inputs = _llama(
+        "meta",
+        torch.bfloat16,
+        seq,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab=32000,
+    )
     plan = recompile_opt.plan(model, inputs, **setting)
-    per_head = [e for e in plan.saved if len(e.shape) == 4 and e.shape[1] == heads and e.shape[-2:] == [seq, seq]]
+    per_head = [
+        e for e in plan.saved if len(e.shape) == 4 and e.shape[1] == heads and e.shape[-2:] == [seq, seq]
+    ]
     assert not per_head, per_head
     # the math path kept each layer's fp32 probabilities: 2 GiB a layer
     assert plan.saved_bytes < 2 * GiB, plan.summary()
     assert any("planned as the fused kernel target_device='cuda'" in n for n in plan.notes), plan.notes
     if "policy" in setting:  # the attention core is the fused call, recomputed
-        assert {e.op for e in plan.recomputed if "attention" in e.op} == {"_scaled_dot_product_efficient_attention"}
+        assert {e.op for e in plan.recomputed if "attention" in e.op} == {
+            "_scaled_dot_product_efficient_attention"
+        }
 
 
 @pytest.mark.parametrize("setting", [{"memory_budget": 300_000}, {"policy": "megatron-selective"}], ids=str)
@@ -72,5 +89,7 @@ def test_a_plan_made_on_meta_for_the_cpu_is_the_plan_made_on_the_cpu(setting):
 def test_target_device_accepts_the_devices_it_knows():
     assert parse_options({"target_device": "cpu"}).target_device == "cpu"
     assert parse_options({}).target_device == "cuda"
-    with pytest.raises(OptionError, match=r"option 'target_device': got 'tpu'; accepted values: \['cuda', 'cpu'\]"):
+    with pytest.raises(
+        OptionError, match=r"option 'target_device': got 'tpu'; accepted values: \['cuda', 'cpu'\]"
+    ):
         parse_options({"target_device": "tpu"})

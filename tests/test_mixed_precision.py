@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_gpt
 
 import recompile_opt
 from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
-
-from helpers import tiny_gpt
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
 # Through Inductor: bf16 has an 8-bit mantissa, gradients here are O(1e-2), and Inductor's kernels round
@@ -54,22 +53,28 @@ def _numel(shape):
 
 @pytest.mark.parametrize("budget", [None, 0.5], ids=str)
 def test_autocast_bf16_gradients_and_real_sizes(budget):
-    model, compiled, inputs = _train_autocast_side_by_side({"memory_budget": budget, "compiler": "eager"},
-                                                           steps=2, **FP32_TOL)
+    model, compiled, inputs = _train_autocast_side_by_side(
+        {"memory_budget": budget, "compiler": "eager"}, steps=2, **FP32_TOL
+    )
     plans = recompile_opt.last_plans()
     assert len(plans) == 1, [p.graph for p in plans]
     plan = plans[0]
     charged = [e for e in plan.saved if e.bytes > 0 and e.dtype in ITEMSIZE]
-    exact = {dt: [e for e in charged if e.dtype == dt and e.bytes == _numel(e.shape) * ITEMSIZE[dt]]
-             for dt in ITEMSIZE}
+    exact = {
+        dt: [e for e in charged if e.dtype == dt and e.bytes == _numel(e.shape) * ITEMSIZE[dt]]
+        for dt in ITEMSIZE
+    }
     assert exact["bfloat16"], "no bf16 activation kept at 2 bytes an element:\n" + str(plan)
     assert exact["float32"], "no fp32 activation kept at 4 bytes an element:\n" + str(plan)
     for e in charged:  # a charged entry pays its storage: at least its own elements at its dtype's size
         assert e.bytes >= _numel(e.shape) * ITEMSIZE[e.dtype], e
         assert e.bytes % ITEMSIZE[e.dtype] == 0, e
     # the matmul inputs autocast feeds the backward are bf16, the layer norms' statistics fp32
-    assert sum(e.bytes for e in charged if e.dtype == "bfloat16") > sum(
-        e.bytes for e in charged if e.dtype == "float32") > 0
+    assert (
+        sum(e.bytes for e in charged if e.dtype == "bfloat16")
+        > sum(e.bytes for e in charged if e.dtype == "float32")
+        > 0
+    )
 
     with SavedTensorsMeter(exclude=storage_ptrs(model)) as meter:
         with _autocast():

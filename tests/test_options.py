@@ -6,69 +6,90 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import recompile_opt
-from recompile_opt.options import DEFAULT_ROOFLINE, OptionError, Options, parse_budget, parse_bytes, parse_options
-from recompile_opt.planner import ilp
-
 from helpers import tiny_gpt, tiny_mlp, train_side_by_side
 
+import recompile_opt
+from recompile_opt.options import (
+    DEFAULT_ROOFLINE,
+    OptionError,
+    Options,
+    parse_budget,
+    parse_bytes,
+    parse_options,
+)
+from recompile_opt.planner import ilp
 
-@pytest.mark.parametrize("raw,match", [
-    ({"memroy_budget": 1}, r"unknown recompile_opt option\(s\) \['memroy_budget'\].*accepted options"),
-    ({"memory_budget": -5}, r"'memory_budget'.*-5.*>= 0"),
-    ({"memory_budget": "512"}, r"'memory_budget'.*'512' has no units"),
-    ({"memory_budget": "5 parsecs"}, r"unknown unit 'parsecs'.*accepted units"),
-    ({"memory_budget": 1.5}, r"'memory_budget'.*outside \[0, 1\]"),
-    ({"memory_budget": True}, r"'memory_budget'.*bool.*float fraction in \[0, 1\].*int of bytes.*'512MiB'"),
-    ({"memory_budget": [1]}, r"'memory_budget'.*list \[1\].*float fraction in \[0, 1\].*int of bytes"),
-    ({"peak_memory": "lots"}, r"'peak_memory'.*cannot read 'lots'"),
-    ({"policy": "magic"}, r"'policy'.*'magic'.*\['auto', 'save-all', 'full', 'megatron-selective'\]"),
-    ({"solver": "gurobi"}, r"'solver'.*\['cbc', 'highs'\]"),
-    ({"strict": "yes"}, r"'strict'.*True, False"),
-    ({"time_limit_s": 0}, r"'time_limit_s'.*positive"),
-    ({"time_limit_s": "30"}, r"'time_limit_s'.*'30'.*positive number of seconds"),
-    ({"mip_gap": 1.0}, r"'mip_gap'.*1\.0.*relative gap in \[0, 1\)"),
-    ({"mip_gap": -0.01}, r"'mip_gap'.*-0\.01.*\[0, 1\)"),
-    ({"mip_gap": "1%"}, r"'mip_gap'.*'1%'.*\[0, 1\)"),
-    ({"compiler": "aot_eager"}, r"'compiler'.*'aot_eager'.*accepted values: \['inductor', 'eager'\]"),
-    ({"roofline": 1e12}, r"'roofline'.*expected a dict with keys from \['flops_per_s', 'bytes_per_s', "
-                         r"'link_bytes_per_s', 'collective_latency_s'\]"),
-    ({"roofline": {"flops": 1e12}}, r"'roofline'.*'flops'.*keys from \['flops_per_s', 'bytes_per_s', "),
-    ({"roofline": {"flops_per_s": 0}}, r"'roofline': flops_per_s=0 must be a positive number"),
-    ({"peak_memory": -1}, r"'peak_memory'.*-1.*>= 0"),
-    ({"policy": "full", "memory_budget": 0.2}, r"'policy'.*'full' is a fixed baseline.*memory_budget.*'auto'"),
-    ({"policy": "save-all", "peak_memory": "1GiB"}, r"'policy'.*'save-all'.*peak_memory"),
-])
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"memroy_budget": 1}, r"unknown recompile_opt option\(s\) \['memroy_budget'\].*accepted options"),
+        ({"memory_budget": -5}, r"'memory_budget'.*-5.*>= 0"),
+        ({"memory_budget": "512"}, r"'memory_budget'.*'512' has no units"),
+        ({"memory_budget": "5 parsecs"}, r"unknown unit 'parsecs'.*accepted units"),
+        ({"memory_budget": 1.5}, r"'memory_budget'.*outside \[0, 1\]"),
+        (
+            {"memory_budget": True},
+            r"'memory_budget'.*bool.*float fraction in \[0, 1\].*int of bytes.*'512MiB'",
+        ),
+        ({"memory_budget": [1]}, r"'memory_budget'.*list \[1\].*float fraction in \[0, 1\].*int of bytes"),
+        ({"peak_memory": "lots"}, r"'peak_memory'.*cannot read 'lots'"),
+        ({"policy": "magic"}, r"'policy'.*'magic'.*\['auto', 'save-all', 'full', 'megatron-selective'\]"),
+        ({"solver": "gurobi"}, r"'solver'.*\['cbc', 'highs'\]"),
+        ({"strict": "yes"}, r"'strict'.*True, False"),
+        ({"time_limit_s": 0}, r"'time_limit_s'.*positive"),
+        ({"time_limit_s": "30"}, r"'time_limit_s'.*'30'.*positive number of seconds"),
+        ({"mip_gap": 1.0}, r"'mip_gap'.*1\.0.*relative gap in \[0, 1\)"),
+        ({"mip_gap": -0.01}, r"'mip_gap'.*-0\.01.*\[0, 1\)"),
+        ({"mip_gap": "1%"}, r"'mip_gap'.*'1%'.*\[0, 1\)"),
+        ({"compiler": "aot_eager"}, r"'compiler'.*'aot_eager'.*accepted values: \['inductor', 'eager'\]"),
+        (
+            {"roofline": 1e12},
+            r"'roofline'.*expected a dict with keys from \['flops_per_s', 'bytes_per_s', "
+            r"'link_bytes_per_s', 'collective_latency_s'\]",
+        ),
+        ({"roofline": {"flops": 1e12}}, r"'roofline'.*'flops'.*keys from \['flops_per_s', 'bytes_per_s', "),
+        ({"roofline": {"flops_per_s": 0}}, r"'roofline': flops_per_s=0 must be a positive number"),
+        ({"peak_memory": -1}, r"'peak_memory'.*-1.*>= 0"),
+        (
+            {"policy": "full", "memory_budget": 0.2},
+            r"'policy'.*'full' is a fixed baseline.*memory_budget.*'auto'",
+        ),
+        ({"policy": "save-all", "peak_memory": "1GiB"}, r"'policy'.*'save-all'.*peak_memory"),
+    ],
+)
 def test_bad_options_name_the_option_and_the_accepted_values(raw, match):
     with pytest.raises(OptionError, match=match):
         parse_options(raw)
 
 
-@pytest.mark.parametrize("raw,field,value", [
-    ({}, "memory_budget", None),
-    ({"memory_budget": 0.25}, "memory_budget", 0.25),
-    ({"memory_budget": 0}, "memory_budget", 0),
-    ({"memory_budget": 65536}, "memory_budget", 65536),
-    ({"memory_budget": "64KiB"}, "memory_budget", 65536),
-    ({"memory_budget": "2GB"}, "memory_budget", 2 * 10**9),
-    ({"peak_memory": 65536}, "peak_memory", 65536),
-    ({"peak_memory": "64KiB"}, "peak_memory", 65536),
-    ({}, "strict", False),
-    ({"strict": True}, "strict", True),
-    *[({"policy": p}, "policy", p) for p in ("auto", "save-all", "full", "megatron-selective")],
-    ({}, "solver", "highs"),
-    ({"solver": "cbc"}, "solver", "cbc"),
-    ({}, "time_limit_s", 30.0),
-    ({"time_limit_s": 5}, "time_limit_s", 5.0),
-    ({}, "mip_gap", 0.01),
-    ({"mip_gap": 0}, "mip_gap", 0.0),
-    ({"mip_gap": 0.5}, "mip_gap", 0.5),
-    ({"plan_dir": Path("/tmp/plans")}, "plan_dir", "/tmp/plans"),
-    ({"roofline": {"flops_per_s": 10**12}}, "roofline", {"flops_per_s": 1e12}),
-    ({}, "compiler", "inductor"),
-    ({"compiler": "eager"}, "compiler", "eager"),
-])
+@pytest.mark.parametrize(
+    "raw,field,value",
+    [
+        ({}, "memory_budget", None),
+        ({"memory_budget": 0.25}, "memory_budget", 0.25),
+        ({"memory_budget": 0}, "memory_budget", 0),
+        ({"memory_budget": 65536}, "memory_budget", 65536),
+        ({"memory_budget": "64KiB"}, "memory_budget", 65536),
+        ({"memory_budget": "2GB"}, "memory_budget", 2 * 10**9),
+        ({"peak_memory": 65536}, "peak_memory", 65536),
+        ({"peak_memory": "64KiB"}, "peak_memory", 65536),
+        ({}, "strict", False),
+        ({"strict": True}, "strict", True),
+        *[({"policy": p}, "policy", p) for p in ("auto", "save-all", "full", "megatron-selective")],
+        ({}, "solver", "highs"),
+        ({"solver": "cbc"}, "solver", "cbc"),
+        ({}, "time_limit_s", 30.0),
+        ({"time_limit_s": 5}, "time_limit_s", 5.0),
+        ({}, "mip_gap", 0.01),
+        ({"mip_gap": 0}, "mip_gap", 0.0),
+        ({"mip_gap": 0.5}, "mip_gap", 0.5),
+        ({"plan_dir": Path("/tmp/plans")}, "plan_dir", "/tmp/plans"),
+        ({"roofline": {"flops_per_s": 10**12}}, "roofline", {"flops_per_s": 1e12}),
+        ({}, "compiler", "inductor"),
+        ({"compiler": "eager"}, "compiler", "eager"),
+    ],
+)
 def test_every_accepted_value_is_read(raw, field, value):
     opts = parse_options(raw)
     assert getattr(opts, field) == value and type(getattr(opts, field)) is type(value)
@@ -113,17 +134,24 @@ def test_bad_option_through_torch_compile_is_caught_as_option_error():
         pytest.fail("a bad option compiled")
     assert str(error).splitlines()[0] == (
         "option 'memory_budget': got a bool (True); expected a float fraction in [0, 1] (0.0 the "
-        "least-memory plan, 1.0 save-all), an int of bytes, or a string with units such as '512MiB' or '2GB'")
+        "least-memory plan, 1.0 save-all), an int of bytes, or a string with units such as '512MiB' or '2GB'"
+    )
     assert isinstance(error, torch._dynamo.exc.BackendCompilerFailed)
     assert type(error.inner_exception) is OptionError
     assert str(error.inner_exception) == str(error).splitlines()[0]
 
 
-@pytest.mark.parametrize("raw,match", [
-    ({"memory_budget": "512"}, r"option 'memory_budget': '512' has no units"),
-    ({"compiler": "aot_eager"}, r"option 'compiler': got 'aot_eager'; accepted values: \['inductor', 'eager'\]"),
-    ({"mip_gap": 1}, r"option 'mip_gap': got 1; expected a relative gap in \[0, 1\)"),
-])
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"memory_budget": "512"}, r"option 'memory_budget': '512' has no units"),
+        (
+            {"compiler": "aot_eager"},
+            r"option 'compiler': got 'aot_eager'; accepted values: \['inductor', 'eager'\]",
+        ),
+        ({"mip_gap": 1}, r"option 'mip_gap': got 1; expected a relative gap in \[0, 1\)"),
+    ],
+)
 def test_bad_option_through_torch_compile_and_plan(raw, match):
     """torch.compile is lazy: the error comes at the first call, an OptionError whose message opens with
     ours; recompile_opt.plan raises the OptionError at once."""
@@ -161,11 +189,22 @@ def test_feasible_budget_does_not_warn():
 
 # -- each value reaches the planner ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-@pytest.mark.parametrize("limit,match", [
-    ({"memory_budget": 1}, r"memory_budget=1 B is below the least any plan can keep \(768 B, 768 bytes\)"),
-    ({"peak_memory": 1}, r"peak_memory=1 B cannot be met; the least peak found is .* \(walked in Inductor.s code\)"),
-], ids=["memory_budget", "peak_memory"])
+@pytest.mark.parametrize(
+    "limit,match",
+    [
+        (
+            {"memory_budget": 1},
+            r"memory_budget=1 B is below the least any plan can keep \(768 B, 768 bytes\)",
+        ),
+        (
+            {"peak_memory": 1},
+            r"peak_memory=1 B cannot be met; the least peak found is .* \(walked in Inductor.s code\)",
+        ),
+    ],
+    ids=["memory_budget", "peak_memory"],
+)
 def test_strict_raises_through_torch_compile(compiler, limit, match):
     """An unmeetable limit with strict=True fails the first call (the plan is made before any code is
     generated, so through Inductor too): ``except recompile_opt.InfeasibleBudget`` catches it through
@@ -235,8 +274,9 @@ def test_cbc_through_plan_keeps_what_highs_keeps(solver_calls):
 
 def test_cbc_through_torch_compile(solver_calls):
     model, inputs = tiny_gpt()
-    plan = train_side_by_side(model, inputs, options={"solver": "cbc", "memory_budget": BUDGET,
-                                                      "compiler": "eager"}, steps=1)
+    plan = train_side_by_side(
+        model, inputs, options={"solver": "cbc", "memory_budget": BUDGET, "compiler": "eager"}, steps=1
+    )
     assert {c[0] for c in solver_calls} == {"cbc"}
     assert plan.solver["name"] == "cbc" and plan.saved_bytes <= BUDGET < plan.baseline_bytes
     assert plan.recomputed  # the budget binds: something is recomputed
@@ -255,7 +295,9 @@ def _full_plan(route: str, roofline: dict | None) -> recompile_opt.Plan:
     options = {"policy": "full", **({"roofline": roofline} if roofline else {})}
     if route == "plan":
         return recompile_opt.plan(model, inputs, **options)
-    torch.compile(model, backend="recompile_opt", options={**options, "compiler": "eager"})(*inputs).backward()
+    torch.compile(model, backend="recompile_opt", options={**options, "compiler": "eager"})(
+        *inputs
+    ).backward()
     return recompile_opt.last_plans()[-1]
 
 

@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import train_side_by_side
 
 import recompile_opt
 from recompile_opt.costs.measure import peak_memory
 from recompile_opt.planner import least_peak
-
-from helpers import train_side_by_side
 
 D, HEADS, FF, SEQ, BATCH, CLASSES = 32, 2, 64, 16, 2, 10
 
@@ -113,8 +112,11 @@ class ResidualBlock(nn.Module):
         super().__init__()
         self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
         self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
-        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                           if stride != 1 or cin != cout else nn.Identity())
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x):
         y = F.relu(self.bn1(self.conv1(x)))
@@ -146,33 +148,52 @@ def _resnet():
 def _encoder():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return EncoderClassifier(), (torch.randint(0, 64, (BATCH, SEQ), generator=g),
-                                 torch.randint(0, CLASSES, (BATCH,), generator=g))
+    return EncoderClassifier(), (
+        torch.randint(0, 64, (BATCH, SEQ), generator=g),
+        torch.randint(0, CLASSES, (BATCH,), generator=g),
+    )
 
 
 def _decoder():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return DecoderLM(), (torch.randint(0, 64, (BATCH, SEQ), generator=g), torch.randn(BATCH, SEQ, D, generator=g),
-                         torch.randint(0, 64, (BATCH, SEQ), generator=g))
+    return DecoderLM(), (
+        torch.randint(0, 64, (BATCH, SEQ), generator=g),
+        torch.randn(BATCH, SEQ, D, generator=g),
+        torch.randint(0, 64, (BATCH, SEQ), generator=g),
+    )
 
 
 def _vit():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return ViT(), (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g))
+    return ViT(), (
+        torch.randn(BATCH, 3, 32, 32, generator=g),
+        torch.randint(0, CLASSES, (BATCH,), generator=g),
+    )
 
 
 MODELS = {"encoder": _encoder, "decoder": _decoder, "vit": _vit}
 CONV_MODELS = {"resnet": _resnet}  # no attention, no identical layers: the peak tests only
 # each model's layers, as module paths (what `full` must checkpoint)
-LAYERS = {"encoder": ("encoder.layers.0", "encoder.layers.1"),
-          "decoder": ("decoder.layers.0", "decoder.layers.1"),
-          "vit": ("encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1")}
+LAYERS = {
+    "encoder": ("encoder.layers.0", "encoder.layers.1"),
+    "decoder": ("decoder.layers.0", "decoder.layers.1"),
+    "vit": ("encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1"),
+}
 
 
-@pytest.mark.parametrize("setting", [{"memory_budget": 0.0}, {"memory_budget": 0.5}, {"policy": "full"},
-                                     {"policy": "megatron-selective"}, {"policy": "save-all"}], ids=str)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"memory_budget": 0.0},
+        {"memory_budget": 0.5},
+        {"policy": "full"},
+        {"policy": "megatron-selective"},
+        {"policy": "save-all"},
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("name", MODELS)
 def test_gradients_equal_eager(name, setting):
     model, inputs = MODELS[name]()
@@ -283,14 +304,27 @@ def test_a_vision_transformers_least_peak_is_at_most_eagers_and_plain_compiles()
     model, inputs = _vit()
     eager, compiled = _measured_peak(model, inputs, None), _measured_peak(model, inputs, "inductor")
     predicted, measured = _predicted_and_measured("vit", {"memory_budget": 0.0})
-    assert measured <= compiled and measured <= eager * (1 + least_peak.EXACT_TIE), (measured, eager, compiled)
+    assert measured <= compiled and measured <= eager * (1 + least_peak.EXACT_TIE), (
+        measured,
+        eager,
+        compiled,
+    )
     assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
     assert any("convolutions in their own layout" in n for n in recompile_opt.last_plans()[-1].notes)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", [{"memory_budget": 0.0}, {"memory_budget": 0.5}, {"policy": "full"},
-                                     {"policy": "megatron-selective"}, {"policy": "save-all"}], ids=str)
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"memory_budget": 0.0},
+        {"memory_budget": 0.5},
+        {"policy": "full"},
+        {"policy": "megatron-selective"},
+        {"policy": "save-all"},
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("name", MODELS)
 def test_predicted_peak_is_within_10_percent_of_the_measured_step(name, setting):
     predicted, measured = _predicted_and_measured(name, setting)

@@ -32,8 +32,11 @@ def forward_flops(h):
 
 
 # (model, strategy) -> (the paper's overhead, its basis as a multiple of one forward)
-PAPER_OVERHEAD = {("175B", "selective"): (0.027, 1), ("530B", "selective"): (0.016, 1),
-                  **{(m, "full"): (1 / 3, 3) for m in MODELS}}
+PAPER_OVERHEAD = {
+    ("175B", "selective"): (0.027, 1),
+    ("530B", "selective"): (0.016, 1),
+    **{(m, "full"): (1 / 3, 3) for m in MODELS},
+}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,6 @@ def test_plans_recompute_only_what_backward_reads(rows, model):
     assert rows[model, "full"]["recompute_flops"] == forward_flops(h) - 8 * B * S * h * h
 
 
-
 # -- tensor and sequence parallelism: Table 2 per rank (bench/paper.py --tp) -------------------------
 
 T = 8
@@ -106,8 +108,13 @@ def tp_rows():
     import sys
 
     path = Path(__file__).resolve().parents[1] / "bench" / "paper.py"
-    out = subprocess.run([sys.executable, str(path), "--tp", str(T), "--models", "22B,175B", "--json"],
-                         capture_output=True, text=True, timeout=1500, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(path), "--tp", str(T), "--models", "22B,175B", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=True,
+    ).stdout
     return {(r["model"], r["sp"], r["strategy"]): r for r in json.loads(out)}
 
 

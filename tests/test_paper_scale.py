@@ -30,8 +30,9 @@ def _keeps_s_squared(plan) -> list[str]:
     return [e.name for e in plan.saved if e.reason != "param" and list(e.shape).count(S) >= 2]
 
 
-@pytest.mark.parametrize("policy,formula", [("save-all", 34 + 5 * A * S / H), ("megatron-selective", 34),
-                                            ("full", 2)])
+@pytest.mark.parametrize(
+    "policy,formula", [("save-all", 34 + 5 * A * S / H), ("megatron-selective", 34), ("full", 2)]
+)
 def test_policies_match_the_papers_table(layer, policy, formula):
     model, x = layer
     plan = recompile_opt.plan(model, (x,), policy=policy)

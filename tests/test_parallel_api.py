@@ -11,12 +11,10 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
-import recompile_opt
-from recompile_opt import models
-
 from multiprocess import gloo_rank, progress, run_ranks
 from test_parallel_rewrite import SEQ, STEPS, _batch, _model, _train
+
+import recompile_opt
 
 WORLD = 2
 
@@ -35,9 +33,12 @@ def _errors(rank: int) -> dict:
             out[key] = (type(e).__name__, str(e))
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    attempt("2-D mesh", lambda: recompile_opt.parallelize(_model("gpt"), init_device_mesh("cpu", (1, WORLD)), _batch()))
+    attempt(
+        "2-D mesh",
+        lambda: recompile_opt.parallelize(_model("gpt"), init_device_mesh("cpu", (1, WORLD)), _batch()),
+    )
     attempt("not a mesh", lambda: recompile_opt.parallelize(_model("gpt"), mesh.get_group(), _batch()))
-    short = tuple(t[:, :SEQ - 1].contiguous() for t in _batch())
+    short = tuple(t[:, : SEQ - 1].contiguous() for t in _batch())
     attempt("sequence", lambda: recompile_opt.parallelize(_model("gpt"), mesh, short))
     model = recompile_opt.parallelize(_model("gpt"), mesh, _batch())
     attempt("other shapes", lambda: model(*(t[:1] for t in _batch())))
@@ -53,21 +54,38 @@ def _worker(rank: int, out: str, compiler: str):
         mesh = init_device_mesh("cpu", (WORLD,))
         results = {}
         compiled = {"memory_budget": 0.0, "compiler": compiler}
-        for key, options, dynamic in (("eager", None, False), ("compiled", compiled, False),
-                                      ("dynamic", compiled, True)):
+        for key, options, dynamic in (
+            ("eager", None, False),
+            ("compiled", compiled, False),
+            ("dynamic", compiled, True),
+        ):
             torch._dynamo.reset()
             model = recompile_opt.parallelize(_model("gpt"), mesh, [t.to("meta") for t in _batch()])
-            step_fn = model if options is None else torch.compile(model, backend="recompile_opt", options=options,
-                                                                  dynamic=dynamic)
+            step_fn = (
+                model
+                if options is None
+                else torch.compile(model, backend="recompile_opt", options=options, dynamic=dynamic)
+            )
             recompile_opt.reset_plans()
             losses, grads = _train(model, step_fn)
             # what the plan counts as kept inputs: never a sharded weight (a DTensor's local tensor is a
             # parameter, free to keep), only the token ids and targets
-            inputs = [e.dtype for p in recompile_opt.last_plans() for e in p.saved if e.reason == "input" and e.bytes]
+            inputs = [
+                e.dtype
+                for p in recompile_opt.last_plans()
+                for e in p.saved
+                if e.reason == "input" and e.bytes
+            ]
             results[key] = {"losses": losses, "grads": grads, "kept_inputs": inputs}
-        torch.save({"errors": errors, "results": results, "layout": str(recompile_opt.parallel_plan(model)),
-                    "compiled_layout": str(recompile_opt.parallel_plan(step_fn))},
-                   os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "errors": errors,
+                "results": results,
+                "layout": str(recompile_opt.parallel_plan(model)),
+                "compiled_layout": str(recompile_opt.parallel_plan(step_fn)),
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
         progress(out, rank, "results saved")
 
 
@@ -82,23 +100,40 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
             assert run["losses"] == pytest.approx(losses, rel=1e-5), key
             for step in range(STEPS):
                 for n, g in grads[step].items():
-                    torch.testing.assert_close(run["grads"][step][n], g, rtol=1e-4, atol=1e-5,
-                                               msg=lambda m: f"{key}, rank {rank}, step {step}, {n}: {m}")
-        assert set(res["results"]["compiled"]["kept_inputs"]) <= {"int64"}  # token ids at most, never a weight
+                    torch.testing.assert_close(
+                        run["grads"][step][n],
+                        g,
+                        rtol=1e-4,
+                        atol=1e-5,
+                        msg=lambda m: f"{key}, rank {rank}, step {step}, {n}: {m}",
+                    )
+        assert set(res["results"]["compiled"]["kept_inputs"]) <= {
+            "int64"
+        }  # token ids at most, never a weight
         layout = res["layout"]
         assert res["compiled_layout"] == layout
-        assert "sequence parallel" in layout and "blocks.0.attn.c_attn" in layout and "_StridedShard(0, 3)" in layout
+        assert (
+            "sequence parallel" in layout
+            and "blocks.0.attn.c_attn" in layout
+            and "_StridedShard(0, 3)" in layout
+        )
         assert "row" in layout and "vocab" in layout
         errors = res["errors"]
         assert errors["2-D mesh"][0] == "ValueError" and "1-D device mesh" in errors["2-D mesh"][1]
         assert errors["not a mesh"][0] == "TypeError" and "DeviceMesh" in errors["not a mesh"][1]
-        assert errors["sequence"][0] == "ValueError" and f"length {SEQ - 1} is not divisible by 2" in errors["sequence"][1]
-        assert errors["other shapes"][0] == "ValueError" and "laid out for inputs" in errors["other shapes"][1]
+        assert (
+            errors["sequence"][0] == "ValueError"
+            and f"length {SEQ - 1} is not divisible by 2" in errors["sequence"][1]
+        )
+        assert (
+            errors["other shapes"][0] == "ValueError" and "laid out for inputs" in errors["other shapes"][1]
+        )
         assert errors["not parallelized"][0] == "ValueError"
 
 
 def test_parallelize_needs_torch_distributed():
     assert not dist.is_initialized()
     from torch.distributed.device_mesh import DeviceMesh
+
     with pytest.raises(RuntimeError, match="init_process_group"):
         recompile_opt.parallelize(_model("gpt"), object.__new__(DeviceMesh), _batch())

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from multiprocess import gloo_rank, progress, run_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
@@ -21,13 +20,18 @@ WORLD = 2
 
 def _grads(model) -> dict:
     from torch.distributed.tensor import DTensor, Shard
-    return {n: p.grad.full_tensor() for n, p in model.named_parameters()
-            if isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)}
+
+    return {
+        n: p.grad.full_tensor()
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and any(isinstance(q, Shard) for q in p.placements)
+    }
 
 
 def _worker(rank: int, out: str):
     with gloo_rank(rank, WORLD, out):
         from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh("cpu", (WORLD,))
         results = {}
         for name in ("gpt", "llama"):
@@ -52,7 +56,9 @@ def test_hand_written_tp_and_tp_sp_equal_one_process(tmp_path):
         for sp in (False, True):
             got_loss, grads = results[name, sp]
             assert got_loss == pytest.approx(loss.item(), rel=1e-5)
-            assert len(grads) >= 6 * model.config.n_layer  # every block's q, k, v (split from GPT's c_attn), ...
+            assert (
+                len(grads) >= 6 * model.config.n_layer
+            )  # every block's q, k, v (split from GPT's c_attn), ...
             for n, g in grads.items():
                 if n.endswith((".q.weight", ".k.weight", ".v.weight", ".q.bias", ".k.bias", ".v.bias")):
                     i = "qkv".index(n.split(".")[-2])
@@ -60,17 +66,43 @@ def test_hand_written_tp_and_tp_sp_equal_one_process(tmp_path):
                     want = full.chunk(3, 0)[i]
                 else:
                     want = params[n].grad
-                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} sp={sp} {n}: {m}")
+                torch.testing.assert_close(
+                    g, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} sp={sp} {n}: {m}"
+                )
 
 
 def test_the_md_output_opens_with_the_provenance_line():
     from test_docs import PROVENANCE
-    rows = [{"model": "gpt", "world": 1, "config": "no parallelism", "peak": 2 ** 20, "kept": 2 ** 19, "step_s": 0.1,
-             "loss": 6.4},
-            {"model": "gpt", "world": 2, "config": "hand-tp+sp", "peak": 2 ** 19, "kept": 2 ** 18, "step_s": 0.2,
-             "loss": 6.4},
-            {"model": "gpt", "world": 2, "config": "ours@0.0", "peak": 2 ** 18, "kept": 2 ** 17, "step_s": 0.3,
-             "loss": 6.4}]
+
+    rows = [
+        {
+            "model": "gpt",
+            "world": 1,
+            "config": "no parallelism",
+            "peak": 2**20,
+            "kept": 2**19,
+            "step_s": 0.1,
+            "loss": 6.4,
+        },
+        {
+            "model": "gpt",
+            "world": 2,
+            "config": "hand-tp+sp",
+            "peak": 2**19,
+            "kept": 2**18,
+            "step_s": 0.2,
+            "loss": 6.4,
+        },
+        {
+            "model": "gpt",
+            "world": 2,
+            "config": "ours@0.0",
+            "peak": 2**18,
+            "kept": 2**17,
+            "step_s": 0.3,
+            "loss": 6.4,
+        },
+    ]
     text = bench.markdown_document(rows)
     assert PROVENANCE.match(text.splitlines()[0])
     assert "| gpt | 2 | ours@0.0 | 0.25 | 0.50x | 0.12 | 300.0 | 1.50x | 6.40000 |" in text

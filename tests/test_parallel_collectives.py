@@ -12,21 +12,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from multiprocess import gloo_rank, progress, run_ranks
 
 from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.options import parse_options
 from recompile_opt.parallel import collectives as C
-
-from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, B, S, H, FF = 2, 2, 8, 8, 16
 
 
 def _weights():
     g = torch.Generator().manual_seed(0)
-    return {"ln": 1 + 0.1 * torch.randn(H, generator=g), "w1": torch.randn(FF, H, generator=g) / H ** 0.5,
-            "b1": 0.1 * torch.randn(FF, generator=g), "w2": torch.randn(H, FF, generator=g) / FF ** 0.5,
-            "b2": 0.1 * torch.randn(H, generator=g)}
+    return {
+        "ln": 1 + 0.1 * torch.randn(H, generator=g),
+        "w1": torch.randn(FF, H, generator=g) / H**0.5,
+        "b1": 0.1 * torch.randn(FF, generator=g),
+        "w2": torch.randn(H, FF, generator=g) / FF**0.5,
+        "b2": 0.1 * torch.randn(H, generator=g),
+    }
 
 
 def _input():
@@ -63,8 +66,10 @@ def _shard(p: dict, rank: int) -> dict:
 
 # collectives per step, forward and backward: TP's g and f's backward; SP's gather and reduce-scatter and
 # their conjugates, and f's backward for the norm weight and the bias (the input needs no gradient)
-COUNTS = {"tp": {"all_reduce": 2},
-          "sp": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}}
+COUNTS = {
+    "tp": {"all_reduce": 2},
+    "sp": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2},
+}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -95,18 +100,27 @@ def _worker(rank: int, layout: str, compiled: bool, options: dict, out: str):
         if compiled:
             fn = torch.compile(fn, backend=backend, fullgraph=True)
         out_local = fn(_input(), params, group)
-        loss = (out_local ** 2).sum()
+        loss = (out_local**2).sum()
         loss.backward()
         counts = [_collectives(g) for part in parts for g in (part.last_forward, part.last_backward)]
-        torch.save({"out": _plain(out_local), "grads": {k: _plain(v.grad) for k, v in params.items()},
-                    "counts": counts},
-                   os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "out": _plain(out_local),
+                "grads": {k: _plain(v.grad) for k, v in params.items()},
+                "counts": counts,
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
         progress(out, rank, "results saved")
 
 
-CASES = {"tp-eager": ("tp", False, {}), "sp-eager": ("sp", False, {}),
-         "tp-save-all": ("tp", True, {"memory_budget": 1.0}), "sp-budget-0.0": ("sp", True, {"memory_budget": 0.0}),
-         "sp-full": ("sp", True, {"policy": "full"})}
+CASES = {
+    "tp-eager": ("tp", False, {}),
+    "sp-eager": ("sp", False, {}),
+    "tp-save-all": ("tp", True, {"memory_budget": 1.0}),
+    "sp-budget-0.0": ("sp", True, {"memory_budget": 0.0}),
+    "sp-full": ("sp", True, {"policy": "full"}),
+}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,17 +130,19 @@ def test_a_block_laid_out_by_hand_equals_one_process(case, tmp_path):
     p = {k: v.clone().requires_grad_() for k, v in _weights().items()}
     x = _input()
     ref = _block(x, p)
-    (ref ** 2).sum().backward()
+    (ref**2).sum().backward()
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt")
-        expected_out = ref if layout == "tp" else ref[:, rank * S // WORLD:(rank + 1) * S // WORLD]
+        expected_out = ref if layout == "tp" else ref[:, rank * S // WORLD : (rank + 1) * S // WORLD]
         torch.testing.assert_close(res["out"], expected_out.detach(), rtol=1e-5, atol=1e-6)
         if layout == "tp":  # every rank computes the whole loss: its gradients are the whole ones
             expected = _shard({k: v.grad for k, v in p.items()}, rank)
         else:  # each rank's loss is its shard's: the sharded gradients are its slices, f sums the rest
             expected = _shard({k: v.grad for k, v in p.items()}, rank)
         for name, grad in res["grads"].items():
-            torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}")
+            torch.testing.assert_close(
+                grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
         if compiled:
             total = {}
             for c in res["counts"]:

@@ -49,7 +49,9 @@ def test_gpt_fused_qkv_is_a_strided_column_and_its_hard_coded_heads_split(tp):
         assert styles[f"{b}.mlp.c_fc"] == ("column", "Shard(0)")
         assert styles[f"{b}.mlp.c_proj"] == ("row", "Shard(1)")
         assert styles[f"{b}.ln_1"][0] == styles[f"{b}.ln_2"][0] == "sequence"
-    assert styles["wte"] == ("vocab", "Shard(0)") and styles["wpe"][0] == "replicated"  # positions, not tokens
+    assert (
+        styles["wte"] == ("vocab", "Shard(0)") and styles["wpe"][0] == "replicated"
+    )  # positions, not tokens
     # the LM head: column-parallel, its logits gathered whole for the loss (torch's
     # ColwiseParallel(output_layouts=Replicate())), not every rank computing all of them
     assert styles["ln_f"][0] == "sequence" and styles["lm_head"] == ("column", "Shard(0)")
@@ -64,7 +66,9 @@ def test_llama_separate_qkv_with_rotary_and_swiglu():
         for w in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
             assert styles[f"{b}.{w}"] == ("column", "Shard(0)"), w
         assert styles[f"{b}.attention.wo"] == styles[f"{b}.feed_forward.w2"] == ("row", "Shard(1)")
-        assert styles[f"{b}.attention_norm"][0] == styles[f"{b}.ffn_norm"][0] == "sequence"  # hand-written RMSNorm
+        assert (
+            styles[f"{b}.attention_norm"][0] == styles[f"{b}.ffn_norm"][0] == "sequence"
+        )  # hand-written RMSNorm
     assert styles["tok_embeddings"][0] == "vocab" and styles["norm"][0] == "sequence"
     assert styles["output"] == ("column", "Shard(0)")
 
@@ -105,8 +109,9 @@ def test_a_bare_transformer_block_takes_hidden_states():
     styles = _styles(find_layout(block, (torch.zeros(2, SEQ, 64, device="meta"),), 2))
     assert styles["attn.c_attn"] == ("column", "_StridedShard(0, 3)") and styles["mlp.c_proj"][0] == "row"
     assert styles["ln_1"][0] == "sequence"
-    assert "ln_1" not in _styles(find_layout(block, (torch.zeros(2, SEQ, 64, device="meta"),), 2,
-                                             sequence_parallel=False))
+    assert "ln_1" not in _styles(
+        find_layout(block, (torch.zeros(2, SEQ, 64, device="meta"),), 2, sequence_parallel=False)
+    )
 
 
 def test_a_bad_rank_count_is_an_error_naming_it():
@@ -127,8 +132,15 @@ def test_hugging_face_llama_with_fewer_kv_heads():
     """``LlamaForCausalLM`` with grouped-query attention (4 query heads, 2 KV heads, t = 2): every
     projection pairs up as Megatron's, the RMSNorms on sequence shards."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     with torch.device("meta"):
         model = _HFLoss(transformers.LlamaForCausalLM(cfg))
     styles = _styles(find_layout(model, (_tokens(),), 2))

@@ -8,10 +8,9 @@ from __future__ import annotations
 import copy
 
 import torch
+from multiprocess import gloo_rank, progress, run_ranks
 
 from recompile_opt import models
-
-from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, SEQ, H = 2, 16, 32
 
@@ -52,8 +51,10 @@ def _check(rank: int, out: str):
     q, k, v = plain.blocks[0].attn.c_attn.weight.detach().split(H, 0)
     mine = torch.cat([t.chunk(WORLD)[rank] for t in (q, k, v)])
     assert torch.equal(params["blocks.0.attn.c_attn.weight"].to_local(), mine)
-    assert torch.equal(params["blocks.0.attn.c_proj.weight"].to_local(),
-                       plain.blocks[0].attn.c_proj.weight.detach().chunk(WORLD, 1)[rank])
+    assert torch.equal(
+        params["blocks.0.attn.c_proj.weight"].to_local(),
+        plain.blocks[0].attn.c_proj.weight.detach().chunk(WORLD, 1)[rank],
+    )
     assert torch.equal(params["wte.weight"].to_local(), plain.wte.weight.detach().chunk(WORLD, 0)[rank])
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     fresh = models.GPT(plain.config)

@@ -11,10 +11,9 @@ import warnings
 
 import pytest
 import torch
+from multiprocess import gloo_rank, progress, run_ranks
 
 from recompile_opt import models
-
-from multiprocess import gloo_rank, progress, run_ranks
 
 WORLD, SEQ, STEPS = 2, 16, 3
 
@@ -24,10 +23,12 @@ def _model(name: str, dropout: float = 0.0):
     if name == "block":  # a bare GPT block: hidden states in, hidden states out
         return models.Block(models.GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=SEQ, dropout=dropout))
     if name == "gpt":
-        return models.GPT(models.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64,
-                                           dropout=dropout))
-    return models.Llama(models.LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64,
-                                           dropout=dropout))
+        return models.GPT(
+            models.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64, dropout=dropout)
+        )
+    return models.Llama(
+        models.LlamaConfig(n_layer=2, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64, dropout=dropout)
+    )
 
 
 def _batch():
@@ -52,14 +53,25 @@ def _train(model, step_fn, steps=STEPS, inputs=_batch):
         loss = out if out.dim() == 0 else out.square().mean()  # a bare block's hidden states
         loss.backward()
         losses.append(float(loss))
-        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                      for n, p in model.named_parameters()})
+        grads.append(
+            {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
+        )
         opt.step()
     return losses, grads
 
 
-def _worker(rank: int, name: str, options, out: str, sequence_parallel: bool = False,
-            world: int = WORLD, dropout: float = 0.0):
+def _worker(
+    rank: int,
+    name: str,
+    options,
+    out: str,
+    sequence_parallel: bool = False,
+    world: int = WORLD,
+    dropout: float = 0.0,
+):
     """Train the parallelized model once per entry of ``options`` (one dict, None: eager, or a list of
     them), each from a fresh model; save losses, gradients, the number of graphs and the plans."""
     with gloo_rank(rank, world, out):
@@ -79,30 +91,56 @@ def _worker(rank: int, name: str, options, out: str, sequence_parallel: bool = F
             meta = [t.to("meta") for t in _inputs(name)]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the LM head's "kept replicated"
-                layout = find_layout(copy.deepcopy(model).to("meta"), meta, world, sequence_parallel=sequence_parallel)
+                layout = find_layout(
+                    copy.deepcopy(model).to("meta"), meta, world, sequence_parallel=sequence_parallel
+                )
             distribute_parameters(model, layout, mesh)
             install(model, layout, local_forward(layout, mesh.get_group().group_name, rank))
-            step_fn = model if opts is None else torch.compile(model, backend="recompile_opt",
-                                                               options={**opts, "compiler": "eager"})
+            step_fn = (
+                model
+                if opts is None
+                else torch.compile(model, backend="recompile_opt", options={**opts, "compiler": "eager"})
+            )
             losses, grads = _train(model, step_fn, inputs=lambda: _inputs(name))
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            plans = [{"saved": sorted(p.saved_names()), "recomputed": sorted(p.recomputed_names()),
-                      "saved_bytes": p.saved_bytes, "sent": p.communication_bytes(),
-                      "gathers": [c["name"] for c in p.collectives if c["phase"] == "forward" and "all_gather" in c["op"]],
-                      # the hidden states' gathers, [b, s, h] (the LM head's logits, [b * s, vocab], are
-                      # gathered on the vocabulary)
-                      "hidden_gathers": [c["name"] for c in p.collectives if c["phase"] == "forward"
-                                         and "all_gather" in c["op"] and len(c["shape"]) == 3],
-                      "regathered": [c["name"] for c in p.collectives if c.get("regathered")]}
-                     for p in recompile_opt.last_plans()]
-            torch.save({"losses": losses, "grads": grads, "graphs": graphs, "plans": plans,
-                        "str_hash": hash("recompile_opt")},  # differs per rank: PYTHONHASHSEED unset
-                       os.path.join(out, f"rank{rank}_{i}.pt"))
+            plans = [
+                {
+                    "saved": sorted(p.saved_names()),
+                    "recomputed": sorted(p.recomputed_names()),
+                    "saved_bytes": p.saved_bytes,
+                    "sent": p.communication_bytes(),
+                    "gathers": [
+                        c["name"]
+                        for c in p.collectives
+                        if c["phase"] == "forward" and "all_gather" in c["op"]
+                    ],
+                    # the hidden states' gathers, [b, s, h] (the LM head's logits, [b * s, vocab], are
+                    # gathered on the vocabulary)
+                    "hidden_gathers": [
+                        c["name"]
+                        for c in p.collectives
+                        if c["phase"] == "forward" and "all_gather" in c["op"] and len(c["shape"]) == 3
+                    ],
+                    "regathered": [c["name"] for c in p.collectives if c.get("regathered")],
+                }
+                for p in recompile_opt.last_plans()
+            ]
+            torch.save(
+                {
+                    "losses": losses,
+                    "grads": grads,
+                    "graphs": graphs,
+                    "plans": plans,
+                    "str_hash": hash("recompile_opt"),
+                },  # differs per rank: PYTHONHASHSEED unset
+                os.path.join(out, f"rank{rank}_{i}.pt"),
+            )
             progress(out, rank, f"results {i} saved")
 
 
-def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False,
-                              run: int = 0) -> list:
+def _check_equals_one_process(
+    name: str, tmp_path, world: int, dropout: float = 0.0, compiled: bool = False, run: int = 0
+) -> list:
     """Every rank's losses and ``full_tensor()`` gradients against one process's, step by step; a
     compiled rank's graph in one piece (no graph break at a collective) and planned as every other
     rank planned it. Returns rank 0's plans."""
@@ -116,8 +154,13 @@ def _check_equals_one_process(name: str, tmp_path, world: int, dropout: float = 
         assert res["losses"] == pytest.approx(losses, rel=1e-5)
         for step in range(STEPS):
             for n, g in grads[step].items():
-                torch.testing.assert_close(res["grads"][step][n], g, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m: f"rank {rank}, step {step}, {n}: {m}")
+                torch.testing.assert_close(
+                    res["grads"][step][n],
+                    g,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m: f"rank {rank}, step {step}, {n}: {m}",
+                )
     return first["plans"]
 
 
@@ -125,34 +168,66 @@ def _cases(names, cases: dict, slow=(), elsewhere=()) -> list:
     """``pytest.param(name, *case)`` for each model and case, with id ``{name}-{case id}``; the ids in
     ``slow`` (each with a lighter case of the same path in the default run) marked slow; those in
     ``elsewhere`` (run as they are by another test) left out."""
-    return [pytest.param(name, *case, id=f"{name}-{cid}", marks=pytest.mark.slow if f"{name}-{cid}" in slow else ())
-            for name in names for cid, case in cases.items() if f"{name}-{cid}" not in elsewhere]
+    return [
+        pytest.param(
+            name, *case, id=f"{name}-{cid}", marks=pytest.mark.slow if f"{name}-{cid}" in slow else ()
+        )
+        for name in names
+        for cid, case in cases.items()
+        if f"{name}-{cid}" not in elsewhere
+    ]
 
 
-@pytest.mark.parametrize(("name", "options"), _cases(
-    ["gpt", "llama"], {"eager": (None,), "compiled-0.0": ({"memory_budget": 0.0},),
-                       "compiled-save-all": ({"policy": "save-all"},)},
-    slow={"gpt-compiled-save-all", "llama-compiled-save-all"}))  # save-all: the budgets test, TP+SP
+@pytest.mark.parametrize(
+    ("name", "options"),
+    _cases(
+        ["gpt", "llama"],
+        {
+            "eager": (None,),
+            "compiled-0.0": ({"memory_budget": 0.0},),
+            "compiled-save-all": ({"policy": "save-all"},),
+        },
+        slow={"gpt-compiled-save-all", "llama-compiled-save-all"},
+    ),
+)  # save-all: the budgets test, TP+SP
 def test_tensor_parallel_equals_one_process(name, options, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path)), str(tmp_path), WORLD)
     _check_equals_one_process(name, tmp_path, WORLD, compiled=options is not None)
 
 
-@pytest.mark.parametrize(("name", "options", "world"), _cases(
-    ["gpt", "llama", "block"], {"eager": (None, 2), "compiled-0.0": ({"memory_budget": 0.0}, 2),
-                                "eager-4-ranks": (None, 4), "compiled-0.0-4-ranks": ({"memory_budget": 0.0}, 4)},
-    slow={"llama-compiled-0.0-4-ranks", "block-compiled-0.0-4-ranks"},
-    # the same worker at 0.0 among its budgets: test_sequence_parallel_budgets_equal_one_process[gpt-2, gpt-4]
-    elsewhere={"gpt-compiled-0.0", "gpt-compiled-0.0-4-ranks"}))
+@pytest.mark.parametrize(
+    ("name", "options", "world"),
+    _cases(
+        ["gpt", "llama", "block"],
+        {
+            "eager": (None, 2),
+            "compiled-0.0": ({"memory_budget": 0.0}, 2),
+            "eager-4-ranks": (None, 4),
+            "compiled-0.0-4-ranks": ({"memory_budget": 0.0}, 4),
+        },
+        slow={"llama-compiled-0.0-4-ranks", "block-compiled-0.0-4-ranks"},
+        # the same worker at 0.0 among its budgets: test_sequence_parallel_budgets_equal_one_process[gpt-2, gpt-4]
+        elsewhere={"gpt-compiled-0.0", "gpt-compiled-0.0-4-ranks"},
+    ),
+)
 def test_tensor_and_sequence_parallel_equals_one_process(name, options, world, tmp_path):
     run_ranks(_worker, (name, options, str(tmp_path), True, world), str(tmp_path), world)
     _check_equals_one_process(name, tmp_path, world, compiled=options is not None)
 
 
-@pytest.mark.parametrize(("name", "sequence_parallel", "options"), _cases(
-    ["gpt", "llama"], {"tp": (False, None), "tp+sp": (True, None), "tp+sp-compiled-0.0": (True, {"memory_budget": 0.0}),
-                       "tp+sp-compiled-save-all": (True, {"policy": "save-all"})},
-    slow={"gpt-tp+sp-compiled-save-all", "llama-tp+sp-compiled-save-all", "llama-tp+sp-compiled-0.0"}))
+@pytest.mark.parametrize(
+    ("name", "sequence_parallel", "options"),
+    _cases(
+        ["gpt", "llama"],
+        {
+            "tp": (False, None),
+            "tp+sp": (True, None),
+            "tp+sp-compiled-0.0": (True, {"memory_budget": 0.0}),
+            "tp+sp-compiled-save-all": (True, {"policy": "save-all"}),
+        },
+        slow={"gpt-tp+sp-compiled-save-all", "llama-tp+sp-compiled-save-all", "llama-tp+sp-compiled-0.0"},
+    ),
+)
 def test_dropout_gives_each_rank_the_single_process_mask(name, sequence_parallel, options, tmp_path):
     """Dropout 0.1 everywhere (embeddings, attention probabilities: GPT's explicit dropout, Llama's SDPA
     ``dropout_p``; residuals): each rank applies one process's mask to its rows or heads, so three
@@ -161,13 +236,24 @@ def test_dropout_gives_each_rank_the_single_process_mask(name, sequence_parallel
     _check_equals_one_process(name, tmp_path, WORLD, dropout=0.1, compiled=options is not None)
 
 
-BUDGETS = [{"policy": "save-all"}, {"memory_budget": 1.0}, {"memory_budget": 0.3}, {"memory_budget": 0.0},
-           {"policy": "megatron-selective"}]
+BUDGETS = [
+    {"policy": "save-all"},
+    {"memory_budget": 1.0},
+    {"memory_budget": 0.3},
+    {"memory_budget": 0.0},
+    {"policy": "megatron-selective"},
+]
 
 
-@pytest.mark.parametrize(("name", "world"), [("gpt", 2), pytest.param("gpt", 4, marks=pytest.mark.slow),
-                                              pytest.param("llama", 2, marks=pytest.mark.slow)],
-                         ids=["gpt-2", "gpt-4", "llama-2"])  # Llama at 4 ranks: the TP+SP test above (eager; 0.0 slow)
+@pytest.mark.parametrize(
+    ("name", "world"),
+    [
+        ("gpt", 2),
+        pytest.param("gpt", 4, marks=pytest.mark.slow),
+        pytest.param("llama", 2, marks=pytest.mark.slow),
+    ],
+    ids=["gpt-2", "gpt-4", "llama-2"],
+)  # Llama at 4 ranks: the TP+SP test above (eager; 0.0 slow)
 def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     """Tensor + sequence parallel through the planner under save-all, at memory_budget 1.0, 0.3, 0.0
     and under Megatron's selective policy: one process's losses and gradients on every rank, the same
@@ -175,10 +261,14 @@ def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     and gather it again in the backward (Megatron's layout); the budgets keep no more than save-all
     (1.0 is its bytes), and a lower budget never keeps more."""
     # spawned: each rank hashes strings its own way (forked ranks share one seed)
-    run_ranks(_worker, (name, BUDGETS, str(tmp_path), True, world), str(tmp_path), world, start_method="spawn")
+    run_ranks(
+        _worker, (name, BUDGETS, str(tmp_path), True, world), str(tmp_path), world, start_method="spawn"
+    )
     if "PYTHONHASHSEED" not in os.environ:  # each rank hashed strings its own way, and still planned alike
         assert len({torch.load(tmp_path / f"rank{r}_0.pt")["str_hash"] for r in range(world)}) == world
-    plans = [_check_equals_one_process(name, tmp_path, world, compiled=True, run=i)[0] for i in range(len(BUDGETS))]
+    plans = [
+        _check_equals_one_process(name, tmp_path, world, compiled=True, run=i)[0] for i in range(len(BUDGETS))
+    ]
     save_all, one, point_three, zero, selective = plans
     for plan in (save_all, selective):
         # every gathered hidden state kept as the rank's shard (the logits' gather feeds only the loss's
@@ -192,11 +282,16 @@ def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
 def _diverging_worker(rank: int, out: str):
     """Each rank compiles the bare block with its own budget (a user error): planned differently."""
     with gloo_rank(rank, WORLD, out):
-        import recompile_opt
         from torch.distributed.device_mesh import init_device_mesh
-        model = recompile_opt.parallelize(_model("block"), init_device_mesh("cpu", (WORLD,)), _inputs("block"))
-        step = torch.compile(model, backend="recompile_opt",
-                             options={"compiler": "eager", "memory_budget": [1.0, 0.0][rank]})
+
+        import recompile_opt
+
+        model = recompile_opt.parallelize(
+            _model("block"), init_device_mesh("cpu", (WORLD,)), _inputs("block")
+        )
+        step = torch.compile(
+            model, backend="recompile_opt", options={"compiler": "eager", "memory_budget": [1.0, 0.0][rank]}
+        )
         try:
             step(*_inputs("block"))
             message = None

@@ -3,17 +3,22 @@ with saved_tensors_hooks, storages deduplicated, parameters excluded) is the pla
 
 import pytest
 import torch
+from helpers import forget_searches, partitioned, tiny_gpt, tiny_llama
+from recompile_opt.passes.partition import backward_saved_inputs, partition
 
 import recompile_opt
 from recompile_opt.backend import RecompilePartitioner, compile_eager
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.options import parse_options
-from recompile_opt.passes.partition import backward_saved_inputs, partition
 
-from helpers import forget_searches, partitioned, tiny_gpt, tiny_llama
-
-SETTINGS = [{}, {"memory_budget": 0.5}, {"memory_budget": 0.1}, {"memory_budget": 0.0},
-            {"policy": "full"}, {"policy": "megatron-selective"}]
+SETTINGS = [
+    {},
+    {"memory_budget": 0.5},
+    {"memory_budget": 0.1},
+    {"memory_budget": 0.0},
+    {"policy": "full"},
+    {"policy": "megatron-selective"},
+]
 
 
 def _compile(model, options):
@@ -30,7 +35,8 @@ def test_backward_reads_exactly_the_plans_kept_values(options):
     bw_inputs = backward_saved_inputs(part.last_backward)
     rng_inputs = [n for n in bw_inputs if n.startswith("rng_state")]
     assert sorted(set(bw_inputs) - set(rng_inputs)) == sorted(
-        e.name for e in plan.saved if e.op != "rng_state")
+        e.name for e in plan.saved if e.op != "rng_state"
+    )
     assert len(rng_inputs) == sum(e.op == "rng_state" for e in plan.saved)
 
 
@@ -48,9 +54,15 @@ def test_measured_saved_bytes_equal_the_plan(make, options):
         assert report.total_bytes <= plan.budget_bytes
 
 
-@pytest.mark.parametrize("make, route", [(lambda: tiny_gpt(dropout=0.1), "plan"), (tiny_llama, "plan"),
-                                         (lambda: tiny_gpt(dropout=0.1), "compile")],
-                         ids=["gpt-dropout", "llama", "gpt-dropout-compiled"])
+@pytest.mark.parametrize(
+    "make, route",
+    [
+        (lambda: tiny_gpt(dropout=0.1), "plan"),
+        (tiny_llama, "plan"),
+        (lambda: tiny_gpt(dropout=0.1), "compile"),
+    ],
+    ids=["gpt-dropout", "llama", "gpt-dropout-compiled"],
+)
 def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkeypatch):
     """The least-peak search's fast partition (each graph extracted once with only the nodes it keeps,
     the backward reordered in place) gives the same forward and backward, node for node and edge for
@@ -64,8 +76,9 @@ def test_graphs_partitioned_for_simulation_are_torchs_graphs(make, route, monkey
         fast = partition(gm, **kw)
         torchs = partition(gm, **{**kw, "for_simulation": False})
         for a, b in zip(fast, torchs):
-            assert [(n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in a.graph.nodes] == \
-                [(n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in b.graph.nodes]
+            assert [
+                (n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in a.graph.nodes
+            ] == [(n.op, n.name, str(n.target), [x.name for x in n.all_input_nodes]) for n in b.graph.nodes]
         checked.append(kw["recomputed"])
         return fast
 
@@ -94,8 +107,9 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
     make_plan, on_fresh_stack = backend.make_plan, ti.on_fresh_stack
 
     def spy(*args, **kwargs):
-        seen.append((threading.current_thread().name, ti.TracingContext.try_get() is not None,
-                     ti.dce_impure_random()))
+        seen.append(
+            (threading.current_thread().name, ti.TracingContext.try_get() is not None, ti.dce_impure_random())
+        )
         return make_plan(*args, **kwargs)
 
     def caller(fn, *args, **kwargs):  # what the compile's own thread has in force

@@ -28,7 +28,9 @@ def test_settings_become_backend_options():
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     path = tmp_path_factory.mktemp("peaks") / "peaks.json"
-    accuracy.main(["--measure", str(path), "--models", "gpt", "--settings", "none,full", "--compiler", "eager"])
+    accuracy.main(
+        ["--measure", str(path), "--models", "gpt", "--settings", "none,full", "--compiler", "eager"]
+    )
     return json.loads(path.read_text())
 
 

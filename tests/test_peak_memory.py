@@ -7,25 +7,27 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import forget_searches, tiny_gpt, train_side_by_side
+from test_ilp import MiB, inp, op, problem
 from torch import nn
 
 import recompile_opt
 from recompile_opt import models
 from recompile_opt.costs.measure import peak_memory
-from recompile_opt.planner import least_peak, search
 from recompile_opt.options import parse_options
 from recompile_opt.plan import fmt_bytes
+from recompile_opt.planner import least_peak, search
 from recompile_opt.planner.search import InfeasibleBudget
 from recompile_opt.planner.solving import SimulateOnly
-
-from helpers import forget_searches, tiny_gpt, train_side_by_side
-from test_ilp import MiB, inp, op, problem
 
 
 @pytest.fixture(scope="module")
 def ends():
     model, inputs = tiny_gpt()
-    return (recompile_opt.plan(model, inputs, memory_budget=1.0), recompile_opt.plan(model, inputs, memory_budget=0.0))
+    return (
+        recompile_opt.plan(model, inputs, memory_budget=1.0),
+        recompile_opt.plan(model, inputs, memory_budget=0.0),
+    )
 
 
 def test_a_peak_limit_between_the_ends_is_met_with_less_recompute_than_the_least_peak_plan(ends):
@@ -126,8 +128,9 @@ def test_gradients_equal_eager_under_a_peak_limit(ends):
     limit = (save_all.predicted_peak_bytes + least.predicted_peak_bytes) // 2
     model, inputs = tiny_gpt(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=True):  # eager's dropout masks, replayed
-        plan = train_side_by_side(model, inputs, options={"peak_memory": limit, "compiler": "eager"},
-                                  rtol=1e-4, atol=1e-5)
+        plan = train_side_by_side(
+            model, inputs, options={"peak_memory": limit, "compiler": "eager"}, rtol=1e-4, atol=1e-5
+        )
     assert plan.predicted_peak_bytes <= limit
 
 
@@ -137,8 +140,9 @@ def test_a_peak_limit_holds_on_the_measured_step_through_inductor(ends):
     save_all, least = ends
     limit = (save_all.predicted_peak_bytes + least.predicted_peak_bytes) // 2
     model, inputs = tiny_gpt()
-    plan, measured = train_side_by_side(model, inputs, options={"peak_memory": limit}, measure_peak=True,
-                                        rtol=1e-4, atol=1e-5)  # Inductor's fused kernels reorder sums
+    plan, measured = train_side_by_side(
+        model, inputs, options={"peak_memory": limit}, measure_peak=True, rtol=1e-4, atol=1e-5
+    )  # Inductor's fused kernels reorder sums
     assert plan.recomputed and plan.predicted_peak_bytes <= limit
     assert plan.solver["peak_from"] == "inductor-code", plan.notes  # checked in Inductor's code
     assert measured <= limit, (measured, limit, plan.summary())
@@ -177,13 +181,19 @@ def test_the_least_peak_search_keeps_a_recomputed_value_that_lowers_the_peak(mon
     # kept-byte budget's cheapest plan here, so only the refinement around the peak can find it.
     monkeypatch.setattr(least_peak, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(least_peak, "PEAK_PROBES", 0)
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
+    chain = problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1),
+        op("b", ["a"], 3, 2),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
     assert {e.name for e in plan.saved} == {"x", "b"}
     assert plan.recomputed_names() == {"a", "c"}
-    assert any("kept on top of the ILP's choice, alive at its peak" in n and n.endswith(": b)")
-               for n in plan.notes)
+    assert any(
+        "kept on top of the ILP's choice, alive at its peak" in n and n.endswith(": b)") for n in plan.notes
+    )
 
 
 class _FlatSimulator(SimulateOnly):
@@ -200,16 +210,22 @@ class _FlatSimulator(SimulateOnly):
         return [n for n in self.at_peak if n in recomputed]
 
 
-@pytest.mark.parametrize(("at_peak", "kept"), [(["b"], set()), (["a"], {"a"})],
-                         ids=["tiny-gain", "real-gain"])
+@pytest.mark.parametrize(
+    ("at_peak", "kept"), [(["b"], set()), (["a"], {"a"})], ids=["tiny-gain", "real-gain"]
+)
 def test_the_refinement_takes_an_equal_peak_only_for_a_real_cut_in_recompute(monkeypatch, at_peak, kept):
     # recomputing a costs 1000 us, b 1 us (0.1% of the plan's recompute); no move changes the peak, so
     # keeping a is worth its bytes and keeping b is not
     forget_searches(monkeypatch)  # the same problem under another simulator
     monkeypatch.setattr(least_peak, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(least_peak, "PEAK_PROBES", 0)
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1000), op("b", ["a"], 3, 1),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
+    chain = problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1000),
+        op("b", ["a"], 3, 1),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
     plan = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FlatSimulator(at_peak))
     assert {e.name for e in plan.saved} == {"x"} | kept
 
@@ -235,16 +251,26 @@ class _WalkingSimulator(SimulateOnly):
         return self.known.get(frozenset(recomputed))
 
 
-@pytest.mark.parametrize("known", [(), ({"a"},), ({"a"}, {"b"})], ids=["cold", "first-walk-known", "all-known"])
+@pytest.mark.parametrize(
+    "known", [(), ({"a"},), ({"a"}, {"b"})], ids=["cold", "first-walk-known", "all-known"]
+)
 def test_where_no_plan_fits_the_least_walked_peak_is_taken_whatever_the_cache_knows(known):
     """No plan fits: the plan taken is the least walked, cold or warm. a is simulated lowest and walks
     24.80 MiB; b, simulated next (24.54), walks 27.55. Before, a warm cache that knew a's walk compared
     it with b's simulated figure, took b, and walked it to 27.55 (the benchmark's GPT under "23MiB")."""
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2), op("c", ["b"], 4, 4))
-    walks = {frozenset("a"): int(24.80 * MiB), frozenset("b"): int(27.55 * MiB), frozenset("c"): int(26 * MiB)}
+    chain = problem(
+        inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2), op("c", ["b"], 4, 4)
+    )
+    walks = {
+        frozenset("a"): int(24.80 * MiB),
+        frozenset("b"): int(27.55 * MiB),
+        frozenset("c"): int(26 * MiB),
+    }
     simulate = _WalkingSimulator(walks, [frozenset(k) for k in known])
-    plans = [least_peak.Candidate(int(peak * MiB), 0.0, 0, least_peak.ilp.Solution({name}))
-             for name, peak in (("a", 23.79), ("b", 24.54), ("c", 26.5))]
+    plans = [
+        least_peak.Candidate(int(peak * MiB), 0.0, 0, least_peak.ilp.Solution({name}))
+        for name, peak in (("a", 23.79), ("b", 24.54), ("c", 26.5))
+    ]
     check = least_peak._PeakCheck(chain, simulate)
     assert check.first_fitting(plans, 23 * MiB) is None
     least = check.least_walked(plans)
@@ -260,8 +286,10 @@ def test_a_peak_limit_takes_the_plan_a_cold_compile_takes_whatever_the_cache_kno
     names = "abcdefg"
     chain = problem(inp("x", 1, needed=True), *[op(n, ["x"], 1, 1) for n in names])
     walks = {frozenset(n): int((22 if n == "g" else 26) * MiB) for n in names}
-    plans = [least_peak.Candidate(int((24.4 - 0.01 * i) * MiB), i * 1e-3, 0, least_peak.ilp.Solution({n}))
-             for i, n in enumerate(names)]
+    plans = [
+        least_peak.Candidate(int((24.4 - 0.01 * i) * MiB), i * 1e-3, 0, least_peak.ilp.Solution({n}))
+        for i, n in enumerate(names)
+    ]
     check = least_peak._PeakCheck(chain, _WalkingSimulator(walks, [frozenset(k) for k in known]))
     assert least_peak.PEAK_WALKS == 6
     assert check.first_fitting(plans, 23 * MiB) is None
@@ -277,14 +305,24 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
     monkeypatch.setattr(least_peak, "_least_peak", lambda *a, **k: searches.append(1) or original(*a, **k))
 
     def chain(last_op="mul"):
-        c = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
+        c = problem(
+            inp("x", 1, needed=True),
+            op("a", ["x"], 2, 1),
+            op("b", ["a"], 3, 2),
+            op("c", ["b"], 4, 4),
+            bwd_steps=0,
+        )
         c.values["c"].info["op"] = last_op
         return c
 
     sim = _FakeSimulator()
-    for opts in ({"memory_budget": 0.0}, {"memory_budget": 0.5}, {"peak_memory": 6 * MiB},
-                 {"peak_memory": 7 * MiB, "compiler": "eager"}, {"memory_budget": 0.3, "compiler": "eager"}):
+    for opts in (
+        {"memory_budget": 0.0},
+        {"memory_budget": 0.5},
+        {"peak_memory": 6 * MiB},
+        {"peak_memory": 7 * MiB, "compiler": "eager"},
+        {"memory_budget": 0.3, "compiler": "eager"},
+    ):
         plan = search.make_plan(chain(), parse_options(opts), simulate=sim)
         if "peak_memory" in opts:
             assert "b" in plan.saved_names() and any("least-peak search" in n for n in plan.notes), plan
@@ -318,27 +356,48 @@ def test_a_limit_that_a_walked_plan_meets_is_met_not_called_unmeetable(monkeypat
     limit and is taken, its note saying so. Before, the limit was said to be unmeetable with "the least
     peak found is 8.00 MiB" (the ResNet-style CNN at 3.80 MiB: least walked 3.70)."""
     forget_searches(monkeypatch)
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
+    chain = problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1),
+        op("b", ["a"], 3, 2),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plan = search.make_plan(chain, parse_options({"peak_memory": 10 * MiB, "strict": True}),
-                                simulate=_OverestimatingSimulator())
+        plan = search.make_plan(
+            chain,
+            parse_options({"peak_memory": 10 * MiB, "strict": True}),
+            simulate=_OverestimatingSimulator(),
+        )
     assert "b" in plan.saved_names(), plan.summary()
     assert not any("cannot be met" in n for n in plan.notes), plan.notes
-    assert any(n.startswith("peak_memory 10.00 MiB:") and "walked in Inductor's code 8.00 MiB" in n
-               for n in plan.notes), plan.notes
+    assert any(
+        n.startswith("peak_memory 10.00 MiB:") and "walked in Inductor's code 8.00 MiB" in n
+        for n in plan.notes
+    ), plan.notes
 
 
 def test_a_limit_no_walked_plan_meets_is_said_to_be_unmeetable(monkeypatch):
     # the same plans under 7 MiB: the least walked peak (8 MiB) is over it
     forget_searches(monkeypatch)
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
-    with pytest.raises(InfeasibleBudget, match=r"peak_memory=7.00 MiB cannot be met; the least peak found "
-                                               r"is 8.00 MiB \(walked in Inductor's code\)"):
-        search.make_plan(chain, parse_options({"peak_memory": 7 * MiB, "strict": True}),
-                         simulate=_OverestimatingSimulator())
+    chain = problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1),
+        op("b", ["a"], 3, 2),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
+    with pytest.raises(
+        InfeasibleBudget,
+        match=r"peak_memory=7.00 MiB cannot be met; the least peak found "
+        r"is 8.00 MiB \(walked in Inductor's code\)",
+    ):
+        search.make_plan(
+            chain,
+            parse_options({"peak_memory": 7 * MiB, "strict": True}),
+            simulate=_OverestimatingSimulator(),
+        )
 
 
 class _ResidualCNN(nn.Module):
@@ -352,9 +411,18 @@ class _ResidualCNN(nn.Module):
             return nn.Sequential(nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout))
 
         self.stem = conv_bn(3, width)
-        self.blocks = nn.ModuleList([nn.ModuleList([conv_bn(width, width), conv_bn(width, width), nn.Identity()]),
-                                     nn.ModuleList([conv_bn(width, 2 * width, stride=2), conv_bn(2 * width, 2 * width),
-                                                    conv_bn(width, 2 * width, k=1, stride=2)])])
+        self.blocks = nn.ModuleList(
+            [
+                nn.ModuleList([conv_bn(width, width), conv_bn(width, width), nn.Identity()]),
+                nn.ModuleList(
+                    [
+                        conv_bn(width, 2 * width, stride=2),
+                        conv_bn(2 * width, 2 * width),
+                        conv_bn(width, 2 * width, k=1, stride=2),
+                    ]
+                ),
+            ]
+        )
         self.head = nn.Linear(2 * width, 10)
 
     def forward(self, images, target):
@@ -409,8 +477,9 @@ def test_a_cnns_least_peak_step_peaks_at_most_eagers_and_plain_compiles():
     plain = copy.deepcopy(model)
     compiled = measured_step(torch.compile(plain), plain)
     torch._dynamo.reset()
-    plan, ours = train_side_by_side(model, inputs, options={"memory_budget": 0.0}, steps=1, measure_peak=True,
-                                    rtol=1e-2, atol=1e-3)
+    plan, ours = train_side_by_side(
+        model, inputs, options={"memory_budget": 0.0}, steps=1, measure_peak=True, rtol=1e-2, atol=1e-3
+    )
     figures = f"ours {fmt_bytes(ours)}, eager {fmt_bytes(eager)}, torch.compile {fmt_bytes(compiled)}\n{plan.summary()}"
     assert ours <= eager and ours <= compiled, figures
     assert plan.solver["peak_from"] == "inductor-code", figures
@@ -423,15 +492,24 @@ def test_a_fractions_note_gives_its_range_and_does_not_claim_to_be_the_least_pea
     forget_searches(monkeypatch)
     monkeypatch.setattr(least_peak, "PEAK_LADDER", (0.0,))
     monkeypatch.setattr(least_peak, "PEAK_PROBES", 0)
-    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["a"], 3, 2),
-                    op("c", ["b"], 4, 4), bwd_steps=0)
+    chain = problem(
+        inp("x", 1, needed=True),
+        op("a", ["x"], 2, 1),
+        op("b", ["a"], 3, 2),
+        op("c", ["b"], 4, 4),
+        bwd_steps=0,
+    )
     least = search.make_plan(chain, parse_options({"memory_budget": 0.0}), simulate=_FakeSimulator())
     half = search.make_plan(chain, parse_options({"memory_budget": 0.5}), simulate=_FakeSimulator())
-    assert any(n.startswith("memory_budget 0.0 = the least-peak plan: keeps") for n in least.notes), least.notes
+    assert any(n.startswith("memory_budget 0.0 = the least-peak plan: keeps") for n in least.notes), (
+        least.notes
+    )
     assert not any("= the least-peak plan" in n for n in half.notes), half.notes
-    assert (f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way from the least-peak "
-            f"plan's {fmt_bytes(least.budget_bytes)} (memory_budget 0.0) to save-all's "
-            f"{fmt_bytes(half.baseline_bytes)} (1.0)") in half.notes, half.notes
+    assert (
+        f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way from the least-peak "
+        f"plan's {fmt_bytes(least.budget_bytes)} (memory_budget 0.0) to save-all's "
+        f"{fmt_bytes(half.baseline_bytes)} (1.0)"
+    ) in half.notes, half.notes
     # the fake simulator walks nothing: the 0.0 note's figure is the kernel model's, and says so
     assert not any("predicted peak" in n for n in least.notes), least.notes
     assert any("the kernel model's estimate of its peak 6.00 MiB" in n for n in least.notes), least.notes
@@ -446,12 +524,19 @@ def test_a_cnns_notes_give_the_plans_walked_peak_or_label_the_kernel_models(cnn_
     (note,) = [n for n in least.notes if n.startswith("memory_budget 0.0 = the least-peak plan")]
     assert "predicted peak" not in note, note
     # (the search's kernel-model figure: on the final partition, the summary's, it may differ by a little)
-    assert (f"peak walked in Inductor's code {fmt_bytes(least.predicted_peak_bytes)}" in note
-            or "the kernel model's estimate of its peak " in note), note
+    assert (
+        f"peak walked in Inductor's code {fmt_bytes(least.predicted_peak_bytes)}" in note
+        or "the kernel model's estimate of its peak " in note
+    ), note
     half = recompile_opt.plan(*_cnn(), memory_budget=0.5)
     assert not any("least-peak plan: keeps" in n for n in half.notes), half.notes
-    assert any(n.startswith(f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way "
-                            f"from the least-peak plan's {fmt_bytes(least.budget_bytes)}") for n in half.notes), half.notes
+    assert any(
+        n.startswith(
+            f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way "
+            f"from the least-peak plan's {fmt_bytes(least.budget_bytes)}"
+        )
+        for n in half.notes
+    ), half.notes
 
 
 @pytest.mark.slow
@@ -467,8 +552,9 @@ def test_a_deep_stacks_limit_is_checked_in_inductors_code_and_held_on_the_measur
     assert least.solver["peak_from"] == "inductor-code", least.summary()
     limit = int(least.predicted_peak_bytes * 1.05)
     torch._dynamo.reset()
-    plan, measured = train_side_by_side(model, inputs, options={"peak_memory": limit}, steps=1,
-                                        measure_peak=True)
+    plan, measured = train_side_by_side(
+        model, inputs, options={"peak_memory": limit}, steps=1, measure_peak=True
+    )
     (note,) = [n for n in plan.notes if n.startswith("peak_memory")]
     assert "peak walked in Inductor's code" in note, plan.notes
     assert plan.solver["peak_from"] == "inductor-code" and plan.predicted_peak_bytes <= limit, plan.summary()
@@ -480,8 +566,11 @@ def test_a_limit_the_code_cannot_be_checked_against_says_so():
     the kernel model's estimate, and a warning, the note and the summary say so (never "checked")."""
     model, inputs = tiny_gpt()
     model, inputs = model.to("meta"), tuple(t.to("meta") for t in inputs)
-    with pytest.warns(UserWarning, match="held to the kernel model's estimate .* not checked in Inductor's "
-                                         "code: the meta device has no Inductor code"):
+    with pytest.warns(
+        UserWarning,
+        match="held to the kernel model's estimate .* not checked in Inductor's "
+        "code: the meta device has no Inductor code",
+    ):
         plan = recompile_opt.plan(model, inputs, peak_memory="1MiB")
     assert plan.solver["peak_from"] == "simulator", plan.summary()
     assert "the kernel model's estimate, not walked in Inductor's code: the meta device" in plan.summary()

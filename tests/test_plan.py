@@ -24,7 +24,6 @@ dropout (kept 5 MiB + 16 B); under 5 MiB that no longer fits and mm, relu and t 
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import re
 import warnings
@@ -33,8 +32,8 @@ import pytest
 
 from recompile_opt.options import parse_options
 from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes, fmt_type
-from recompile_opt.planner.search import InfeasibleBudget, make_plan
 from recompile_opt.planner.problem import Problem, Value
+from recompile_opt.planner.search import InfeasibleBudget, make_plan
 
 MiB = 1 << 20
 US = 1e-6
@@ -51,28 +50,107 @@ def mlp_problem(**tags) -> Problem:
         return Value(name, storage, tag=tags.get(name), info=info(op, shape, kw.pop("module", MLP)), **kw)
 
     values = [
-        v("primals_1", "primals_1", "input", [512, 512], needed=True, can_recompute=False,
-          last_use=2, module=""),
-        v("primals_2", "primals_2", "input", [512, 2048], needed=True, can_recompute=False,
-          last_use=2, module=""),
-        v("primals_3", "primals_3", "input", [2048, 512], needed=True, can_recompute=False,
-          last_use=0, module=""),
-        v("mm", "mm", "mm", [512, 2048], inputs=("primals_1", "primals_2"), recompute_s=10 * US,
-          flops=2 * 512 * 512 * 2048, last_use=1),
-        v("relu", "relu", "relu", [512, 2048], inputs=("mm",), needed=True, recompute_s=1 * US,
-          flops=512 * 2048, last_use=1),
-        v("t", "relu", "t", [2048, 512], inputs=("relu",), needed=True, recompute_s=0.0,  # a view
-          last_use=1),
-        v("dropout", "dropout", "native_dropout", [512, 2048], inputs=("relu",), needed=True,
-          random=True, recompute_s=1 * US, flops=512 * 2048, last_use=0),
-        v("mm_1", "mm_1", "mm", [512, 512], inputs=("dropout", "primals_3"), recompute_s=10 * US,
-          flops=2 * 512 * 512 * 2048, last_use=4),
+        v(
+            "primals_1",
+            "primals_1",
+            "input",
+            [512, 512],
+            needed=True,
+            can_recompute=False,
+            last_use=2,
+            module="",
+        ),
+        v(
+            "primals_2",
+            "primals_2",
+            "input",
+            [512, 2048],
+            needed=True,
+            can_recompute=False,
+            last_use=2,
+            module="",
+        ),
+        v(
+            "primals_3",
+            "primals_3",
+            "input",
+            [2048, 512],
+            needed=True,
+            can_recompute=False,
+            last_use=0,
+            module="",
+        ),
+        v(
+            "mm",
+            "mm",
+            "mm",
+            [512, 2048],
+            inputs=("primals_1", "primals_2"),
+            recompute_s=10 * US,
+            flops=2 * 512 * 512 * 2048,
+            last_use=1,
+        ),
+        v(
+            "relu",
+            "relu",
+            "relu",
+            [512, 2048],
+            inputs=("mm",),
+            needed=True,
+            recompute_s=1 * US,
+            flops=512 * 2048,
+            last_use=1,
+        ),
+        v(
+            "t",
+            "relu",
+            "t",
+            [2048, 512],
+            inputs=("relu",),
+            needed=True,
+            recompute_s=0.0,  # a view
+            last_use=1,
+        ),
+        v(
+            "dropout",
+            "dropout",
+            "native_dropout",
+            [512, 2048],
+            inputs=("relu",),
+            needed=True,
+            random=True,
+            recompute_s=1 * US,
+            flops=512 * 2048,
+            last_use=0,
+        ),
+        v(
+            "mm_1",
+            "mm_1",
+            "mm",
+            [512, 512],
+            inputs=("dropout", "primals_3"),
+            recompute_s=10 * US,
+            flops=2 * 512 * 512 * 2048,
+            last_use=4,
+        ),
     ]
-    storage_bytes = {"primals_1": MiB, "primals_2": 0, "primals_3": 0, "mm": 4 * MiB,
-                     "relu": 4 * MiB, "dropout": 4 * MiB, "mm_1": MiB}
-    return Problem(values={x.name: x for x in values}, storage_bytes=storage_bytes,
-                   save_s={s: 0.0 for s in storage_bytes}, rng_state_bytes=RNG,
-                   bwd_steps=4, step_s=100 * US)
+    storage_bytes = {
+        "primals_1": MiB,
+        "primals_2": 0,
+        "primals_3": 0,
+        "mm": 4 * MiB,
+        "relu": 4 * MiB,
+        "dropout": 4 * MiB,
+        "mm_1": MiB,
+    }
+    return Problem(
+        values={x.name: x for x in values},
+        storage_bytes=storage_bytes,
+        save_s={s: 0.0 for s in storage_bytes},
+        rng_state_bytes=RNG,
+        bwd_steps=4,
+        step_s=100 * US,
+    )
 
 
 def plan_for(problem=None, **options) -> Plan:
@@ -81,11 +159,17 @@ def plan_for(problem=None, **options) -> Plan:
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
-    return {"none": plan_for(mip_gap=0.0), "lean": plan_for(), "6MiB": plan_for(memory_budget="6MiB"),
-            "5MiB": plan_for(memory_budget="5MiB"), "0.0": plan_for(memory_budget=0.0)}
+    return {
+        "none": plan_for(mip_gap=0.0),
+        "lean": plan_for(),
+        "6MiB": plan_for(memory_budget="6MiB"),
+        "5MiB": plan_for(memory_budget="5MiB"),
+        "0.0": plan_for(memory_budget=0.0),
+    }
 
 
 # -- the plans themselves --------------------------------------------------------------------------
+
 
 def test_the_fastest_plan_keeps_what_eager_keeps(plans):
     p = plans["none"]
@@ -150,19 +234,39 @@ def test_entries_describe_each_value(plans):
     assert (recomputed["t"].flops, recomputed["t"].bytes) == (0, 0)
     d = recomputed["dropout"]
     assert (d.name, d.op, d.action, d.shape, d.dtype, d.module, d.source) == (
-        "dropout", "native_dropout", RECOMPUTE, [512, 2048], "float32", MLP, "model.py:12")
+        "dropout",
+        "native_dropout",
+        RECOMPUTE,
+        [512, 2048],
+        "float32",
+        MLP,
+        "model.py:12",
+    )
     assert d.flops == 512 * 2048 and d.recompute_s == pytest.approx(US) and d.bytes == 0
 
 
 # -- JSON ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["none", "6MiB", "5MiB", "0.0"])
 def test_json_round_trip(plans, name):
     p = plans[name]
     back = Plan.from_json(p.to_json())
     assert back == p
-    for f in ("saved", "recomputed", "saved_bytes", "baseline_bytes", "min_bytes", "budget_bytes",
-              "recompute_flops", "recompute_s", "predicted_peak_bytes", "solver", "notes", "options"):
+    for f in (
+        "saved",
+        "recomputed",
+        "saved_bytes",
+        "baseline_bytes",
+        "min_bytes",
+        "budget_bytes",
+        "recompute_flops",
+        "recompute_s",
+        "predicted_peak_bytes",
+        "solver",
+        "notes",
+        "options",
+    ):
         assert getattr(back, f) == getattr(p, f), f
     assert all(isinstance(e, PlanEntry) for e in back.saved + back.recomputed)
     assert Plan.from_json(p.to_json(indent=None)) == p
@@ -170,17 +274,49 @@ def test_json_round_trip(plans, name):
 
 def test_json_keys(plans):
     d = json.loads(plans["6MiB"].to_json())
-    for key in ("saved", "recomputed", "saved_bytes", "baseline_bytes", "recompute_flops",
-                "predicted_peak_bytes", "solver", "recompute_share", "graph", "policy", "notes"):
+    for key in (
+        "saved",
+        "recomputed",
+        "saved_bytes",
+        "baseline_bytes",
+        "recompute_flops",
+        "predicted_peak_bytes",
+        "solver",
+        "recompute_share",
+        "graph",
+        "policy",
+        "notes",
+    ):
         assert key in d, key
-    entry_keys = {"name", "op", "action", "reason", "shape", "dtype", "bytes", "flops", "recompute_s",
-                  "module", "source"}
+    entry_keys = {
+        "name",
+        "op",
+        "action",
+        "reason",
+        "shape",
+        "dtype",
+        "bytes",
+        "flops",
+        "recompute_s",
+        "module",
+        "source",
+    }
     assert d["saved"] and all(set(e) >= entry_keys for e in d["saved"])
     assert d["recomputed"] and all(set(e) >= entry_keys for e in d["recomputed"])
     relu = next(e for e in d["saved"] if e["name"] == "relu")
-    assert relu == {"name": "relu", "op": "relu", "action": "keep", "reason": "ilp", "shape": [512, 2048],
-                    "dtype": "float32", "bytes": 4 * MiB, "flops": 0, "recompute_s": 0.0,
-                    "module": MLP, "source": "model.py:12"}
+    assert relu == {
+        "name": "relu",
+        "op": "relu",
+        "action": "keep",
+        "reason": "ilp",
+        "shape": [512, 2048],
+        "dtype": "float32",
+        "bytes": 4 * MiB,
+        "flops": 0,
+        "recompute_s": 0.0,
+        "module": MLP,
+        "source": "model.py:12",
+    }
     drop = next(e for e in d["recomputed"] if e["name"] == "dropout")
     assert (drop["name"], drop["op"], drop["flops"]) == ("dropout", "native_dropout", 512 * 2048)
     assert (d["saved_bytes"], d["baseline_bytes"]) == (5 * MiB + RNG, 9 * MiB)
@@ -198,6 +334,7 @@ def test_from_json_ignores_unknown_keys(plans):
 
 # -- diff ------------------------------------------------------------------------------------------
 
+
 def diff_rows(text: str) -> dict[str, tuple[str, str]]:
     rows = {}
     for line in text.splitlines()[1:]:
@@ -209,11 +346,15 @@ def diff_rows(text: str) -> dict[str, tuple[str, str]]:
 
 def test_diff_lists_what_moves(plans):
     # peaks as a simulator would give them (a bare Problem is planned without one)
-    a, b = (dataclasses.replace(plans[k], predicted_peak_bytes=m * MiB) for k, m in (("6MiB", 10), ("5MiB", 11)))
+    a, b = (
+        dataclasses.replace(plans[k], predicted_peak_bytes=m * MiB) for k, m in (("6MiB", 10), ("5MiB", 11))
+    )
     text = a.diff(b)
     first = text.splitlines()[0]
-    assert first == ("plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.07 GFLOP, "
-                     "peak 10.00 MiB -> 11.00 MiB")
+    assert first == (
+        "plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.07 GFLOP, "
+        "peak 10.00 MiB -> 11.00 MiB"
+    )
     assert diff_rows(text) == {
         "relu": ("keep", "recompute"),
         "mm": ("-", "recompute"),
@@ -244,20 +385,33 @@ def test_diff_of_identical_plans(plans):
 def other_graph_problem() -> Problem:
     """Another graph: x @ w1 -> relu -> gelu, relu and gelu read by the backward; it shares the names
     primals_1, primals_2, mm and relu with the MLP block, not dropout, t, mm_1 or primals_3."""
+
     def v(name, op, **kw):
         return Value(name, kw.pop("storage", name), info=info(op, [512, 2048]), **kw)
 
     values = [
         v("primals_1", "input", needed=True, can_recompute=False, last_use=1),
         v("primals_2", "input", needed=True, can_recompute=False, last_use=1),
-        v("mm", "mm", inputs=("primals_1", "primals_2"), recompute_s=10 * US, flops=2 * 512 * 512 * 2048,
-          last_use=0),
+        v(
+            "mm",
+            "mm",
+            inputs=("primals_1", "primals_2"),
+            recompute_s=10 * US,
+            flops=2 * 512 * 512 * 2048,
+            last_use=0,
+        ),
         v("relu", "relu", inputs=("mm",), needed=True, recompute_s=1 * US, flops=512 * 2048, last_use=1),
         v("gelu", "gelu", inputs=("relu",), needed=True, recompute_s=1 * US, flops=512 * 2048, last_use=0),
     ]
     storage_bytes = {"primals_1": MiB, "primals_2": 0, "mm": 4 * MiB, "relu": 4 * MiB, "gelu": 4 * MiB}
-    return Problem(values={x.name: x for x in values}, storage_bytes=storage_bytes,
-                   save_s={s: 0.0 for s in storage_bytes}, rng_state_bytes=RNG, bwd_steps=2, step_s=100 * US)
+    return Problem(
+        values={x.name: x for x in values},
+        storage_bytes=storage_bytes,
+        save_s={s: 0.0 for s in storage_bytes},
+        rng_state_bytes=RNG,
+        bwd_steps=2,
+        step_s=100 * US,
+    )
 
 
 def test_diff_across_graphs_says_so_and_matches_values_by_name(plans):
@@ -265,8 +419,9 @@ def test_diff_across_graphs_says_so_and_matches_values_by_name(plans):
     assert other.saved_names() == {"primals_1", "primals_2", "relu"} and other.recomputed_names() == {"gelu"}
     text = plans["6MiB"].diff(other)
     lines = text.splitlines()
-    assert lines[0] == ("plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.05 MFLOP, "
-                        "peak 0 B -> 0 B")
+    assert lines[0] == (
+        "plan diff: kept 5.00 MiB -> 5.00 MiB, recompute 1.05 MFLOP -> 1.05 MFLOP, peak 0 B -> 0 B"
+    )
     assert lines[1] == "  note: different graphs (g0 and g1): values are matched by node name only"
     # primals_1, primals_2 and relu are kept in both: matched by name, not listed
     assert diff_rows(text) == {
@@ -280,10 +435,13 @@ def test_diff_across_graphs_says_so_and_matches_values_by_name(plans):
     # the same graph under another name is still said to be another graph, even with the same decisions
     renamed = dataclasses.replace(plans["6MiB"], graph="g2")
     assert plans["6MiB"].diff(renamed).splitlines()[1:] == [
-        "  note: different graphs (g0 and g2): values are matched by node name only", "  (same decisions)"]
+        "  note: different graphs (g0 and g2): values are matched by node name only",
+        "  (same decisions)",
+    ]
 
 
 # -- printing --------------------------------------------------------------------------------------
+
 
 def table_sections(text: str) -> dict[str, list[str]]:
     sections, current = {}, None
@@ -302,11 +460,14 @@ def names_in(lines: list[str]) -> list[str]:
     return [re.split(r"\s{1,}", line.split("]", 1)[1].strip())[3] for line in lines]
 
 
-@pytest.mark.parametrize("name, kept, recomputed", [
-    ("none", ["primals_1", "relu", "dropout"], ["t"]),
-    ("6MiB", ["primals_1", "relu", "dropout.rng_state"], ["t", "dropout"]),
-    ("5MiB", ["primals_1", "dropout"], ["mm", "relu", "t"]),
-])
+@pytest.mark.parametrize(
+    "name, kept, recomputed",
+    [
+        ("none", ["primals_1", "relu", "dropout"], ["t"]),
+        ("6MiB", ["primals_1", "relu", "dropout.rng_state"], ["t", "dropout"]),
+        ("5MiB", ["primals_1", "dropout"], ["mm", "relu", "t"]),
+    ],
+)
 def test_str_has_one_line_per_non_parameter_value(plans, name, kept, recomputed):
     p = plans[name]
     text = str(p)
@@ -322,13 +483,15 @@ def test_str_summary_lines(plans):
     lines = str(plans["6MiB"]).splitlines()
     assert lines[0] == "recompile_opt plan  graph=g0  policy=auto  budget=6.00 MiB"
     assert lines[1] == "  kept for backward : 5.00 MiB of 9.00 MiB save-all (55.6%)"
-    assert lines[2] == ("  recompute         : 1.05 MFLOP, est. 0.001 ms = 1.0% of the est. step "
-                        "(0.100 ms)")
+    assert lines[2] == ("  recompute         : 1.05 MFLOP, est. 0.001 ms = 1.0% of the est. step (0.100 ms)")
     assert lines[3] == "  predicted peak    : not simulated (planned without its graphs)"
     simulated = str(dataclasses.replace(plans["6MiB"], predicted_peak_bytes=10 * MiB)).splitlines()
     assert simulated[3] == "  predicted peak    : 10.00 MiB above the pre-step baseline"
-    assert re.fullmatch(r"  solver            : highs optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)"
-                        r" \(1 solve, \d+\.\d\d s summed; 0 plans simulated, 0\.00 s\)", lines[4])
+    assert re.fullmatch(
+        r"  solver            : highs optimal in \d+\.\d\d s, gap <= 1\.00% \(\d+ vars, \d+ constraints\)"
+        r" \(1 solve, \d+\.\d\d s summed; 0 plans simulated, 0\.00 s\)",
+        lines[4],
+    )
     assert lines[5].startswith("kept (")
     zero = str(plans["0.0"]).splitlines()
     assert zero[1] == "  kept for backward : 1.00 MiB of 9.00 MiB save-all (11.1%), least possible 1.00 MiB"
@@ -337,11 +500,17 @@ def test_str_summary_lines(plans):
 def test_str_line_columns(plans):
     sections = table_sections(str(plans["6MiB"]))
     relu = next(line for line in sections["kept"] if " relu " in line and "native" not in line)
-    assert re.match(r"^\s+float32\[512x2048\]\s+4\.00 MiB\s+relu\s+relu\s+ilp\s+blocks\.0\.mlp\s+"
-                    r"model\.py:12$", relu)
+    assert re.match(
+        r"^\s+float32\[512x2048\]\s+4\.00 MiB\s+relu\s+relu\s+ilp\s+blocks\.0\.mlp\s+"
+        r"model\.py:12$",
+        relu,
+    )
     drop = next(line for line in sections["recomputed"] if "native_dropout" in line)
-    assert re.match(r"^\s+float32\[512x2048\]\s+1\.05 MFLOP\s+native_dropout\s+dropout\s+rng\s+"
-                    r"blocks\.0\.mlp\s+model\.py:12$", drop)
+    assert re.match(
+        r"^\s+float32\[512x2048\]\s+1\.05 MFLOP\s+native_dropout\s+dropout\s+rng\s+"
+        r"blocks\.0\.mlp\s+model\.py:12$",
+        drop,
+    )
 
 
 def test_table_columns_align_across_both_sections(plans):
@@ -363,12 +532,16 @@ def test_fmt_type_of_a_scalar_and_of_a_non_tensor():
 
 def test_repr_is_one_short_line(plans):
     p = plans["6MiB"]
-    assert repr(p) == ("Plan(graph=g0, policy=auto, budget=6.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
-                       "(1.05 MFLOP, est. 0.001 ms), peak not simulated)")
+    assert repr(p) == (
+        "Plan(graph=g0, policy=auto, budget=6.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
+        "(1.05 MFLOP, est. 0.001 ms), peak not simulated)"
+    )
     assert str(p) == p.summary() + "\n" + p.table()  # print(plan) is still the whole table
     limited = dataclasses.replace(p, predicted_peak_bytes=10 * MiB, peak_limit_bytes=12 * MiB)
-    assert repr(limited).endswith("peak_memory=12.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
-                                  "(1.05 MFLOP, est. 0.001 ms), peak 10.00 MiB)")
+    assert repr(limited).endswith(
+        "peak_memory=12.00 MiB, kept 5.00 MiB of 9.00 MiB, recomputes 2 values "
+        "(1.05 MFLOP, est. 0.001 ms), peak 10.00 MiB)"
+    )
 
 
 def test_a_real_plans_repr_and_table():
@@ -406,7 +579,8 @@ class _Encoder:  # built lazily (torch.nn): a torch-library model, nothing of it
                 super().__init__()
                 self.layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
 
-            def forward(self, x): return self.layer(x).sum()  # noqa: E704 (the one line every op has)
+            def forward(self, x):
+                return self.layer(x).sum()  # noqa: E704 (the one line every op has)
 
         return Encoder(), Encoder.forward.__code__.co_firstlineno
 
@@ -424,9 +598,14 @@ def test_a_torch_library_models_sources_tell_its_ops_apart():
     model, line = _Encoder.build()
     plan = recompile_opt.plan(model, (torch.randn(2, 8, 32),))
     at = f"test_plan.py:{line}"
-    expected = {"layer.self_attn": f"{at} (multi_head_attention_forward)", "layer.norm1": f"{at} (layer_norm)",
-                "layer.norm2": f"{at} (layer_norm)", "layer.linear1": f"{at} (linear)",
-                "layer.dropout1": f"{at} (dropout)", "layer.dropout": f"{at} (dropout)"}
+    expected = {
+        "layer.self_attn": f"{at} (multi_head_attention_forward)",
+        "layer.norm1": f"{at} (layer_norm)",
+        "layer.norm2": f"{at} (layer_norm)",
+        "layer.linear1": f"{at} (linear)",
+        "layer.dropout1": f"{at} (dropout)",
+        "layer.dropout": f"{at} (dropout)",
+    }
     entries = [e for e in plan.saved + plan.recomputed if e.reason not in ("param", "input")]
     seen = {e.module: e.source for e in entries if e.module in expected}
     assert seen == {m: expected[m] for m in seen} and len(seen) >= 5, str(plan)
@@ -435,12 +614,15 @@ def test_a_torch_library_models_sources_tell_its_ops_apart():
 
     gpt, inputs = demo_gpt(n_layer=1, n_embd=64, seq=32, batch=2)
     gpt_plan = recompile_opt.plan(gpt, inputs)
-    attn = [e for e in gpt_plan.saved + gpt_plan.recomputed if e.module == "blocks.0.attn"]  # ours, not torch's
+    attn = [
+        e for e in gpt_plan.saved + gpt_plan.recomputed if e.module == "blocks.0.attn"
+    ]  # ours, not torch's
     assert attn and all(re.fullmatch(r"models\.py:\d+", e.source) for e in attn), attn
     torch._dynamo.reset()
 
 
 # -- tags, notes and limits through the pipeline ---------------------------------------------------
+
 
 def test_prefer_save_overridden_is_noted():
     p = plan_for(mlp_problem(relu="prefer_save"), memory_budget="5MiB")

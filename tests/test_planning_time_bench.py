@@ -28,8 +28,10 @@ def test_settings_map_to_the_options_they_name():
 def test_the_table_gives_medians_and_ratios_to_the_plain_compile():
     bench = _bench()
     rows = [{"model": "gpt", "setting": "plain", "compile_s": c, "plan_s": 0.0} for c in (10.0, 30.0, 20.0)]
-    rows += [{"model": "gpt", "setting": "0.0", "compile_s": c, "plan_s": p}
-             for c, p in ((25.0, 4.0), (26.0, 6.0), (99.0, 5.0))]
+    rows += [
+        {"model": "gpt", "setting": "0.0", "compile_s": c, "plan_s": p}
+        for c, p in ((25.0, 4.0), (26.0, 6.0), (99.0, 5.0))
+    ]
     text = bench.table(rows, ["gpt"], ["plain", "0.0"])
     assert "| gpt | 20.0 | 26.0 (1.30x) | 5.00 (0.25x) [0.0] |" in text, text
 

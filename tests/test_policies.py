@@ -4,12 +4,11 @@ its own, and ``save-all`` keeps what the forward makes (nothing run again in the
 import pytest
 import torch
 import torch.nn as nn
+from helpers import TINY_GPT, partitioned, tiny_gpt, tiny_llama
 
 import recompile_opt
 from recompile_opt.models import GPT, Block, GPTConfig, example_batch
 from recompile_opt.planner.policies import block_of
-
-from helpers import TINY_GPT, partitioned, tiny_gpt, tiny_llama
 
 
 @pytest.mark.parametrize("n_layer,dropout", [(1, 0.0), (3, 0.0), (3, 0.1)])
@@ -25,7 +24,9 @@ def test_megatron_selective_recomputes_each_layers_qk_matmul_and_nothing_outside
     assert not [e.name for e in plan.recomputed if e.op in ("addmm", "mm")], plan
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_gpt(dropout=0.1), tiny_llama], ids=["gpt-dropout", "llama-sdpa"])
+@pytest.mark.parametrize(
+    "make", [lambda: tiny_gpt(dropout=0.1), tiny_llama], ids=["gpt-dropout", "llama-sdpa"]
+)
 def test_save_all_keeps_tuple_outputs_only_the_backward_reads(make):
     # dropout's mask and SDPA's logsumexp feed only the backward, yet the forward makes them: kept,
     # not remade by running dropout (replayed) or SDPA again in the backward
@@ -68,8 +69,9 @@ class _SequentialGPT(nn.Sequential):
     paths ``1.attn``, ``2.mlp.0``: no name before the first index, another index after it)."""
 
     def __init__(self, cfg):
-        super().__init__(nn.Embedding(cfg.vocab_size, cfg.n_embd),
-                         *[_SequentialMLPBlock(cfg) for _ in range(cfg.n_layer)])
+        super().__init__(
+            nn.Embedding(cfg.vocab_size, cfg.n_embd), *[_SequentialMLPBlock(cfg) for _ in range(cfg.n_layer)]
+        )
 
     def forward(self, idx):
         return super().forward(idx).square().mean()

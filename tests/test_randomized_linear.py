@@ -34,14 +34,16 @@ def test_the_weights_gradient_is_unbiased(ratio):
     1/sqrt(draws)), which a projection that ignored the seed, or a biased one, would not."""
     x, w, b, grad_out = _layer()
     (exact,) = torch.autograd.grad(F.linear(x, w, b), w, grad_out)
-    draws = [torch.autograd.grad(rl.randomized_linear(x, w, b, ratio, torch.tensor(s)), w, grad_out)[0]
-             for s in range(400)]
+    draws = [
+        torch.autograd.grad(rl.randomized_linear(x, w, b, ratio, torch.tensor(s)), w, grad_out)[0]
+        for s in range(400)
+    ]
 
     def error(g):
         return float((g - exact).norm() / exact.norm())
 
     single = sum(error(d) for d in draws) / len(draws)
-    assert error(torch.stack(draws).mean(0)) < 2.0 * single / 400 ** 0.5
+    assert error(torch.stack(draws).mean(0)) < 2.0 * single / 400**0.5
 
 
 def test_the_projection_is_kept_not_the_input_nor_s():
@@ -52,15 +54,17 @@ def test_the_projection_is_kept_not_the_input_nor_s():
     kept = sorted(tuple(t.shape) for t in y.grad_fn.saved_tensors)
     assert kept == sorted([(rl.kept_rows(512, 0.25), 64), (32, 64), ()]), kept
     assert rl.kept_rows(512, 0.25) == 128
-    same, other = (torch.autograd.grad(rl.randomized_linear(x, w, b, 0.25, torch.tensor(s)), w, grad_out)[0]
-                   for s in (3, 4))
+    same, other = (
+        torch.autograd.grad(rl.randomized_linear(x, w, b, 0.25, torch.tensor(s)), w, grad_out)[0]
+        for s in (3, 4)
+    )
     assert torch.equal(torch.autograd.grad(y, w, grad_out)[0], same) and not torch.equal(same, other)
 
 
 def test_s_is_made_in_blocks_alike_and_has_rademacher_entries():
     seed = torch.tensor(11)
     whole = rl.projection_block(seed, 0, 3000, 40, torch.float64, "cpu")
-    assert set(whole.unique().tolist()) == {-40 ** -0.5, 40 ** -0.5}
+    assert set(whole.unique().tolist()) == {-(40**-0.5), 40**-0.5}
     assert torch.equal(rl.projection_block(seed, 1024, 1000, 40, torch.float64, "cpu"), whole[1024:2024])
 
 
@@ -69,7 +73,7 @@ def test_s_s_transpose_averages_to_the_identity_over_seeds():
     block's S S^T are as far from 0 as chance makes them (rms within 1.2x of 1/sqrt(r N)). An index
     only xor-ed with the seed's hash left entries a small xor apart correlated: 1.8x here."""
     rows, r, n = rl.BLOCK, 32, 40_000
-    seeds = torch.randint(0, 2 ** 31 - 1, (n, 1, 1), generator=torch.Generator().manual_seed(0))
+    seeds = torch.randint(0, 2**31 - 1, (n, 1, 1), generator=torch.Generator().manual_seed(0))
     total = torch.zeros(rows, rows, dtype=torch.float64)
     for part in seeds.split(4000):
         s = rl.projection_block(part, 0, rows, r, torch.float64, "cpu")
@@ -89,8 +93,10 @@ def test_s_is_block_diagonal_each_block_projected_on_its_own():
     dense = torch.zeros(n, 3 * r + last, dtype=torch.float64)
     full = rl.projection_block(seed, 0, 3 * rl.BLOCK, r, torch.float64, "cpu")
     for b in range(3):
-        dense[b * rl.BLOCK:(b + 1) * rl.BLOCK, b * r:(b + 1) * r] = full[b * rl.BLOCK:(b + 1) * rl.BLOCK]
-    dense[3 * rl.BLOCK:, 3 * r:] = rl.projection_block(seed, 3 * rl.BLOCK, 20, last, torch.float64, "cpu")
+        dense[b * rl.BLOCK : (b + 1) * rl.BLOCK, b * r : (b + 1) * r] = full[
+            b * rl.BLOCK : (b + 1) * rl.BLOCK
+        ]
+    dense[3 * rl.BLOCK :, 3 * r :] = rl.projection_block(seed, 3 * rl.BLOCK, 20, last, torch.float64, "cpu")
     torch.testing.assert_close(rl.project(seed, rows, ratio), dense.t() @ rows)
     assert rl.kept_rows(n, ratio) == 3 * r + last
 

@@ -2,20 +2,22 @@
 
 import pytest
 import torch
+from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 
 import recompile_opt
 from recompile_opt.planner import ilp
-
-from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 
 
 def test_solver_failure_falls_back_to_a_correct_plan_with_a_warning(monkeypatch):
     monkeypatch.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
     model, inputs = tiny_gpt(dropout=0.1)
-    with torch._inductor.config.patch(fallback_random=True), \
-            pytest.warns(UserWarning, match="the ILP solver failed .*greedy plan"):
-        plan = train_side_by_side(model, inputs, options={"memory_budget": 0.3, "compiler": "eager"},
-                                  rtol=1e-4, atol=1e-5)
+    with (
+        torch._inductor.config.patch(fallback_random=True),
+        pytest.warns(UserWarning, match="the ILP solver failed .*greedy plan"),
+    ):
+        plan = train_side_by_side(
+            model, inputs, options={"memory_budget": 0.3, "compiler": "eager"}, rtol=1e-4, atol=1e-5
+        )
     assert plan.budget_bytes is not None and plan.saved_bytes <= plan.budget_bytes
 
 
@@ -37,8 +39,9 @@ def test_mutated_buffers_keep_gradients_and_running_stats_equal(budget):
     ref = __import__("copy").deepcopy(model)
     train_side_by_side(model, inputs, options={"memory_budget": budget, "compiler": "eager"})
     # train_side_by_side trains copies; run once more here to compare the running statistics
-    compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": budget,
-                                                                      "compiler": "eager"})
+    compiled = torch.compile(
+        model, backend="recompile_opt", options={"memory_budget": budget, "compiler": "eager"}
+    )
     compiled(*inputs).backward()
     ref(*inputs).backward()
     torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)

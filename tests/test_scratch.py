@@ -10,8 +10,9 @@ from recompile_opt.costs.measure import allocation_timeline
 
 
 def _conv_backward(x, w, g):
-    return torch.ops.aten.convolution_backward.default(g, x, w, [32], [8, 8], [0, 0], [1, 1], False, [0, 0], 1,
-                                                       [False, True, True])
+    return torch.ops.aten.convolution_backward.default(
+        g, x, w, [32], [8, 8], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True]
+    )
 
 
 def _node(fn, *args, mode="fake"):
@@ -21,8 +22,11 @@ def _node(fn, *args, mode="fake"):
 
 def _args(device="cpu", channels_last=False):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return (torch.randn(2, 3, 32, 32, device=device).to(memory_format=fmt),
-            torch.randn(32, 3, 8, 8, device=device).to(memory_format=fmt), torch.randn(2, 32, 4, 4, device=device))
+    return (
+        torch.randn(2, 3, 32, 32, device=device).to(memory_format=fmt),
+        torch.randn(32, 3, 8, 8, device=device).to(memory_format=fmt),
+        torch.randn(2, 32, 4, 4, device=device),
+    )
 
 
 def _measured_here(*args) -> int:

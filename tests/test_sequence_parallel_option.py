@@ -12,12 +12,11 @@ import sys
 
 import pytest
 import torch
+from multiprocess import gloo_rank, progress, run_ranks
+from test_parallel_rewrite import _train as _train_steps
 
 import recompile_opt
 from recompile_opt import OptionError, models
-
-from multiprocess import gloo_rank, progress, run_ranks
-from test_parallel_rewrite import _train as _train_steps
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 import parallel as bench  # noqa: E402
@@ -28,7 +27,11 @@ WORLD, SEQ, STEPS, LAYERS = 2, 16, 3, 2
 def _model(name: str, dropout: float = 0.1):
     torch.manual_seed(0)
     config = dict(n_layer=LAYERS, n_head=4, n_embd=32, block_size=SEQ, vocab_size=64, dropout=dropout)
-    return models.GPT(models.GPTConfig(**config)) if name == "gpt" else models.Llama(models.LlamaConfig(**config))
+    return (
+        models.GPT(models.GPTConfig(**config))
+        if name == "gpt"
+        else models.Llama(models.LlamaConfig(**config))
+    )
 
 
 def _batch(seq: int = SEQ):
@@ -43,11 +46,14 @@ def _train(model, step_fn, batch):
 def _plan_summary() -> dict:
     plans = recompile_opt.last_plans()
     forward = [c["op"] for p in plans for c in p.collectives if c["phase"] == "forward"]
-    return {"notes": [n for p in plans for n in p.notes],
-            "reduce_scatters": sum("reduce_scatter" in op for op in forward),
-            "all_gathers": sum("all_gather" in op for op in forward),
-            "all_reduces": sum("all_reduce" in op for op in forward),
-            "kept": sum(p.saved_bytes for p in plans), "least": sum(p.min_bytes or 0 for p in plans)}
+    return {
+        "notes": [n for p in plans for n in p.notes],
+        "reduce_scatters": sum("reduce_scatter" in op for op in forward),
+        "all_gathers": sum("all_gather" in op for op in forward),
+        "all_reduces": sum("all_reduce" in op for op in forward),
+        "kept": sum(p.saved_bytes for p in plans),
+        "least": sum(p.min_bytes or 0 for p in plans),
+    }
 
 
 def _worker(rank: int, out: str, compiler: str, budgets: tuple):
@@ -73,14 +79,17 @@ def _worker(rank: int, out: str, compiler: str, budgets: tuple):
         # recompile_opt.plan plans what the compile plans
         torch._dynamo.reset()
         model = bench.hand_parallel("llama", _model("llama"), mesh, sequence_parallel=False)
-        plan = recompile_opt.plan(model, _batch(), memory_budget=0.0, compiler=compiler, sequence_parallel=True)
+        plan = recompile_opt.plan(
+            model, _batch(), memory_budget=0.0, compiler=compiler, sequence_parallel=True
+        )
         results["plan"] = (plan.notes, plan.min_bytes, results["llama", 0.0, True][2]["least"])
         # a sequence the ranks cannot split evenly: a clear error at compile time
         torch._dynamo.reset()
         model = bench.hand_parallel("gpt", _model("gpt"), mesh, sequence_parallel=False)
         try:
-            torch.compile(model, backend="recompile_opt",
-                          options={"compiler": "eager", "sequence_parallel": True})(*_batch(SEQ - 1))
+            torch.compile(
+                model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True}
+            )(*_batch(SEQ - 1))
             results["odd"] = None
         except OptionError as e:
             results["odd"] = str(e)
@@ -101,6 +110,7 @@ class _SequenceWide(torch.nn.Module):
 
     def forward(self, x):
         from torch.distributed.tensor import Replicate
+
         h = self.b(self.a(x))
         if self.positional:
             h = h.redistribute(self.mesh, (Replicate(),)).to_local()
@@ -113,6 +123,7 @@ def _odd_layouts(mesh) -> dict:
     """Each odd model's eager loss and weight gradient, and the same compiled with the option."""
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     out = {}
     for positional in (False, True):
         runs = []
@@ -120,10 +131,19 @@ def _odd_layouts(mesh) -> dict:
             torch._dynamo.reset()
             torch.manual_seed(0)
             model = _SequenceWide(mesh, positional)
-            row = RowwiseParallel(output_layouts=Partial(), use_local_output=False) if positional else RowwiseParallel()
+            row = (
+                RowwiseParallel(output_layouts=Partial(), use_local_output=False)
+                if positional
+                else RowwiseParallel()
+            )
             parallelize_module(model, mesh, {"a": ColwiseParallel(), "b": row, "c": ColwiseParallel()})
-            step = torch.compile(model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True}
-                                 ) if compiled else model
+            step = (
+                torch.compile(
+                    model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True}
+                )
+                if compiled
+                else model
+            )
             loss = step(torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(3)))
             loss.backward()
             runs.append((loss.item(), model.w.grad.clone()))
@@ -131,8 +151,9 @@ def _odd_layouts(mesh) -> dict:
     return out
 
 
-@pytest.mark.parametrize("compiler,budgets", [("eager", (None, 0.0)),
-                                              pytest.param("inductor", (0.0,), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "compiler,budgets", [("eager", (None, 0.0)), pytest.param("inductor", (0.0,), marks=pytest.mark.slow)]
+)
 def test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel(compiler, budgets, tmp_path):
     run_ranks(_worker, (str(tmp_path), compiler, budgets), str(tmp_path), WORLD)
     results = torch.load(tmp_path / "rank0.pt", weights_only=False)
@@ -146,16 +167,24 @@ def test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel(com
                 for step, (got, want) in enumerate(zip(grads, want_grads)):
                     assert got.keys() == want.keys()
                     for n in want:
-                        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5,
-                                                   msg=lambda m: f"{where}, step {step}, {n}: {m}")
+                        torch.testing.assert_close(
+                            got[n],
+                            want[n],
+                            rtol=1e-4,
+                            atol=1e-5,
+                            msg=lambda m: f"{where}, step {step}, {n}: {m}",
+                        )
             tp, sp = results[name, budget, False][2], results[name, budget, True][2]
             # TP: an all-reduce after the embedding and each row-parallel linear, the logits' features
             # gathered (the LM head's ColwiseParallel(output_layouts=Replicate())). Megatron's TP+SP: those
             # all-reduces become reduce-scatters, and an all-gather comes before each layer's attention
             # and MLP (one for q, k and v) and before the LM head
             assert (tp["reduce_scatters"], tp["all_gathers"], tp["all_reduces"]) == (0, 1, 1 + 2 * LAYERS)
-            assert (sp["reduce_scatters"], sp["all_gathers"], sp["all_reduces"]) == (1 + 2 * LAYERS,
-                                                                                     2 + 2 * LAYERS, 0)
+            assert (sp["reduce_scatters"], sp["all_gathers"], sp["all_reduces"]) == (
+                1 + 2 * LAYERS,
+                2 + 2 * LAYERS,
+                0,
+            )
             assert any("sequence parallel" in n and "rows" in n for n in sp["notes"])
             # the rows a rank keeps: the least any plan can keep falls by a third or more (measured 0.51x
             # without dropout, 0.65x with: the token ids, targets and what replays the masks stay whole).
@@ -179,8 +208,13 @@ def test_the_option_is_a_bool_and_a_graph_without_tensor_parallel_is_left_as_it_
     torch._dynamo.reset()
     recompile_opt.reset_plans()
     model = _model("gpt", 0.0)
-    step = torch.compile(model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True})
+    step = torch.compile(
+        model, backend="recompile_opt", options={"compiler": "eager", "sequence_parallel": True}
+    )
     loss = step(*_batch())
     torch.testing.assert_close(loss, _model("gpt", 0.0)(*_batch()))
-    assert any("no row-parallel output" in n and "left as it is" in n
-               for p in recompile_opt.last_plans() for n in p.notes)
+    assert any(
+        "no row-parallel output" in n and "left as it is" in n
+        for p in recompile_opt.last_plans()
+        for n in p.notes
+    )

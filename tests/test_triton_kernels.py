@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-CHECKS = textwrap.dedent('''
+CHECKS = textwrap.dedent("""
     import torch
     from recompile_opt.approximate import few_bit, randomized_linear as rl, triton_kernels as tk
     from recompile_opt.approximate.tables import table
@@ -43,10 +43,10 @@ CHECKS = textwrap.dedent('''
         torch.testing.assert_close(tk.project(seed, rows, ratio), rl.project(seed, rows, ratio),
                                    rtol=1e-5, atol=1e-5)
     print("KERNELS OK")
-''')
+""")
 
 
-PLAN_PATH = textwrap.dedent('''
+PLAN_PATH = textwrap.dedent("""
     import sys
     import torch
     sys.path.insert(0, {tests!r})
@@ -74,7 +74,7 @@ PLAN_PATH = textwrap.dedent('''
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
     assert launched == {{"encode", "decode_mul", "project"}}, launched
     print("PLAN PATH OK")
-''')
+""")
 
 
 def _interpreted(script: str, expect: str) -> None:
@@ -87,8 +87,9 @@ def test_the_triton_kernels_match_the_torch_versions_under_the_interpreter():
     _interpreted(CHECKS, "KERNELS OK")
 
 
-@pytest.mark.parametrize("compiler,budgets", [
-    ("eager", (0.0, 1.0)), pytest.param("inductor", (0.0,), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "compiler,budgets", [("eager", (0.0, 1.0)), pytest.param("inductor", (0.0,), marks=pytest.mark.slow)]
+)
 def test_a_plan_that_approximates_runs_the_kernels_and_trains_as_eager(compiler, budgets):
     """Every site approximated (3-bit GELUs, randomized linears at 0.5), the compiled step whose settled
     formulas are the kernels' ops gives eager's gradients with the torch versions."""

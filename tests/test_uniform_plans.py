@@ -1,14 +1,14 @@
 """Uniform plans: the least-peak search also tries every plan it meets with one block's decisions given
 to every identical block (``blocks.BlockMirror``), because Inductor builds identical code once."""
 
-from recompile_opt.planner import least_peak, search
-from recompile_opt.planner.blocks import block_mirror
-from recompile_opt.options import parse_options
-from recompile_opt.planner.solving import SimulateOnly
-from recompile_opt.planner.policies import block_of
-
 from helpers import forget_searches, tiny_gpt, train_side_by_side
 from test_ilp import MiB, inp, op, problem
+
+from recompile_opt.options import parse_options
+from recompile_opt.planner import least_peak, search
+from recompile_opt.planner.blocks import block_mirror
+from recompile_opt.planner.policies import block_of
+from recompile_opt.planner.solving import SimulateOnly
 
 
 def at(module, shape=(4,)):
@@ -18,12 +18,17 @@ def at(module, shape=(4,)):
 
 def two_blocks(second_shape=(4,)):
     """x -> e (the embedding, outside any block) -> block 0: a0, b0 -> block 1: a1, b1 -> y."""
-    return problem(inp("x", 1, needed=True), op("e", ["x"], 1, 1, **at("wte")),
-                   op("a0", ["e"], 2, 50, **at("h.0.mlp")), op("b0", ["a0"], 1, 50, **at("h.0.mlp")),
-                   # a costly a1 (a block's cost is not part of its structure): the ILP keeps it
-                   op("a1", ["b0"], 2, 500, **at("h.1.mlp", second_shape)),
-                   op("b1", ["a1"], 1, 50, **at("h.1.mlp")),
-                   op("y", ["b1"], 1, 1, **at("head")), bwd_steps=0)
+    return problem(
+        inp("x", 1, needed=True),
+        op("e", ["x"], 1, 1, **at("wte")),
+        op("a0", ["e"], 2, 50, **at("h.0.mlp")),
+        op("b0", ["a0"], 1, 50, **at("h.0.mlp")),
+        # a costly a1 (a block's cost is not part of its structure): the ILP keeps it
+        op("a1", ["b0"], 2, 500, **at("h.1.mlp", second_shape)),
+        op("b1", ["a1"], 1, 50, **at("h.1.mlp")),
+        op("y", ["b1"], 1, 1, **at("head")),
+        bwd_steps=0,
+    )
 
 
 def test_the_mirror_pairs_blocks_by_position_and_the_first_blocks_input_with_its_twin():
@@ -41,10 +46,15 @@ def test_the_mirror_pairs_blocks_by_position_and_the_first_blocks_input_with_its
 
 def test_an_input_with_two_twins_is_kept_only_where_neither_is_recomputed():
     # two streams: block 0 makes x0 and h0 from e, block 1 makes x1 from x0 and h1 from h0
-    p = problem(inp("x", 1, needed=True), op("e", ["x"], 1, 1, **at("wte")),
-                op("x0", ["e"], 1, 5, **at("h.0")), op("h0", ["e"], 1, 5, **at("h.0")),
-                op("x1", ["x0"], 1, 5, **at("h.1")), op("h1", ["h0"], 1, 5, **at("h.1")),
-                bwd_steps=0)
+    p = problem(
+        inp("x", 1, needed=True),
+        op("e", ["x"], 1, 1, **at("wte")),
+        op("x0", ["e"], 1, 5, **at("h.0")),
+        op("h0", ["e"], 1, 5, **at("h.0")),
+        op("x1", ["x0"], 1, 5, **at("h.1")),
+        op("h1", ["h0"], 1, 5, **at("h.1")),
+        bwd_steps=0,
+    )
     mirror = block_mirror(p)
     assert mirror.entry_twins == {"e": ("x0", "h0")}
     stream = {"e", "x0", "x1"}  # the x stream recomputed, the h stream kept: e is still needed
@@ -113,8 +123,9 @@ def test_a_uniform_plan_that_peaks_lower_but_recomputes_more_does_not(monkeypatc
 def test_a_uniform_least_peak_plan_of_a_gpt_with_dropout_gives_eagers_gradients():
     # the tiny GPT with dropout takes a mirrored plan at 0.0: each block replays its own masks
     model, inputs = tiny_gpt(dropout=0.1)
-    plan = train_side_by_side(model, inputs, options={"memory_budget": 0.0, "compiler": "eager"},
-                              rtol=1e-4, atol=1e-5)
+    plan = train_side_by_side(
+        model, inputs, options={"memory_budget": 0.0, "compiler": "eager"}, rtol=1e-4, atol=1e-5
+    )
     assert any("takes block" in n for n in plan.notes), plan.notes
     by_block = {}
     for entry in plan.recomputed:

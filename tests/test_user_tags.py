@@ -5,16 +5,16 @@ import functools
 
 import pytest
 import torch
+from helpers import train_side_by_side
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import recompile_opt
-
-from helpers import train_side_by_side
 
 
 def _policy(tags: dict):
     def policy(ctx, op, *args, **kwargs):
         return tags.get(op, CheckpointPolicy.PREFER_SAVE)
+
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
@@ -43,8 +43,12 @@ def _op(plan, op, action):
 
 
 def test_must_recompute_holds_even_without_budget():
-    model, x = _model({torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
-                       torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE})
+    model, x = _model(
+        {
+            torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+            torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE,
+        }
+    )
     plan = recompile_opt.plan(model, x)
     assert [e.reason for e in _op(plan, "relu", "recompute")] == ["user"]
     assert not _op(plan, "relu", "keep") and not _op(plan, "sin", "keep")
@@ -52,8 +56,12 @@ def test_must_recompute_holds_even_without_budget():
 
 def test_must_save_holds_at_the_least_memory_budget():
     # relu must be recomputed, so its input is read; MUST_SAVE forbids recomputing that matmul
-    model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
-                       torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE})
+    model, x = _model(
+        {
+            torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
+            torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+        }
+    )
     plan = recompile_opt.plan(model, x, memory_budget=0.0)
     kept = _op(plan, "addmm", "keep")
     assert kept and all(e.reason == "user" for e in kept)
@@ -71,8 +79,12 @@ def test_prefer_save_gives_way_to_the_budget_and_the_plan_says_so():
 
 @pytest.mark.parametrize("policy", ["save-all", "full", "megatron-selective"])
 def test_must_tags_hold_under_a_fixed_policy(policy):
-    model, x = _model({torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
-                       torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE})
+    model, x = _model(
+        {
+            torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+            torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE,
+        }
+    )
     plan = recompile_opt.plan(model, x, policy=policy)
     assert not _op(plan, "relu", "keep") and not _op(plan, "sin", "keep"), plan
     model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE})
@@ -82,11 +94,13 @@ def test_must_tags_hold_under_a_fixed_policy(policy):
 
 @pytest.mark.parametrize("budget", [None, 0.0])
 def test_tagged_model_gradients_equal_eager(budget):
-    model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
-                       torch.ops.aten.relu.default: CheckpointPolicy.PREFER_RECOMPUTE})
+    model, x = _model(
+        {
+            torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
+            torch.ops.aten.relu.default: CheckpointPolicy.PREFER_RECOMPUTE,
+        }
+    )
     train_side_by_side(model, x, options={"memory_budget": budget, "compiler": "eager"})
-
-
 
 
 @pytest.mark.slow
@@ -96,9 +110,13 @@ def test_must_tags_hold_through_inductor(budget):
     keeps sin's output for the second matmul's backward (MUST_RECOMPUTE makes it recompute sin, and
     relu under it), at 0.0 it recomputes the first matmul too (MUST_SAVE keeps it). Gradients equal
     eager's, and what the compiled step really saves is what the plan keeps."""
-    model, x = _model({torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
-                       torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
-                       torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE})
+    model, x = _model(
+        {
+            torch.ops.aten.addmm.default: CheckpointPolicy.MUST_SAVE,
+            torch.ops.aten.relu.default: CheckpointPolicy.MUST_RECOMPUTE,
+            torch.ops.aten.sin.default: CheckpointPolicy.MUST_RECOMPUTE,
+        }
+    )
     reports = []
     plan = train_side_by_side(model, x, options={"memory_budget": budget}, steps=3, saved=reports)
     recomputed = {e.op: e.reason for e in plan.recomputed}

@@ -31,9 +31,15 @@ def group_configs(args) -> list[dict]:
     groups = []
     for model in models:
         for size in sizes:
-            cfg = {"model": model, "size": size, "vocab": args.vocab,
-                   "dropout": args.dropout if model == "gpt" else 0.0,
-                   "steps": args.steps, "warmup": args.warmup, "threads": args.threads}
+            cfg = {
+                "model": model,
+                "size": size,
+                "vocab": args.vocab,
+                "dropout": args.dropout if model == "gpt" else 0.0,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "threads": args.threads,
+            }
             for flag in SHAPE_FLAGS:
                 value = getattr(args, flag)
                 cfg[flag] = SIZES[size][flag] if value is None else value
@@ -42,6 +48,8 @@ def group_configs(args) -> list[dict]:
 
 
 def group_title(cfg: dict) -> str:
-    return (f"{cfg['model']} {cfg['size']}: {cfg['layers']} layers, h={cfg['embd']}, "
-            f"{cfg['heads']} heads, s={cfg['seq']}, b={cfg['batch']}, vocab {cfg['vocab']}, fp32"
-            + (f", dropout {cfg['dropout']}" if cfg["dropout"] else ""))
+    return (
+        f"{cfg['model']} {cfg['size']}: {cfg['layers']} layers, h={cfg['embd']}, "
+        f"{cfg['heads']} heads, s={cfg['seq']}, b={cfg['batch']}, vocab {cfg['vocab']}, fp32"
+        + (f", dropout {cfg['dropout']}" if cfg["dropout"] else "")
+    )

@@ -22,13 +22,18 @@ def _flop_mapping() -> dict:
     def raw(formula):  # registry entries already read shapes; don't let the mode wrap them again
         def f(*args, **kwargs):
             return formula(*args, **kwargs)
+
         f._get_raw = True
         return f
 
-    return {aten._scaled_dot_product_flash_attention_for_cpu:
-            raw(flop_registry[aten._scaled_dot_product_flash_attention]),
-            aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            raw(flop_registry[aten._scaled_dot_product_flash_attention_backward])}
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: raw(
+            flop_registry[aten._scaled_dot_product_flash_attention]
+        ),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: raw(
+            flop_registry[aten._scaled_dot_product_flash_attention_backward]
+        ),
+    }
 
 
 def node_flops(node) -> int:
@@ -49,7 +54,7 @@ def node_flops(node) -> int:
         inner = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
         if not inner:
             return 0
-        op, args = args[inner[0]], args[inner[0] + 1:]
+        op, args = args[inner[0]], args[inner[0] + 1 :]
         kwargs.pop("rng_state", None)
     packet = op._overloadpacket
     formula = _flop_mapping().get(packet) or flop_registry.get(packet)

@@ -45,4 +45,3 @@ class JobLock:
             yield
         finally:
             self._flock("LOCK_UN")
-

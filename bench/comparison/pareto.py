@@ -31,8 +31,12 @@ def pareto_check(rows: list[dict], noise: float = 0.10) -> dict:
     pts = [r for r in rows if r.get("peak_bytes") is not None and r.get("step_ms") is not None]
     mine = [r for r in pts if is_ours(r["strategy"])]
     theirs = [r for r in pts if not is_ours(r["strategy"])]
-    out: dict = {"noise": noise, "ours": [], "others": [],
-                 "no_figures": [r["strategy"] for r in rows if r not in pts]}
+    out: dict = {
+        "noise": noise,
+        "ours": [],
+        "others": [],
+        "no_figures": [r["strategy"] for r in rows if r not in pts],
+    }
     for r in mine:
         by = [o["strategy"] for o in pts if o is not r and dominates(o, r, noise)]
         out["ours"].append({"strategy": r["strategy"], "status": "dominated" if by else "frontier", "by": by})
@@ -64,13 +68,20 @@ def pareto_markdown(rows: list[dict], check: dict) -> str:
         return f"`{name}` ({r['peak_bytes'] / MiB:.2f} MiB, {r['step_ms']:.1f} ms)"
 
     pct = f"{check['noise']:.0%}"
-    lines = [f"Pareto check on the measured plane (peak MiB, median step ms). A point *dominates* another "
-             f"when its peak is at most the other's and its step is more than {pct} faster (the noise "
-             f"allowance); ours is *on or below* a point when an ours point has at most its peak and a "
-             f"step at most {pct} slower.", "", "Ours:"]
+    lines = [
+        f"Pareto check on the measured plane (peak MiB, median step ms). A point *dominates* another "
+        f"when its peak is at most the other's and its step is more than {pct} faster (the noise "
+        f"allowance); ours is *on or below* a point when an ours point has at most its peak and a "
+        f"step at most {pct} slower.",
+        "",
+        "Ours:",
+    ]
     for e in check["ours"]:
-        what = ("on the frontier" if e["status"] == "frontier"
-                else "dominated by " + ", ".join(pt(n) for n in e["by"]))
+        what = (
+            "on the frontier"
+            if e["status"] == "frontier"
+            else "dominated by " + ", ".join(pt(n) for n in e["by"])
+        )
         lines.append(f"- {pt(e['strategy'])}: {what}")
     lines += ["", "Other strategies against ours:"]
     missing = []
@@ -83,17 +94,24 @@ def pareto_markdown(rows: list[dict], check: dict) -> str:
             missing.append(e["strategy"])
             if "nearest" in e:
                 n = e["nearest"]
-                what = (f"**not covered**: the fastest ours point at or below its peak, {pt(n['strategy'])}, "
-                        f"is {n['slowdown']:.2f}x slower")
+                what = (
+                    f"**not covered**: the fastest ours point at or below its peak, {pt(n['strategy'])}, "
+                    f"is {n['slowdown']:.2f}x slower"
+                )
             elif "least_ours_peak_bytes" in e:
-                what = (f"**not covered**: no ours point reaches its peak (least ours peak "
-                        f"{e['least_ours_peak_bytes'] / MiB:.2f} MiB)")
+                what = (
+                    f"**not covered**: no ours point reaches its peak (least ours peak "
+                    f"{e['least_ours_peak_bytes'] / MiB:.2f} MiB)"
+                )
             else:
                 what = "**not covered**: no ours point has figures"
         lines.append(f"- {pt(e['strategy'])}: {what}")
     if check["no_figures"]:
         lines.append("- no figures (failed or not run): " + ", ".join(f"`{n}`" for n in check["no_figures"]))
     n = len(check["others"])
-    lines += ["", f"Summary: ours is on or below {n - len(missing)} of {n} other measured points"
-              + (f"; not below {', '.join(f'`{m}`' for m in missing)}." if missing else ".")]
+    lines += [
+        "",
+        f"Summary: ours is on or below {n - len(missing)} of {n} other measured points"
+        + (f"; not below {', '.join(f'`{m}`' for m in missing)}." if missing else "."),
+    ]
     return "\n".join(lines)

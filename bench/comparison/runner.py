@@ -33,9 +33,13 @@ COMPARE_SCRIPT = REPO / "bench" / "compare.py"
 def worker_env(cache_dir: str, *, warm_cache: bool, lock: str | None) -> dict:
     env = dict(os.environ)
     cache = "1" if warm_cache else "0"
-    env.update(TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCHINDUCTOR_FX_GRAPH_CACHE=cache,
-               TORCHINDUCTOR_AUTOGRAD_CACHE=cache, TORCHINDUCTOR_COMPILE_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=cache_dir,
+        TORCHINDUCTOR_FX_GRAPH_CACHE=cache,
+        TORCHINDUCTOR_AUTOGRAD_CACHE=cache,
+        TORCHINDUCTOR_COMPILE_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
     env.pop(LOCK_ENV, None)
     if lock:
         env[LOCK_ENV] = lock
@@ -47,20 +51,30 @@ def worker_command(name: str, cfg: dict, args) -> list[str]:
     spec = strategy(name)
     flags = [a for flag in WORKER_FLAGS for a in (f"--{flag}", str(cfg[flag]))]
     if spec["kind"] != "external":
-        return [sys.executable, str(COMPARE_SCRIPT), "--worker", name, *flags,
-                "--ours-compiler", args.ours_compiler] + (["--native-rng"] if args.native_rng else [])
+        return [
+            sys.executable,
+            str(COMPARE_SCRIPT),
+            "--worker",
+            name,
+            *flags,
+            "--ours-compiler",
+            args.ours_compiler,
+        ] + (["--native-rng"] if args.native_rng else [])
     runner = Path(spec["runner"])
     if not runner.is_file():
         raise FileNotFoundError(f"{runner.relative_to(REPO)} missing")
     python = args.rockmate_python
     if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        raise FileNotFoundError(f"no interpreter at {python} (set --rockmate-python or "
-                                "RECOMPILE_OPT_ROCKMATE_PYTHON; see bench/ROCKMATE.md)")
+        raise FileNotFoundError(
+            f"no interpreter at {python} (set --rockmate-python or "
+            "RECOMPILE_OPT_ROCKMATE_PYTHON; see bench/ROCKMATE.md)"
+        )
     return [python, str(runner), "--strategy", name, *spec.get("runner_args", []), *flags]
 
 
-def spawn_worker(name: str, cfg: dict, args, *, cache_dir: str | None = None,
-                 lock: str | None = None) -> dict:
+def spawn_worker(
+    name: str, cfg: dict, args, *, cache_dir: str | None = None, lock: str | None = None
+) -> dict:
     """Run one strategy in a fresh interpreter; ``cache_dir`` None: a private, empty cache, caches off."""
     try:
         cmd = worker_command(name, cfg, args)
@@ -74,8 +88,14 @@ def spawn_worker(name: str, cfg: dict, args, *, cache_dir: str | None = None,
     held.shared()
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=worker_env(own_dir, warm_cache=warm, lock=lock),
-                              capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+        proc = subprocess.run(
+            cmd,
+            env=worker_env(own_dir, warm_cache=warm, lock=lock),
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+            cwd=REPO,
+        )
     except subprocess.TimeoutExpired:
         return {"strategy": name, "error": f"timeout after {args.timeout}s"}
     finally:
@@ -85,7 +105,7 @@ def spawn_worker(name: str, cfg: dict, args, *, cache_dir: str | None = None,
     wall = time.perf_counter() - t0
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARKER):
-            result = json.loads(line[len(MARKER):])
+            result = json.loads(line[len(MARKER) :])
             result.update(strategy=name, process_wall_s=wall, cache="warm" if cached else "cold")
             if args.verbose and proc.stderr.strip():
                 print(proc.stderr, file=sys.stderr)
@@ -98,8 +118,10 @@ def progress_line(label: str, res: dict) -> str:
     head = f"[{label}] {res['strategy']:<24}"
     if "error" in res:
         return f"{head} ERROR: {res['error']}"
-    parts = [f"{res['step_median_s'] * 1e3:8.1f} ms/step",
-             f"first step {res['first_step_s']:6.1f} s ({res.get('cache', 'cold')})"]
+    parts = [
+        f"{res['step_median_s'] * 1e3:8.1f} ms/step",
+        f"first step {res['first_step_s']:6.1f} s ({res.get('cache', 'cold')})",
+    ]
     if res.get("saved_bytes") is not None:
         parts.append(f"saved {res['saved_bytes'] / MiB:7.2f} MiB")
     parts += [f"peak {res['peak_bytes'] / MiB:7.2f} MiB", f"({res['process_wall_s']:.0f} s wall)"]
@@ -109,8 +131,11 @@ def progress_line(label: str, res: dict) -> str:
 def run_rounds(names: list[str], cfg: dict, args, runs: list[dict], label: str = "") -> None:
     """Append one result per (round, strategy) to ``runs`` (in place, so an interrupt keeps them)."""
     failed: set[str] = set()
-    caches = {} if args.cold_every_round else {
-        n: tempfile.mkdtemp(prefix=f"compare_{cfg['model']}_{cfg['size']}_{n}_") for n in names}
+    caches = (
+        {}
+        if args.cold_every_round
+        else {n: tempfile.mkdtemp(prefix=f"compare_{cfg['model']}_{cfg['size']}_{n}_") for n in names}
+    )
     lock = tempfile.mkstemp(prefix="compare_lock_")[1] if args.jobs > 1 else None
     print_lock = threading.Lock()
     try:
@@ -118,15 +143,19 @@ def run_rounds(names: list[str], cfg: dict, args, runs: list[dict], label: str =
             order = [n for n in names if n not in failed]
             random.Random(args.order_seed + rnd).shuffle(order)
             with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-                futures = [pool.submit(spawn_worker, n, cfg, args, cache_dir=caches.get(n), lock=lock)
-                           for n in order]
+                futures = [
+                    pool.submit(spawn_worker, n, cfg, args, cache_dir=caches.get(n), lock=lock) for n in order
+                ]
                 for fut in as_completed(futures):
                     res = fut.result()
                     res["round"] = rnd
                     with print_lock:
                         runs.append(res)
-                        print(progress_line(f"{label}round {rnd}/{args.repeats}", res),
-                              file=sys.stderr, flush=True)
+                        print(
+                            progress_line(f"{label}round {rnd}/{args.repeats}", res),
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     if "error" in res:
                         failed.add(res["strategy"])
     finally:

@@ -26,21 +26,39 @@ STRATEGIES: dict[str, dict] = {
     "eager-full-ckpt": {"kind": "eager", "ckpt": "full"},
     "eager-selective": {"kind": "eager", "ckpt": "selective"},
     "compile": {"kind": "compile"},
-    **{f"compile-amb-{b}": {"kind": "compile", "functorch": {"activation_memory_budget": b}}
-       for b in BUDGETS + (0.05,)},
-    "compile-amb-ilp-0.2": {"kind": "compile", "needs": ["scipy"], "functorch": {
-        "activation_memory_budget": 0.2, "activation_memory_budget_solver": "ilp"}},
+    **{
+        f"compile-amb-{b}": {"kind": "compile", "functorch": {"activation_memory_budget": b}}
+        for b in BUDGETS + (0.05,)
+    },
+    "compile-amb-ilp-0.2": {
+        "kind": "compile",
+        "needs": ["scipy"],
+        "functorch": {"activation_memory_budget": 0.2, "activation_memory_budget_solver": "ilp"},
+    },
     "compile-full-ckpt": {"kind": "compile", "ckpt": "full"},
     "ours-none": {"kind": "ours", "options": {}},
     **{f"ours-{b}": {"kind": "ours", "options": {"memory_budget": b}} for b in BUDGETS},
-    **{f"ours-{p}": {"kind": "ours", "options": {"policy": p}}
-       for p in ("save-all", "full", "megatron-selective")},
+    **{
+        f"ours-{p}": {"kind": "ours", "options": {"policy": p}}
+        for p in ("save-all", "full", "megatron-selective")
+    },
     # one budget pair and 15 s per block ILP: a bounded attempt (bench/ROCKMATE.md: CBC found no
     # solution in 15 s or 90 s per solve, nor in 15 min without a limit); it holds the timing lock
-    "rockmate": {"kind": "external", "runner": ROCKMATE_RUNNER,
-                 "runner_args": ["--budget-frac", "0.5", "--nb-budget-save", "1", "--nb-budget-peak", "1",
-                                 "--ilp-seconds", "15"],
-                 "note": "budget 0.5 x eager's saved bytes"},
+    "rockmate": {
+        "kind": "external",
+        "runner": ROCKMATE_RUNNER,
+        "runner_args": [
+            "--budget-frac",
+            "0.5",
+            "--nb-budget-save",
+            "1",
+            "--nb-budget-peak",
+            "1",
+            "--ilp-seconds",
+            "15",
+        ],
+        "note": "budget 0.5 x eager's saved bytes",
+    },
 }
 PEAK_PREFIX = "ours-peak-"
 # any ours-* strategy with option chunks set: "auto" is the default (the planner's mini-sequence chunking)
@@ -54,39 +72,67 @@ def strategy(name: str) -> dict:
         return STRATEGIES[name]
     for suffix, chunks in CHUNKS_SUFFIXES.items():
         if name.endswith(suffix) and name.startswith("ours-"):
-            spec = strategy(name[:-len(suffix)])
+            spec = strategy(name[: -len(suffix)])
             return {**spec, "options": {**spec["options"], "chunks": chunks}}
     if name.startswith(PEAK_PREFIX):
         from recompile_opt.options import OptionError, parse_bytes  # lazy: the driver needs no torch
 
-        size = name[len(PEAK_PREFIX):]
+        size = name[len(PEAK_PREFIX) :]
         try:
             parse_bytes("peak_memory", size)
         except OptionError as e:
             raise KeyError(f"strategy {name!r}: {e}") from None
         return {"kind": "ours", "options": {"peak_memory": size}}
-    raise KeyError(f"unknown strategy {name!r}; choose from {list(STRATEGIES)} or {PEAK_PREFIX}SIZE "
-                   f"(SIZE with units, e.g. 27MiB), each ours-* also with {' or '.join(CHUNKS_SUFFIXES)}")
+    raise KeyError(
+        f"unknown strategy {name!r}; choose from {list(STRATEGIES)} or {PEAK_PREFIX}SIZE "
+        f"(SIZE with units, e.g. 27MiB), each ours-* also with {' or '.join(CHUNKS_SUFFIXES)}"
+    )
 
 
 DEFAULT_STRATEGIES = [
-    "eager", "eager-full-ckpt", "eager-selective", "compile", "compile-amb-0.5", "compile-amb-0.2",
-    "compile-amb-0.0", "compile-full-ckpt", "ours-none", "ours-0.5", "ours-0.2", "ours-0.0",
-    "ours-save-all", "ours-full", "ours-megatron-selective", "rockmate"]
+    "eager",
+    "eager-full-ckpt",
+    "eager-selective",
+    "compile",
+    "compile-amb-0.5",
+    "compile-amb-0.2",
+    "compile-amb-0.0",
+    "compile-full-ckpt",
+    "ours-none",
+    "ours-0.5",
+    "ours-0.2",
+    "ours-0.0",
+    "ours-save-all",
+    "ours-full",
+    "ours-megatron-selective",
+    "rockmate",
+]
 
 
 def build_model(cfg: dict):
     """Model and batch from ``recompile_opt.models``, weights drawn under seed 0."""
     import torch
+
     from recompile_opt import models
 
     if cfg["model"] == "gpt":
-        config = models.GPTConfig(n_layer=cfg["layers"], n_head=cfg["heads"], n_embd=cfg["embd"],
-                                  block_size=cfg["seq"], vocab_size=cfg["vocab"], dropout=cfg["dropout"])
+        config = models.GPTConfig(
+            n_layer=cfg["layers"],
+            n_head=cfg["heads"],
+            n_embd=cfg["embd"],
+            block_size=cfg["seq"],
+            vocab_size=cfg["vocab"],
+            dropout=cfg["dropout"],
+        )
         cls = models.GPT
     else:
-        config = models.LlamaConfig(n_layer=cfg["layers"], n_head=cfg["heads"], n_embd=cfg["embd"],
-                                    block_size=cfg["seq"], vocab_size=cfg["vocab"])
+        config = models.LlamaConfig(
+            n_layer=cfg["layers"],
+            n_head=cfg["heads"],
+            n_embd=cfg["embd"],
+            block_size=cfg["seq"],
+            vocab_size=cfg["vocab"],
+        )
         cls = models.Llama
     torch.manual_seed(0)
     model = cls(config)
@@ -137,16 +183,18 @@ def _gpt_attention_selective(attn, x):
 def _llama_attention_selective(attn, x, cos, sin):
     """``LlamaAttention.forward`` with its SDPA call under ``torch.utils.checkpoint``."""
     import torch.nn.functional as F
-    from recompile_opt.models import apply_rotary
     from torch.utils.checkpoint import checkpoint
+
+    from recompile_opt.models import apply_rotary
 
     b, s, h = x.shape
     shape = (b, s, attn.n_head, h // attn.n_head)
     q = apply_rotary(attn.wq(x).view(shape), cos, sin).transpose(1, 2)
     k = apply_rotary(attn.wk(x).view(shape), cos, sin).transpose(1, 2)
     v = attn.wv(x).view(shape).transpose(1, 2)
-    y = checkpoint(functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v,
-                   use_reentrant=False)
+    y = checkpoint(
+        functools.partial(F.scaled_dot_product_attention, is_causal=True), q, k, v, use_reentrant=False
+    )
     return attn.wo(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -159,8 +207,9 @@ def checkpoint_attention_cores(model) -> int:
     that drifted from the model.  Returns the number of modules changed."""
     import types
 
-    from recompile_opt import models
     from torch.utils.checkpoint import checkpoint
+
+    from recompile_opt import models
 
     n = 0
     for mod in model.modules():

@@ -30,11 +30,13 @@ def plan_figures() -> dict:
     plans = {p.graph: p for p in recompile_opt.last_plans()}.values()
     if not plans:
         return {}
-    return {"plan_saved_bytes": sum(p.saved_bytes for p in plans),
-            "plan_recompute_flops": sum(p.recompute_flops for p in plans),
-            "plan_predicted_peak_bytes": max(p.predicted_peak_bytes for p in plans),
-            "plan_s": sum(p.solver.get("plan_s", 0.0) for p in plans),
-            "plans": len(plans)}
+    return {
+        "plan_saved_bytes": sum(p.saved_bytes for p in plans),
+        "plan_recompute_flops": sum(p.recompute_flops for p in plans),
+        "plan_predicted_peak_bytes": max(p.predicted_peak_bytes for p in plans),
+        "plan_s": sum(p.solver.get("plan_s", 0.0) for p in plans),
+        "plans": len(plans),
+    }
 
 
 def graph_count() -> int:
@@ -97,7 +99,6 @@ def rss_rise(step_fn) -> int | None:
     return None if before is None or hwm is None else (hwm - before) * 1024
 
 
-
 def kernels_built() -> int | None:
     """Shared objects in this worker's Inductor cache: one per C++ kernel module it compiled (on the
     CPU each takes ~1 s of a cold compile with one compile thread, the bulk of it), so a plan that
@@ -155,8 +156,7 @@ def measure_strategy(name: str, args, out: dict, lock: JobLock | None = None) ->
         out["recompute_flops"] = out["bwd_flops"] - eager_bwd
 
     with (lock or JobLock("")).exclusive():
-        timed_figures(out, args, model=model, fn=fn, batch=(idx, tgt), fwd_bwd=fwd_bwd,
-                      train_step=train_step)
+        timed_figures(out, args, model=model, fn=fn, batch=(idx, tgt), fwd_bwd=fwd_bwd, train_step=train_step)
     out["recompiles"] = graph_count() - graphs
     if spec["kind"] == "ours":
         out.update(plan_figures())

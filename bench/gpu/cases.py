@@ -25,15 +25,19 @@ OPTIONS: dict[str, dict] = {
 }
 PEAK_SLACK = 1.2
 # a byte budget about a quarter of what save-all keeps for each model at its size
-BYTE_BUDGET = {False: {"gpt": "4MiB", "llama": "4MiB", "hf-llama": "2MiB"},
-               True: {"gpt": "48KiB", "llama": "48KiB", "hf-llama": "64KiB"}}
+BYTE_BUDGET = {
+    False: {"gpt": "4MiB", "llama": "4MiB", "hf-llama": "2MiB"},
+    True: {"gpt": "48KiB", "llama": "48KiB", "hf-llama": "64KiB"},
+}
 
 # the performance strategies, in the order they run; "ours-peak" takes compile-ckpt's measured peak
 STRATEGIES: dict[str, dict] = {
     "eager": {"kind": "eager"},
     "compile": {"kind": "compile"},
-    **{f"compile-amb-{b}": {"kind": "compile", "functorch": {"activation_memory_budget": b}}
-       for b in (0.5, 0.2, 0.0)},
+    **{
+        f"compile-amb-{b}": {"kind": "compile", "functorch": {"activation_memory_budget": b}}
+        for b in (0.5, 0.2, 0.0)
+    },
     "compile-ckpt": {"kind": "compile", "ckpt": True},
     "ours-none": {"kind": "ours", "options": {}},
     "ours-0.5": {"kind": "ours", "options": {"memory_budget": 0.5}},
@@ -76,8 +80,13 @@ def numeric_cases(models: list[str], dtypes: list[str], options: list[str], *, t
         for dtype in dtypes:
             cases.append({"part": "reference", "model": model, "dtype": dtype})
             for option in options:
-                case = {"part": "correctness", "model": model, "dtype": dtype, "option": option,
-                        "options": dict(OPTIONS[option])}
+                case = {
+                    "part": "correctness",
+                    "model": model,
+                    "dtype": dtype,
+                    "option": option,
+                    "options": dict(OPTIONS[option]),
+                }
                 if option == "bytes":
                     case["options"] = {"memory_budget": BYTE_BUDGET[tiny][model]}
                 if option == "peak":

@@ -29,8 +29,16 @@ SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"
 
 
 def worker_command(case: dict, args) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--worker", json.dumps(case), "--device", args.device,
-            "--compiler", args.compiler] + (["--tiny"] if args.tiny else [])
+    return [
+        sys.executable,
+        str(SCRIPT),
+        "--worker",
+        json.dumps(case),
+        "--device",
+        args.device,
+        "--compiler",
+        args.compiler,
+    ] + (["--tiny"] if args.tiny else [])
 
 
 def spawn(case: dict, args, *, lock: str) -> dict:
@@ -42,8 +50,9 @@ def spawn(case: dict, args, *, lock: str) -> dict:
         env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpu_check_inductor_")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(worker_command(case, args), env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
+        proc = subprocess.run(
+            worker_command(case, args), env=env, capture_output=True, text=True, timeout=args.timeout
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timeout after {args.timeout} s", "wall_s": time.perf_counter() - t0}
     finally:
@@ -52,7 +61,7 @@ def spawn(case: dict, args, *, lock: str) -> dict:
     wall = time.perf_counter() - t0
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARKER):
-            result = json.loads(line[len(MARKER):])
+            result = json.loads(line[len(MARKER) :])
             if "error" in result and args.verbose:
                 print(proc.stderr, file=sys.stderr)
             return {**result, "wall_s": wall}
@@ -68,8 +77,10 @@ def run_cases(cases: list[dict], args) -> dict[str, dict]:
     os.close(fd)
     try:
         # the long compiles first: their timed sections wait for every other case to finish anyway
-        first = sorted((c for c in cases if not c.get("needs")),
-                       key=lambda c: c["part"] not in ("performance", "profile"))
+        first = sorted(
+            (c for c in cases if not c.get("needs")),
+            key=lambda c: c["part"] not in ("performance", "profile"),
+        )
         _run_wave(first, args, lock, results)
         second = []
         for case in cases:
@@ -92,7 +103,9 @@ def _run_wave(cases: list[dict], args, lock: str, results: dict) -> None:
         res = spawn(case, args, lock=lock)
         results[case_name(case)] = {"case": case, **res}
         state = f"ERROR {res['error']}" if "error" in res else "ok"
-        print(f"[gpu_check] {case_name(case):<48} {res['wall_s']:6.1f} s  {state}", file=sys.stderr, flush=True)
+        print(
+            f"[gpu_check] {case_name(case):<48} {res['wall_s']:6.1f} s  {state}", file=sys.stderr, flush=True
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(one, cases))

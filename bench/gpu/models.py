@@ -14,10 +14,24 @@ PERF = dict(vocab_size=50304, n_embd=1024, n_head=16, n_layer=8, block_size=2048
 PERF_BATCH = 8
 PERF_TINY = dict(vocab_size=512, n_embd=64, n_head=4, n_layer=2, block_size=64)
 # test_hf_models.py's decoder, and one at the demo's width
-HF_TINY = dict(vocab_size=128, max_position_embeddings=64, num_hidden_layers=2, hidden_size=64,
-               intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-HF_DEMO = dict(vocab_size=512, max_position_embeddings=256, num_hidden_layers=2, hidden_size=256,
-               intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+HF_TINY = dict(
+    vocab_size=128,
+    max_position_embeddings=64,
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+HF_DEMO = dict(
+    vocab_size=512,
+    max_position_embeddings=256,
+    num_hidden_layers=2,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def build(name: str, *, device: str, tiny: bool):

@@ -39,8 +39,9 @@ def one_step(fn, params: list, batch: tuple, ctx_factory) -> tuple:
     with ctx_factory():
         loss = fn(*batch)
     loss.backward()
-    return loss.detach().float().clone(), [None if p.grad is None else p.grad.detach().float().clone()
-                                           for p in params]
+    return loss.detach().float().clone(), [
+        None if p.grad is None else p.grad.detach().float().clone() for p in params
+    ]
 
 
 def relative(a, b) -> float:
@@ -59,11 +60,19 @@ def compare(ours: tuple, eager: tuple, names: list[str]) -> dict:
     (loss, grads), (ref_loss, ref_grads) = ours, eager
     devs = [relative(g, r) for g, r in zip(grads, ref_grads, strict=True)]
     worst = max(range(len(devs)), key=devs.__getitem__)
-    close = all(g is not None and r is not None and torch.allclose(g, r, **FP32_TOL)
-                for g, r in zip(grads, ref_grads) if g is not None or r is not None)
-    return {"loss": loss.item(), "eager_loss": ref_loss.item(), "loss_dev": relative(loss, ref_loss),
-            "grad_dev": devs[worst], "worst_grad": names[worst],
-            "fp32_close": close and torch.allclose(loss, ref_loss, **FP32_TOL)}
+    close = all(
+        g is not None and r is not None and torch.allclose(g, r, **FP32_TOL)
+        for g, r in zip(grads, ref_grads)
+        if g is not None or r is not None
+    )
+    return {
+        "loss": loss.item(),
+        "eager_loss": ref_loss.item(),
+        "loss_dev": relative(loss, ref_loss),
+        "grad_dev": devs[worst],
+        "worst_grad": names[worst],
+        "fp32_close": close and torch.allclose(loss, ref_loss, **FP32_TOL),
+    }
 
 
 def against_eager(model, fn, batch: tuple, *, device: str, dtype: str) -> dict:
@@ -90,17 +99,23 @@ def verdict(row: dict, reference: dict | None) -> tuple[bool, str]:
         loss_ok = row["loss_dev"] <= FP32_TOL["rtol"] + FP32_TOL["atol"]
         if not approx:
             return row["fp32_close"], "allclose rtol 1e-4 atol 1e-5"
-        return (loss_ok and row["grad_dev"] < APPROX_GRAD_LIMIT,
-                f"approximate: loss exact, gradients < {APPROX_GRAD_LIMIT} relative")
+        return (
+            loss_ok and row["grad_dev"] < APPROX_GRAD_LIMIT,
+            f"approximate: loss exact, gradients < {APPROX_GRAD_LIMIT} relative",
+        )
     if reference is None or "error" in reference:
         return False, "no torch.compile reference"
     loss_lim = max(BF16_FACTOR * reference["loss_dev"], BF16_FLOOR)
     grad_lim = max(BF16_FACTOR * reference["grad_dev"], BF16_FLOOR)
     if approx:
-        return (row["loss_dev"] <= loss_lim and row["grad_dev"] < APPROX_GRAD_LIMIT,
-                f"approximate: loss <= {loss_lim:.1e}, gradients < {APPROX_GRAD_LIMIT}")
-    return (row["loss_dev"] <= loss_lim and row["grad_dev"] <= grad_lim,
-            f"loss <= {loss_lim:.1e}, gradients <= {grad_lim:.1e}")
+        return (
+            row["loss_dev"] <= loss_lim and row["grad_dev"] < APPROX_GRAD_LIMIT,
+            f"approximate: loss <= {loss_lim:.1e}, gradients < {APPROX_GRAD_LIMIT}",
+        )
+    return (
+        row["loss_dev"] <= loss_lim and row["grad_dev"] <= grad_lim,
+        f"loss <= {loss_lim:.1e}, gradients <= {grad_lim:.1e}",
+    )
 
 
 def measured_peak(step, device: str) -> int:

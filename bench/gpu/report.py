@@ -24,8 +24,11 @@ PUBLISHED = {
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]
 
 
 def fmt(x, spec: str = ".2e") -> str:
@@ -37,14 +40,25 @@ def header(env: dict, command: str) -> list[str]:
     dev = env.get("device_name") or env.get("device", "?")
     if env.get("device_mib"):
         dev += f" ({env['device_mib']} MiB, compute capability {env.get('capability')})"
-    facts = [["device", dev], ["driver / CUDA", f"{env.get('driver') or 'n/a'} / {env.get('cuda') or 'n/a'}"],
-             ["torch", env.get("torch", "?")], ["Triton", env.get("triton", "?")],
-             ["transformers", env.get("transformers", "?")], ["PuLP / highspy", f"{env.get('pulp')} / {env.get('highspy')}"],
-             ["recompile_opt", env.get("recompile_opt", "?")], ["Python", env.get("python", "?")]]
+    facts = [
+        ["device", dev],
+        ["driver / CUDA", f"{env.get('driver') or 'n/a'} / {env.get('cuda') or 'n/a'}"],
+        ["torch", env.get("torch", "?")],
+        ["Triton", env.get("triton", "?")],
+        ["transformers", env.get("transformers", "?")],
+        ["PuLP / highspy", f"{env.get('pulp')} / {env.get('highspy')}"],
+        ["recompile_opt", env.get("recompile_opt", "?")],
+        ["Python", env.get("python", "?")],
+    ]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return ["# recompile_opt on a GPU: correctness, peak fidelity, performance", "",
-            f"Written by `{command}` ({when}). Each case ran in a fresh process.", "",
-            *table(["", ""], facts), ""]
+    return [
+        "# recompile_opt on a GPU: correctness, peak fidelity, performance",
+        "",
+        f"Written by `{command}` ({when}). Each case ran in a fresh process.",
+        "",
+        *table(["", ""], facts),
+        "",
+    ]
 
 
 def status(res: dict, ok: bool | None = None) -> str:
@@ -63,16 +77,43 @@ def correctness(results: dict, command: str) -> list[str]:
         ok, why = (None, "") if "error" in res else verdict({**res, "dtype": case["dtype"]}, ref)
         launches = res.get("triton_launches")
         note = why + (f"; Triton launches {launches}" if launches is not None else "")
-        rows.append([case["model"], case["dtype"], _option(case), fmt(res.get("loss_dev")),
-                     f"{fmt(res.get('grad_dev'))} {res.get('worst_grad', '')}",
-                     f"{fmt(ref.get('loss_dev'))} / {fmt(ref.get('grad_dev'))}", status(res, ok), note])
-    return ["## Correctness: one step against eager", "", f"`{command}`", "",
-            "Normwise relative deviation from eager (`max|ours - eager| / max|eager|`) of the loss and of "
-            "the worst parameter gradient; compile's: plain `torch.compile` on the same model and dtype "
-            "(loss / gradient). fp32 passes at `allclose(rtol=1e-4, atol=1e-5)` elementwise; bf16 within "
-            "2x compile's deviation (floor 1e-5).", "",
-            *table(["model", "dtype", "option", "loss dev", "worst grad dev", "compile's dev", "result", "criterion"],
-                   rows), ""]
+        rows.append(
+            [
+                case["model"],
+                case["dtype"],
+                _option(case),
+                fmt(res.get("loss_dev")),
+                f"{fmt(res.get('grad_dev'))} {res.get('worst_grad', '')}",
+                f"{fmt(ref.get('loss_dev'))} / {fmt(ref.get('grad_dev'))}",
+                status(res, ok),
+                note,
+            ]
+        )
+    return [
+        "## Correctness: one step against eager",
+        "",
+        f"`{command}`",
+        "",
+        "Normwise relative deviation from eager (`max|ours - eager| / max|eager|`) of the loss and of "
+        "the worst parameter gradient; compile's: plain `torch.compile` on the same model and dtype "
+        "(loss / gradient). fp32 passes at `allclose(rtol=1e-4, atol=1e-5)` elementwise; bf16 within "
+        "2x compile's deviation (floor 1e-5).",
+        "",
+        *table(
+            [
+                "model",
+                "dtype",
+                "option",
+                "loss dev",
+                "worst grad dev",
+                "compile's dev",
+                "result",
+                "criterion",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def fidelity(results: dict, command: str) -> list[str]:
@@ -84,17 +125,49 @@ def fidelity(results: dict, command: str) -> list[str]:
         err = (pred - meas) / meas if pred and meas else None
         limit = case["options"].get("peak_memory")
         held = "" if limit is None or meas is None else ("yes" if meas <= limit else "NO")
-        rows.append([case["model"], case["dtype"], _option(case), _mib(pred), _mib(meas),
-                     fmt(None if err is None else 100 * err, "+.1f"),
-                     "" if err is None else ("yes" if abs(err) <= FIDELITY_TARGET else "no"),
-                     _mib(res.get("peak_grads_allocated_bytes")), _mib(limit), held, status(res)])
-    return ["## Fidelity: predicted against measured peak", "", f"`{command}`", "",
-            "Predicted: the most of the process's plans' `predicted_peak_bytes`. Measured: the most bytes "
-            "allocated above the start of a forward and backward entered with `grad=None`, as the plan "
-            "counts it (gradients included); beside it the same step entered with the gradients allocated. "
-            f"Target: within {FIDELITY_TARGET:.0%}.", "",
-            *table(["model", "dtype", "option", "predicted MiB", "measured MiB", "error %", "within 3%",
-                    "measured, grads allocated MiB", "peak_memory MiB", "held", "result"], rows), ""]
+        rows.append(
+            [
+                case["model"],
+                case["dtype"],
+                _option(case),
+                _mib(pred),
+                _mib(meas),
+                fmt(None if err is None else 100 * err, "+.1f"),
+                "" if err is None else ("yes" if abs(err) <= FIDELITY_TARGET else "no"),
+                _mib(res.get("peak_grads_allocated_bytes")),
+                _mib(limit),
+                held,
+                status(res),
+            ]
+        )
+    return [
+        "## Fidelity: predicted against measured peak",
+        "",
+        f"`{command}`",
+        "",
+        "Predicted: the most of the process's plans' `predicted_peak_bytes`. Measured: the most bytes "
+        "allocated above the start of a forward and backward entered with `grad=None`, as the plan "
+        "counts it (gradients included); beside it the same step entered with the gradients allocated. "
+        f"Target: within {FIDELITY_TARGET:.0%}.",
+        "",
+        *table(
+            [
+                "model",
+                "dtype",
+                "option",
+                "predicted MiB",
+                "measured MiB",
+                "error %",
+                "within 3%",
+                "measured, grads allocated MiB",
+                "peak_memory MiB",
+                "held",
+                "result",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def _numeric_rows(results: dict) -> list[dict]:
@@ -117,31 +190,65 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
     for name, res in rows.items():
         est, step = res.get("estimated_step_s"), res.get("step_median_s")
         limit = res["case"].get("options", {}).get("peak_memory")
-        body.append([name + (f" (peak_memory {_mib(limit)} MiB)" if limit else ""), fmt(res.get("first_call_s"), ".1f"),
-                     fmt(None if step is None else step * 1e3, ".2f"), _mib(res.get("peak_bytes")),
-                     fmt(res.get("loss_after_10"), ".4f"), fmt(None if est is None else est * 1e3, ".2f"),
-                     fmt(est / step if est and step else None, ".2f"), status(res)])
-    return ["## Performance", "", title, "", f"`{command}`", "",
-            "First call: wall seconds of step 1 (cold Inductor cache). Step: median of 10 steps after 3 "
-            "warm-up (CUDA events). Peak: most bytes above a step's start, gradients allocated. Loss: step "
-            "10's. Estimated: the plans' `step_s + recompute_s` summed; its ratio to the measured step.", "",
-            *table(["strategy", "first call s", "step ms", "peak MiB", "loss after 10", "estimated step ms",
-                    "estimated / measured", "result"], body), "",
-            *targets(rows), "",
-            "Published (the issue; H200, torch 2.11):", "",
-            *table(["strategy", "first call s", "step ms", "peak MiB"], [[k, *v] for k, v in PUBLISHED.items()]), ""]
+        body.append(
+            [
+                name + (f" (peak_memory {_mib(limit)} MiB)" if limit else ""),
+                fmt(res.get("first_call_s"), ".1f"),
+                fmt(None if step is None else step * 1e3, ".2f"),
+                _mib(res.get("peak_bytes")),
+                fmt(res.get("loss_after_10"), ".4f"),
+                fmt(None if est is None else est * 1e3, ".2f"),
+                fmt(est / step if est and step else None, ".2f"),
+                status(res),
+            ]
+        )
+    return [
+        "## Performance",
+        "",
+        title,
+        "",
+        f"`{command}`",
+        "",
+        "First call: wall seconds of step 1 (cold Inductor cache). Step: median of 10 steps after 3 "
+        "warm-up (CUDA events). Peak: most bytes above a step's start, gradients allocated. Loss: step "
+        "10's. Estimated: the plans' `step_s + recompute_s` summed; its ratio to the measured step.",
+        "",
+        *table(
+            [
+                "strategy",
+                "first call s",
+                "step ms",
+                "peak MiB",
+                "loss after 10",
+                "estimated step ms",
+                "estimated / measured",
+                "result",
+            ],
+            body,
+        ),
+        "",
+        *targets(rows),
+        "",
+        "Published (the issue; H200, torch 2.11):",
+        "",
+        *table(["strategy", "first call s", "step ms", "peak MiB"], [[k, *v] for k, v in PUBLISHED.items()]),
+        "",
+    ]
 
 
 def targets(rows: dict) -> list[str]:
     """The issue's targets for our strategies, each with its measured ratio and met / missed."""
+
     def get(name, key):
         return rows.get(name, {}).get(key)
 
-    checks = [("ours-0.0 peak <= 0.5x compile-ckpt's", "ours-0.0", "compile-ckpt", "peak_bytes", 0.5),
-              ("ours-0.0 step <= 1.15x torch.compile's", "ours-0.0", "compile", "step_median_s", 1.15),
-              ("ours-none step <= 1.02x torch.compile's", "ours-none", "compile", "step_median_s", 1.02),
-              ("ours-none peak <= torch.compile's", "ours-none", "compile", "peak_bytes", 1.0),
-              ("ours-0.0 first call <= 2x torch.compile's", "ours-0.0", "compile", "first_call_s", 2.0)]
+    checks = [
+        ("ours-0.0 peak <= 0.5x compile-ckpt's", "ours-0.0", "compile-ckpt", "peak_bytes", 0.5),
+        ("ours-0.0 step <= 1.15x torch.compile's", "ours-0.0", "compile", "step_median_s", 1.15),
+        ("ours-none step <= 1.02x torch.compile's", "ours-none", "compile", "step_median_s", 1.02),
+        ("ours-none peak <= torch.compile's", "ours-none", "compile", "peak_bytes", 1.0),
+        ("ours-0.0 first call <= 2x torch.compile's", "ours-0.0", "compile", "first_call_s", 2.0),
+    ]
     lines = ["Targets:", ""]
     for text, ours, base, key, factor in checks:
         a, b = get(ours, key), get(base, key)
@@ -160,11 +267,29 @@ def profile(results: dict, command: str) -> list[str]:
         if "error" in res:
             out += [f"### {name}", "", status(res), ""]
             continue
-        out += [f"### {name}", "", f"Kernel launches per step: {res['launches_per_step']:.0f}; kernel time per "
-                f"step {res['profiled_us_per_step'] / 1e3:.2f} ms.", ""]
+        out += [
+            f"### {name}",
+            "",
+            f"Kernel launches per step: {res['launches_per_step']:.0f}; kernel time per "
+            f"step {res['profiled_us_per_step'] / 1e3:.2f} ms.",
+            "",
+        ]
         out += [f"* {n}" for n in res.get("chunk_notes", [])] or ["* no chunk notes"]
         total = res["profiled_us_per_step"] * PROFILED or 1.0
-        out += ["", *table(["kernel", "calls / step", f"total ms ({PROFILED} steps)", "share"],
-                           [[k["name"][:90].replace("|", "/"), f"{k['calls'] / PROFILED:.0f}", f"{k['total_us'] / 1e3:.2f}",
-                             f"{100 * k['total_us'] / total:.1f}%"] for k in res["kernels"]]), ""]
+        out += [
+            "",
+            *table(
+                ["kernel", "calls / step", f"total ms ({PROFILED} steps)", "share"],
+                [
+                    [
+                        k["name"][:90].replace("|", "/"),
+                        f"{k['calls'] / PROFILED:.0f}",
+                        f"{k['total_us'] / 1e3:.2f}",
+                        f"{100 * k['total_us'] / total:.1f}%",
+                    ]
+                    for k in res["kernels"]
+                ],
+            ),
+            "",
+        ]
     return out

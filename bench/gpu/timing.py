@@ -81,7 +81,9 @@ def timed_steps(step, device: str, steps: int) -> tuple[list[float], list]:
             losses.append(step())
             times.append(time.perf_counter() - t0)
         return times, losses
-    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    marks = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)
+    ]
     losses = []
     for start, end in marks:
         start.record()
@@ -138,9 +140,11 @@ def profile_strategy(case: dict, *, device: str, tiny: bool, compiler: str, lock
             sync(device)
     totals, launches = kernel_totals(prof.events(), device)
     top = sorted(totals.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-    out.update(kernels=[{"name": n, "calls": c, "total_us": us} for n, (c, us) in top],
-               launches_per_step=launches / PROFILED,
-               profiled_us_per_step=sum(us for _, us in totals.values()) / PROFILED)
+    out.update(
+        kernels=[{"name": n, "calls": c, "total_us": us} for n, (c, us) in top],
+        launches_per_step=launches / PROFILED,
+        profiled_us_per_step=sum(us for _, us in totals.values()) / PROFILED,
+    )
     return out
 
 

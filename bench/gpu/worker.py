@@ -44,14 +44,23 @@ def environment(case: dict, *, device: str, tiny: bool, compiler: str) -> dict:
 
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "device": device,
-           "cuda": torch.version.cuda, "cpu": platform.processor() or platform.machine()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "cuda": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+    }
     for mod in ("triton", "transformers", "pulp", "highspy"):
         env[mod] = _version_of(mod)
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        env.update(device_name=props.name, device_mib=props.total_memory >> 20,
-                   capability=f"{props.major}.{props.minor}", driver=_driver_version())
+        env.update(
+            device_name=props.name,
+            device_mib=props.total_memory >> 20,
+            capability=f"{props.major}.{props.minor}",
+            driver=_driver_version(),
+        )
     try:
         import recompile_opt
 
@@ -76,8 +85,12 @@ def _driver_version() -> str:
     import subprocess
 
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 else ""
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return ""
@@ -100,10 +113,10 @@ def correctness(case: dict, *, device: str, tiny: bool, compiler: str) -> dict:
     and (an approximating plan on CUDA) how many Triton kernels of the approximate backward launched."""
     import torch
 
+    import recompile_opt
+
     from .models import build
     from .numerics import against_eager, step_peaks
-
-    import recompile_opt
 
     model, batch = build(case["model"], device=device, tiny=tiny)
     options = {**case["options"], **({} if compiler == "inductor" else {"compiler": compiler})}
@@ -139,11 +152,13 @@ def plan_figures(plans: list) -> dict:
     latest = list({p.graph: p for p in plans}.values())
     if not latest:
         return {"plans": 0}
-    return {"plans": len(latest),
-            "predicted_peak_bytes": max(p.predicted_peak_bytes for p in latest),
-            "estimated_step_s": sum(p.step_s + p.recompute_s for p in latest),
-            "approximated": sum(len(p.approximated) for p in latest),
-            "chunk_notes": [n for p in latest for n in p.notes if n.startswith("chunk")]}
+    return {
+        "plans": len(latest),
+        "predicted_peak_bytes": max(p.predicted_peak_bytes for p in latest),
+        "estimated_step_s": sum(p.step_s + p.recompute_s for p in latest),
+        "approximated": sum(len(p.approximated) for p in latest),
+        "chunk_notes": [n for p in latest for n in p.notes if n.startswith("chunk")],
+    }
 
 
 def performance(case: dict, *, device: str, tiny: bool, compiler: str, lock: JobLock) -> dict:
@@ -168,8 +183,13 @@ def _our_plans(case: dict) -> dict:
     return plan_figures(recompile_opt.last_plans())
 
 
-RUNNERS = {"environment": environment, "reference": reference, "correctness": correctness,
-           "performance": performance, "profile": profile}
+RUNNERS = {
+    "environment": environment,
+    "reference": reference,
+    "correctness": correctness,
+    "performance": performance,
+    "profile": profile,
+}
 
 
 def main(case_json: str, *, device: str, tiny: bool, compiler: str) -> int:

@@ -72,6 +72,7 @@ MARKERS = (torch.ops.recompile_opt.activation_grad.default, torch.ops.recompile_
 
 # -- the codes, their backward and the projection: one op each ------------------------------------------
 
+
 @torch.library.custom_op("recompile_opt::few_bit_encode", mutates_args=())
 def few_bit_encode(x: Tensor, name: str, bits: int) -> Tensor:
     """:func:`few_bit.encode <recompile_opt.approximate.few_bit.encode>`: the packed codes of ``x``."""
@@ -89,7 +90,9 @@ def _(x, name, bits):
 def few_bit_grad(grad: Tensor, packed: Tensor, name: str, bits: int) -> Tensor:
     """:func:`few_bit.few_bit_grad <recompile_opt.approximate.few_bit.few_bit_grad>`: the few-bit backward."""
     if triton_kernels.use_triton(grad):
-        return triton_kernels.decode_mul(packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits)
+        return triton_kernels.decode_mul(
+            packed, grad, _table_tensor(name, bits, 1, grad.dtype, grad.device), bits
+        )
     return few_bit.few_bit_grad(grad, packed, name, bits).contiguous()  # as the fake says
 
 
@@ -117,7 +120,11 @@ def _(seed_shape, rows_shape, ratio, *args, **kwargs) -> int:
     rows after the last full block their own block's."""
     n, d = rows_shape
     tail = n % BLOCK
-    return 2 * d * ((n - tail) * projected_rows(BLOCK, ratio) + (tail * projected_rows(tail, ratio) if tail else 0))
+    return (
+        2
+        * d
+        * ((n - tail) * projected_rows(BLOCK, ratio) + (tail * projected_rows(tail, ratio) if tail else 0))
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,7 +156,11 @@ def approximate_backward(target, args: tuple) -> tuple:
         grad, _x, codes, name, bits = args
         return (lambda g, c: few_bit_grad(g, c, name, bits)), (grad, codes)
     grad, _x, projected, seed, ratio = args
-    return (lambda g, p, s: randomized_linear.weight_grad(g, p, s, ratio, randomized_project)), (grad, projected, seed)
+    return (lambda g, p, s: randomized_linear.weight_grad(g, p, s, ratio, randomized_project)), (
+        grad,
+        projected,
+        seed,
+    )
 
 
 class ApproximableActivation(torch.autograd.Function):
@@ -192,9 +203,16 @@ class ApproximableLinear(torch.autograd.Function):
         with _autocast_off(grad.device.type):
             grad = grad.to(weight.dtype)
             grad_x = (grad @ weight).to(x_dtype) if ctx.needs_input_grad[0] else None
-            grad_w = weight_grad(grad, x, projected, seed, ctx.ratio).to(w_dtype) if ctx.needs_input_grad[1] else None
-            grad_b = (grad.reshape(-1, grad.shape[-1]).sum(0).to(b_dtype)
-                      if ctx.has_bias and ctx.needs_input_grad[2] else None)
+            grad_w = (
+                weight_grad(grad, x, projected, seed, ctx.ratio).to(w_dtype)
+                if ctx.needs_input_grad[1]
+                else None
+            )
+            grad_b = (
+                grad.reshape(-1, grad.shape[-1]).sum(0).to(b_dtype)
+                if ctx.has_bias and ctx.needs_input_grad[2]
+                else None
+            )
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -209,7 +227,8 @@ def approximable_activation(x: Tensor, name: str, bits: int) -> Tensor:
     return ApproximableActivation.apply(x, name, bits)
 
 
-def approximable_linear(x: Tensor, weight: Tensor, bias: Tensor | None, ratio: float,
-                        mm_dtype: torch.dtype | None = None) -> Tensor:
-    seed = torch.randint(0, 2 ** 31 - 1, (), device=x.device)
+def approximable_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, ratio: float, mm_dtype: torch.dtype | None = None
+) -> Tensor:
+    seed = torch.randint(0, 2**31 - 1, (), device=x.device)
     return ApproximableLinear.apply(x, weight, bias, float(ratio), seed, mm_dtype or x.dtype)

@@ -32,7 +32,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     byte_shifts = torch.arange(bits, dtype=torch.int32, device=packed.device) * 8
     words = (packed.view(-1, bits).to(torch.int32) << byte_shifts).sum(1, dtype=torch.int32)
     shifts = torch.arange(GROUP, dtype=torch.int32, device=packed.device) * bits
-    return ((words[:, None] >> shifts) & (2 ** bits - 1)).reshape(-1)[:numel].long()
+    return ((words[:, None] >> shifts) & (2**bits - 1)).reshape(-1)[:numel].long()
 
 
 def encode(x: torch.Tensor, name: str, bits: int) -> torch.Tensor:

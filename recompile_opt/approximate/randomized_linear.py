@@ -80,8 +80,9 @@ def project(seed: torch.Tensor, rows: torch.Tensor, ratio: float) -> torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def weight_grad(grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float,
-                project=project) -> torch.Tensor:
+def weight_grad(
+    grad: torch.Tensor, projected: torch.Tensor, seed: torch.Tensor, ratio: float, project=project
+) -> torch.Tensor:
     """The weight's gradient ``(dY^T S)(S^T X)`` from the kept ``projected`` (``S^T X``) and the seed;
     ``project``: this module's, or the plan's op of it (``actions.randomized_project``)."""
     return project(seed, grad.reshape(-1, grad.shape[-1]), ratio).t() @ projected
@@ -107,12 +108,17 @@ class RandomizedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def randomized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ratio: float,
-                      seed: torch.Tensor | None = None) -> torch.Tensor:
+def randomized_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ratio: float,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A linear layer whose backward keeps ``ratio`` of its input's rows as a random projection.
     ``seed``: a 0-dim int64 tensor (drawn from torch's RNG when None)."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"randomized linear: ratio {ratio!r}; accepted: a number in (0, 1]")
     if seed is None:
-        seed = torch.randint(0, 2 ** 31 - 1, (), device=x.device)
+        seed = torch.randint(0, 2**31 - 1, (), device=x.device)
     return RandomizedLinear.apply(x, weight, bias, float(ratio), seed)

@@ -46,15 +46,17 @@ def optimise(name: str, bits: int) -> dict:
     "mse": ...}`` (``breakpoints`` ascending, one fewer than ``values``)."""
     x = torch.linspace(-SPAN, SPAN, GRID, dtype=torch.float64)
     step = x[1] - x[0]
-    weight = torch.exp(-x ** 2 / 2) / math.sqrt(2 * math.pi) * step
+    weight = torch.exp(-(x**2) / 2) / math.sqrt(2 * math.pi) * step
     tail = 0.5 * math.erfc((SPAN + float(step) / 2) / math.sqrt(2))
     weight[0] += tail  # the normal's mass beyond the grid, at its ends
     weight[-1] += tail
     d = derivative(name, x)
-    pieces, n = 2 ** bits, GRID
+    pieces, n = 2**bits, GRID
     # prefix sums: the weighted variance of d over grid[i:j] in O(1)
-    s0, s1, s2 = (torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v, 0)])
-                  for v in (weight, weight * d, weight * d * d))
+    s0, s1, s2 = (
+        torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(v, 0)])
+        for v in (weight, weight * d, weight * d * d)
+    )
 
     # cost[i, j]: the weighted variance of d over grid[i:j] (infinite unless i < j)
     w = s0[None, :] - s0[:, None]
@@ -84,8 +86,10 @@ def make_all() -> dict:
 def table(name: str, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The stored ``(breakpoints, values)`` of ``name``'s derivative in ``2**bits`` pieces."""
     if name not in ACTIVATIONS or bits not in BITS:
-        raise ValueError(f"no derivative table for {name!r} at {bits} bits (activations: {list(ACTIVATIONS)}, "
-                         f"bits: {list(BITS)})")
+        raise ValueError(
+            f"no derivative table for {name!r} at {bits} bits (activations: {list(ACTIVATIONS)}, "
+            f"bits: {list(BITS)})"
+        )
     entry = _STORED[name][str(bits)]
     return tuple(entry["breakpoints"]), tuple(entry["values"])
 

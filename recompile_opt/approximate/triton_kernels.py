@@ -58,9 +58,11 @@ def use_triton(t: Tensor) -> bool:
 
 
 if triton is not None:
+
     @triton.jit
-    def encode_kernel(x_ptr, bp_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr, PIECES: tl.constexpr,
-                      G: tl.constexpr):
+    def encode_kernel(
+        x_ptr, bp_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr, PIECES: tl.constexpr, G: tl.constexpr
+    ):
         group = (tl.program_id(0) * G + tl.arange(0, G)).to(tl.int64)  # offsets past 2**31 elements
         lane = tl.arange(0, 8)
         offs = group[:, None] * 8 + lane[None, :]
@@ -71,11 +73,14 @@ if triton is not None:
         codes = tl.where(offs < numel, codes, 0)  # padding packs as code 0, as pack_codes' zeros
         words = tl.sum(codes << (lane[None, :] * BITS), axis=1)
         for b in tl.static_range(BITS):
-            tl.store(out_ptr + group * BITS + b, ((words >> (8 * b)) & 0xFF).to(tl.uint8), mask=group < n_groups)
+            tl.store(
+                out_ptr + group * BITS + b, ((words >> (8 * b)) & 0xFF).to(tl.uint8), mask=group < n_groups
+            )
 
     @triton.jit
-    def decode_mul_kernel(packed_ptr, grad_ptr, values_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr,
-                          G: tl.constexpr):
+    def decode_mul_kernel(
+        packed_ptr, grad_ptr, values_ptr, out_ptr, numel, n_groups, BITS: tl.constexpr, G: tl.constexpr
+    ):
         group = (tl.program_id(0) * G + tl.arange(0, G)).to(tl.int64)
         lane = tl.arange(0, 8)
         words = tl.zeros((G,), dtype=tl.int32)
@@ -111,8 +116,9 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * R + cols[None, :], sign.to(tl.int8), mask=cols[None, :] < R)
 
     @triton.jit
-    def project_kernel(seed_ptr, x_ptr, out_ptr, d, R, scale, BLOCK_ROWS: tl.constexpr, RP: tl.constexpr,
-                       TD: tl.constexpr):
+    def project_kernel(
+        seed_ptr, x_ptr, out_ptr, d, R, scale, BLOCK_ROWS: tl.constexpr, RP: tl.constexpr, TD: tl.constexpr
+    ):
         block, tile = tl.program_id(0), tl.program_id(1)
         rows = (block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
         cols = tile * TD + tl.arange(0, TD)
@@ -122,8 +128,11 @@ if triton is not None:
         acc = tl.dot(tl.trans(s), x, input_precision="ieee", out_dtype=tl.float32) * scale
         r = tl.arange(0, RP)
         out_rows = (block * R + r).to(tl.int64)
-        tl.store(out_ptr + out_rows[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(r[:, None] < R) & (cols[None, :] < d))
+        tl.store(
+            out_ptr + out_rows[:, None] * d + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(r[:, None] < R) & (cols[None, :] < d),
+        )
 
 
 def encode(x: Tensor, breakpoints: Tensor, bits: int) -> Tensor:
@@ -132,8 +141,16 @@ def encode(x: Tensor, breakpoints: Tensor, bits: int) -> Tensor:
     n_groups = triton.cdiv(x.numel(), GROUP)
     out = torch.empty(n_groups * bits, dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
-    encode_kernel[grid](x, breakpoints, out, x.numel(), n_groups, BITS=bits, PIECES=breakpoints.numel() + 1,
-                        G=GROUPS_PER_PROGRAM)
+    encode_kernel[grid](
+        x,
+        breakpoints,
+        out,
+        x.numel(),
+        n_groups,
+        BITS=bits,
+        PIECES=breakpoints.numel() + 1,
+        G=GROUPS_PER_PROGRAM,
+    )
     return out
 
 
@@ -143,7 +160,9 @@ def decode_mul(packed: Tensor, grad: Tensor, values: Tensor, bits: int) -> Tenso
     out = torch.empty_like(flat)
     n_groups = triton.cdiv(flat.numel(), GROUP)
     grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
-    decode_mul_kernel[grid](packed, flat, values, out, flat.numel(), n_groups, BITS=bits, G=GROUPS_PER_PROGRAM)
+    decode_mul_kernel[grid](
+        packed, flat, values, out, flat.numel(), n_groups, BITS=bits, G=GROUPS_PER_PROGRAM
+    )
     return out.view(grad.shape)
 
 
@@ -162,12 +181,15 @@ def project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
     out = torch.empty(blocks * r, d, dtype=rows.dtype, device=rows.device)
     if blocks:
         td = 64
-        project_kernel[(blocks, triton.cdiv(d, td))](seed, rows, out, d, r, 1.0 / math.sqrt(r), BLOCK_ROWS=BLOCK,
-                                                    RP=_pow2(r), TD=td)
+        project_kernel[(blocks, triton.cdiv(d, td))](
+            seed, rows, out, d, r, 1.0 / math.sqrt(r), BLOCK_ROWS=BLOCK, RP=_pow2(r), TD=td
+        )
     if blocks * BLOCK == n:
         return out
     start = blocks * BLOCK  # a shorter last block, its own r, by torch
-    last = randomized_linear.projection_block(seed, start, n - start, projected_rows(n - start, ratio), rows.dtype, rows.device)
+    last = randomized_linear.projection_block(
+        seed, start, n - start, projected_rows(n - start, ratio), rows.dtype, rows.device
+    )
     rest = last.t() @ rows[start:]
     return torch.cat([out, rest]) if blocks else rest
 

@@ -88,9 +88,11 @@ _TRAFFIC_FORMULAS: dict = {}
 
 def register_traffic_formula(op):
     """Decorator: ``f(node) -> bytes`` is the memory traffic of one call of ``op`` (an OpOverloadPacket)."""
+
     def register(formula):
         _TRAFFIC_FORMULAS[op] = formula
         return formula
+
     return register
 
 
@@ -106,7 +108,11 @@ def node_cost(node: fx.Node, roofline: dict, *, fused: bool = False) -> NodeCost
     flops = _flops(node, out)
     in_vals = [a.meta.get("val") for a in node.all_input_nodes]
     own = _TRAFFIC_FORMULAS.get(getattr(node.target, "_overloadpacket", None))
-    traffic = own(node) if own else sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
+    traffic = (
+        own(node)
+        if own
+        else sum(tensor_bytes(t) for t in _tensors(out) + ([] if fused else _tensors(in_vals)))
+    )
     seconds = max(flops / roofline["flops_per_s"], traffic / roofline["bytes_per_s"])
     return NodeCost(int(flops), int(traffic), seconds)
 
@@ -149,8 +155,7 @@ _aten = torch.ops.aten
 # Ops without a formula of their own that share another's argument layout (torch 2.13).
 _SAME_FLOPS_AS = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        _aten._scaled_dot_product_flash_attention_backward,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
 }
 
 

@@ -39,8 +39,13 @@ _ALLOCATORS = {"empty_strided_cpu", "empty_strided_cuda", "empty_strided"}
 _ALIASES = {"reinterpret_tensor", "as_strided"}
 
 
-def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
-               compiled: tuple[ti.WrapperCode, ti.WrapperCode, list] | None = None) -> int:
+def exact_peak(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    compiled: tuple[ti.WrapperCode, ti.WrapperCode, list] | None = None,
+) -> int:
     """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
     ``bw`` walked, after the forward as :mod:`recompile_opt.costs.peak` simulates it (its peak and the
     buffers it keeps: the graphs from ``partition``, not made ``for_simulation``). ``bw`` is changed
@@ -67,21 +72,35 @@ def exact_peak(fw: fx.GraphModule, bw: fx.GraphModule, *, num_fwd_outputs: int,
     else:
         fw_peak, fw_end, kept, owner = forward_state(fw)
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
-    bw_peak = _walked_backward(ti.inductor_wrapper_code(bw, backward=True, donated=donated, input_strides=strides),
-                               bw, fw_end, kept, owner)
+    bw_peak = _walked_backward(
+        ti.inductor_wrapper_code(bw, backward=True, donated=donated, input_strides=strides),
+        bw,
+        fw_end,
+        kept,
+        owner,
+    )
     if fw_peak <= bw_peak or strides is not None:
         return max(fw_peak, bw_peak)
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
     return max(_walked_forward(fw)[0], bw_peak)
 
 
-def _walked_backward(wrapper: ti.WrapperCode, bw: fx.GraphModule, fw_end: int, kept: dict, owner: dict) -> int:
+def _walked_backward(
+    wrapper: ti.WrapperCode, bw: fx.GraphModule, fw_end: int, kept: dict, owner: dict
+) -> int:
     """The backward's peak from its code: it starts with the forward's kept storages and what else the
     forward left alive (the loss) and the tangent."""
     code, sizes, multi, externs, _ = wrapper
     tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    return walk(code, inputs=owner, storage_bytes=kept, sizes=sizes, multi=multi, scratch=_scratch(externs),
-                other=fw_end - sum(kept.values()) + tangents)  # the loss, the tangent
+    return walk(
+        code,
+        inputs=owner,
+        storage_bytes=kept,
+        sizes=sizes,
+        multi=multi,
+        scratch=_scratch(externs),
+        other=fw_end - sum(kept.values()) + tangents,
+    )  # the loss, the tangent
 
 
 def _walked_forward(fw: fx.GraphModule, wrapper: ti.WrapperCode | None = None, outputs: list | None = None):
@@ -103,7 +122,9 @@ def _walked_forward(fw: fx.GraphModule, wrapper: ti.WrapperCode | None = None, o
             kept[f"s{sid}"], owner[output] = live.size[sid], f"s{sid}"
     # what the forward returns outlives it; its last temporaries (never ``del``'d: ``call`` returns)
     # die with it
-    end = sum(live.size[sid] for sid in {live.names.get(name) for name in returned if name} if sid is not None)
+    end = sum(
+        live.size[sid] for sid in {live.names.get(name) for name in returned if name} if sid is not None
+    )
     return live.peak, end, kept, owner, strides
 
 
@@ -115,14 +136,23 @@ def output_names(fw: fx.GraphModule) -> list[str | None]:
 def _scratch(externs: dict[str, tuple[list[fx.Node], list | None]]) -> dict[str, int]:
     """Extern kernel buffer -> the workspace its kernel allocates (:mod:`recompile_opt.costs.scratch`), at
     the layouts Inductor gives its inputs."""
-    found = {name: max((scratch_bytes(n, layouts) for n in nodes if has_scratch(n)), default=0)
-             for name, (nodes, layouts) in externs.items()}
+    found = {
+        name: max((scratch_bytes(n, layouts) for n in nodes if has_scratch(n)), default=0)
+        for name, (nodes, layouts) in externs.items()
+    }
     return {name: n for name, n in found.items() if n}
 
 
-def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict[str, int] | None = None,
-         sizes: dict[str, int], multi: dict[str, list[str]] | None = None, scratch: dict[str, int] | None = None,
-         other: int = 0) -> int:
+def walk(
+    code: str,
+    *,
+    inputs: dict[str, str] | None = None,
+    storage_bytes: dict[str, int] | None = None,
+    sizes: dict[str, int],
+    multi: dict[str, list[str]] | None = None,
+    scratch: dict[str, int] | None = None,
+    other: int = 0,
+) -> int:
     """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
     -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
     from the start until their last name is dropped (an input not named: the baseline's; a storage no
@@ -134,8 +164,15 @@ def walk(code: str, *, inputs: dict[str, str] | None = None, storage_bytes: dict
     live = _Storages()
     storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
     live.live += other
-    _run(call, live, {name: storage[key] for name, key in inputs.items() if key in storage}, sizes, multi or {},
-         scratch or {}, release=["#" + key for key in storage])
+    _run(
+        call,
+        live,
+        {name: storage[key] for name, key in inputs.items() if key in storage},
+        sizes,
+        multi or {},
+        scratch or {},
+        release=["#" + key for key in storage],
+    )
     return live.peak
 
 
@@ -147,8 +184,9 @@ def why_not_walkable(fw: fx.GraphModule, bw: fx.GraphModule) -> str | None:
     for g in (fw, bw):
         for node in g.graph.find_nodes(op="placeholder"):
             val = node.meta.get("val")
-            if isinstance(val, torch.SymInt) or (isinstance(val, torch.Tensor)
-                                                 and any(isinstance(d, torch.SymInt) for d in val.shape)):
+            if isinstance(val, torch.SymInt) or (
+                isinstance(val, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in val.shape)
+            ):
                 return "symbolic shapes"
             if isinstance(val, torch.Tensor) and val.device.type not in ("cpu", "cuda"):
                 return f"the {val.device.type} device has no Inductor code"
@@ -159,6 +197,7 @@ def why_not_walkable(fw: fx.GraphModule, bw: fx.GraphModule) -> str | None:
 class _Storages:
     """Live storages: each Python name in the wrapper refers to one; a storage is freed with its last
     reference. Storages of the baseline (parameters, data) are never entered."""
+
     names: dict[str, int] = field(default_factory=dict)  # wrapper name -> storage id
     refs: dict[int, set[str]] = field(default_factory=dict)  # storage id -> names (and holders)
     size: dict[int, int] = field(default_factory=dict)
@@ -237,8 +276,15 @@ def _arg_names(call: ast.FunctionDef) -> list[str]:
     return []
 
 
-def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: dict[str, int],
-         multi: dict[str, list[str]], scratch: dict[str, int], release: list[str] = ()) -> list[str | None]:
+def _run(
+    call: ast.FunctionDef,
+    live: _Storages,
+    inputs: dict[str, int],
+    sizes: dict[str, int],
+    multi: dict[str, list[str]],
+    scratch: dict[str, int],
+    release: list[str] = (),
+) -> list[str | None]:
     """Walk ``call``'s statements up to its ``return``; ``inputs``: input name -> its storage;
     ``release``: names that held the inputs until ``call`` took them. Returns the buffer each returned
     value refers to (None for one that is not a buffer)."""
@@ -257,8 +303,13 @@ def _run(call: ast.FunctionDef, live: _Storages, inputs: dict[str, int], sizes: 
     return []
 
 
-def _step(stmt: ast.stmt, live: _Storages, sizes: dict[str, int], multi: dict[str, list[str]],
-          scratch: dict[str, int]) -> None:
+def _step(
+    stmt: ast.stmt,
+    live: _Storages,
+    sizes: dict[str, int],
+    multi: dict[str, list[str]],
+    scratch: dict[str, int],
+) -> None:
     if isinstance(stmt, ast.Delete):
         for target in stmt.targets:
             if isinstance(target, ast.Name):

@@ -119,8 +119,10 @@ class SavedReport:
     n_excluded: int = 0
 
     def summary(self, top: int = 10) -> str:
-        lines = [f"saved {self.total_bytes / MiB:.3f} MiB in {len(self.breakdown)} storages "
-                 f"({self.n_packed} packs, {self.n_excluded} excluded)"]
+        lines = [
+            f"saved {self.total_bytes / MiB:.3f} MiB in {len(self.breakdown)} storages "
+            f"({self.n_packed} packs, {self.n_excluded} excluded)"
+        ]
         for shape, dtype, nbytes in self.breakdown[:top]:
             lines.append(f"  {str(tuple(shape)):>24} {str(dtype):>15} {nbytes / MiB:9.3f} MiB")
         return "\n".join(lines)
@@ -332,8 +334,11 @@ def _without_usdt_lines():
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True)
-                    if not line.startswith(b"USDT:") and _KINETO_THREAD_LINE not in line]
+            kept = [
+                line
+                for line in caught.read().splitlines(keepends=True)
+                if not line.startswith(b"USDT:") and _KINETO_THREAD_LINE not in line
+            ]
             if kept:
                 os.write(2, b"".join(kept))
 

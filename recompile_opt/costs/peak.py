@@ -39,6 +39,7 @@ SCRATCH = " (workspace)"  # the name of a kernel's workspace among the buffers a
 class PeakTrace:
     """What is alive at the peak of a sweep: buffer (node, or kept base name) -> bytes, and the kernel
     that was running (``at``: its index; -1 before the first)."""
+
     start: dict = field(default_factory=dict)  # buffers alive before the first kernel
     at: int = -1
     kernel: Kernel | None = None  # the kernel at ``at``
@@ -73,11 +74,18 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
         kind = "pooled" if buf in trace.dead else _kind(buf, phase, outs, recomputed)
         kinds[kind] = kinds.get(kind, 0) + size
         largest.append((size, buf if isinstance(buf, str) else buf.name, kind))
-    return {"phase": phase, "kernel": trace.at, "kernels": trace.kernels,
-            "kernel_ops": sorted({op_name(n, qualified=True) for n in trace.kernel.nodes}) if trace.kernel else [],
-            "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "total": peak,
-            "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
-            "shapes": _alive_shapes(trace)}
+    return {
+        "phase": phase,
+        "kernel": trace.at,
+        "kernels": trace.kernels,
+        "kernel_ops": sorted({op_name(n, qualified=True) for n in trace.kernel.nodes})
+        if trace.kernel
+        else [],
+        "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "total": peak,
+        "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
+        "shapes": _alive_shapes(trace),
+    }
 
 
 def _alive_shapes(trace: PeakTrace, most: int = 32) -> list[list[int]]:
@@ -92,8 +100,9 @@ def _alive_shapes(trace: PeakTrace, most: int = 32) -> list[list[int]]:
     return [list(s) for s in sorted(shapes, key=lambda s: (-math.prod(s), s))[:most]]
 
 
-def peak_and_recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]
-                                 ) -> tuple[int, list[str]]:
+def peak_and_recomputed_at_peak(
+    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]
+) -> tuple[int, list[str]]:
     """The predicted peak, and the names of the recomputed values alive where it lies, largest first.
     Why: a value recomputed early, only because a value needed before the peak is recomputed from it,
     sits under the peak; keeping one of these instead moves its inputs' recomputation past the peak
@@ -101,8 +110,11 @@ def peak_and_recomputed_at_peak(fw: fx.GraphModule, bw: fx.GraphModule, recomput
     peak, phase, _, trace = _simulate(fw, bw, traced=True)
     if phase != "backward":
         return peak, []
-    alive = [(size, buf.name) for buf, size in trace.alive.items()
-             if not isinstance(buf, str) and buf.name in recomputed]
+    alive = [
+        (size, buf.name)
+        for buf, size in trace.alive.items()
+        if not isinstance(buf, str) and buf.name in recomputed
+    ]
     return peak, [name for _, name in sorted(alive, reverse=True)]
 
 
@@ -123,8 +135,11 @@ def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int
     after, buffer name). Why: set against the measured allocator records of the same step
     (``bench/peak_timeline.py``) it shows where the simulation departs from Inductor."""
     _, fw_trace, _, bw_trace = _run_step(fw, bw, traced=True)
-    return [(phase, i, nbytes, live, name) for phase, trace in (("forward", fw_trace), ("backward", bw_trace))
-            for i, nbytes, live, name in trace.events]
+    return [
+        (phase, i, nbytes, live, name)
+        for phase, trace in (("forward", fw_trace), ("backward", bw_trace))
+        for i, nbytes, live, name in trace.events
+    ]
 
 
 def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
@@ -155,8 +170,11 @@ def caller_outputs_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
     outputs = [a for a in next(iter(reversed(fw.graph.nodes))).args[0] if isinstance(a, fx.Node)]
     backward_reads = {base_of(a) for a in outputs[num_fwd_outputs:]}
     bases = {base_of(a) for a in outputs[:num_fwd_outputs]} - backward_reads
-    return sum(nbytes(b) for b in bases if b.op != "placeholder"
-               and isinstance(v := b.meta.get("val"), torch.Tensor) and v.dim() > 0)
+    return sum(
+        nbytes(b)
+        for b in bases
+        if b.op != "placeholder" and isinstance(v := b.meta.get("val"), torch.Tensor) and v.dim() > 0
+    )
 
 
 def forward_state(fw: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[str, str]]:
@@ -167,8 +185,9 @@ def forward_state(fw: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[st
     return peak, live, buffers, owner
 
 
-def _run_forward(gm: fx.GraphModule, trace: PeakTrace | None = None
-                 ) -> tuple[int, int, dict[str, int], dict[str, str]]:
+def _run_forward(
+    gm: fx.GraphModule, trace: PeakTrace | None = None
+) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     order, sizes, outs = schedule(gm)
     live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace)
@@ -178,21 +197,33 @@ def _run_forward(gm: fx.GraphModule, trace: PeakTrace | None = None
     return live, peak, buffers, owner
 
 
-def _run_backward(gm: fx.GraphModule, live: int, keys: dict[fx.Node, str], buffers: dict[str, int],
-                  trace: PeakTrace | None = None) -> int:
+def _run_backward(
+    gm: fx.GraphModule,
+    live: int,
+    keys: dict[fx.Node, str],
+    buffers: dict[str, int],
+    trace: PeakTrace | None = None,
+) -> int:
     order, sizes, outs = schedule(gm)
     tangents = {n: nbytes(n) for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
     sizes.update(tangents)
     if trace is not None:
         trace.start.update(tangents)
-    _, peak = sweep_kernels(order, sizes, keep=outs, live=live + sum(tangents.values()),
-                            shared=(keys, buffers), trace=trace)
+    _, peak = sweep_kernels(
+        order, sizes, keep=outs, live=live + sum(tangents.values()), shared=(keys, buffers), trace=trace
+    )
     return peak
 
 
-def sweep_kernels(order: list[Kernel], sizes: dict[fx.Node, int], *, keep: set[fx.Node], live: int,
-                  shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None,
-                  trace: PeakTrace | None = None) -> tuple[int, int]:
+def sweep_kernels(
+    order: list[Kernel],
+    sizes: dict[fx.Node, int],
+    *,
+    keep: set[fx.Node],
+    live: int,
+    shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None,
+    trace: PeakTrace | None = None,
+) -> tuple[int, int]:
     """Run the kernels as Inductor's wrapper code does: allocate a kernel's output buffers before it,
     free the buffers it was the last to read after it (unless kept). ``shared`` maps graph inputs to
     the kept buffer they view: one buffer, freed after the last of them is read.
@@ -251,8 +282,9 @@ def _log(trace: PeakTrace, kernel: int, changes: list, live: int) -> None:
             trace.events.append((kernel, nbytes, live, buf if isinstance(buf, str) else buf.name))
 
 
-def _plan_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
-                ) -> tuple[dict[int, list], dict]:
+def _plan_reuse(
+    order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
+) -> tuple[dict[int, list], dict]:
     """Which kernel frees each buffer, and which outputs take over which buffer instead of allocating
     (:func:`_span_reuse`, or under :func:`inductor_pool` :func:`_inductor_reuse`)."""
     return (_inductor_reuse if _INDUCTOR_POOL.get() else _span_reuse)(order, size, last, keep, keys)
@@ -278,8 +310,9 @@ _INDUCTOR_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("inductor_
 POOL_SPAN = 16  # kernels: see the module docstring
 
 
-def _span_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
-                ) -> tuple[dict[int, list], dict]:
+def _span_reuse(
+    order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
+) -> tuple[dict[int, list], dict]:
     """Which kernel frees each buffer, and which outputs take over which buffer instead of allocating:
     in place (a fused kernel's dying input of the same size), or from Inductor's pool of dead
     buffers (per dtype and size, last in first out), taken only within ``POOL_SPAN`` kernels of its
@@ -291,15 +324,21 @@ def _span_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node],
     for i, k in enumerate(order):
         for n in k.outputs:
             key = _key(n, size)
-            if n not in taken and _wrapper_allocated(n) and pool.get(key) and i - pool[key][-1][1] <= POOL_SPAN:
+            if (
+                n not in taken
+                and _wrapper_allocated(n)
+                and pool.get(key)
+                and i - pool[key][-1][1] <= POOL_SPAN
+            ):
                 taken[n] = pool[key].pop()[0]
         _release(_dying(k, i, last, keep, keys, size, inplace), i, size, pool, free_after)
     _free_unclaimed(pool, last, order, free_after)
     return free_after, taken
 
 
-def _inductor_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
-                    ) -> tuple[dict[int, list], dict]:
+def _inductor_reuse(
+    order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
+) -> tuple[dict[int, list], dict]:
     """:func:`_plan_reuse` as Inductor's wrapper decides it (``AllocateLine.should_reuse_buffer``): the
     most recently freed buffer of the size is taken by the next kernel outright, and by a later one
     only where holding it in between does not raise the graph's peak as Inductor estimates it without
@@ -319,10 +358,10 @@ def _inductor_reuse(order: list[Kernel], size: dict, last: dict, keep: set[fx.No
             if n in taken or not (_wrapper_allocated(n) and pool.get(key)):
                 continue
             dead, died = pool[key].pop()
-            between = held[died + 1:i]
+            between = held[died + 1 : i]
             if not between or size.get(n, 0) + max(between) <= overall:
                 taken[n] = dead
-                held[died + 1:i] = [h + size.get(n, 0) for h in between]
+                held[died + 1 : i] = [h + size.get(n, 0) for h in between]
             else:
                 pool[key].append((dead, died))
         _release(_dying(k, i, last, keep, keys, size, inplace), i, size, pool, free_after)
@@ -374,8 +413,9 @@ def _inplace_takes(order: list[Kernel], size: dict, last: dict, keep: set, keys:
     return taken
 
 
-def _peaks_without_pool(order: list[Kernel], size: dict, last: dict, keep: set, keys: dict,
-                        inplace: dict) -> list[int]:
+def _peaks_without_pool(
+    order: list[Kernel], size: dict, last: dict, keep: set, keys: dict, inplace: dict
+) -> list[int]:
     """Each kernel's live bytes with its outputs allocated, every dead buffer freed where it dies, as
     Inductor estimates them (``EfficientPeakEstimate``) to decide a reuse: every graph input it may
     free counts apart at its own bytes until its last read (views of one kept buffer, and of the
@@ -401,8 +441,11 @@ def _peaks_without_pool(order: list[Kernel], size: dict, last: dict, keep: set, 
 def _freeable_input(node) -> bool:
     """A graph input Inductor counts as freed after its last read (``is_nonfreeable_buffers``: not the
     parameters, tangents or RNG states)."""
-    return isinstance(node, fx.Node) and node.op == "placeholder" and not node.name.startswith(
-        ("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents"))
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "placeholder"
+        and not node.name.startswith(("primals_", "arg", "fwd_rng_state", "bwd_rng_state", "tangents"))
+    )
 
 
 def _sole_readers(k: Kernel, keys: dict) -> dict:

@@ -57,8 +57,11 @@ def _strides(node: fx.Node, layouts) -> list[tuple] | None:
     tensors (as many, of the same sizes)."""
     tensors = [_val(leaf) for leaf in torch.utils._pytree.tree_leaves((node.args, node.kwargs))]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if layouts is None or len(layouts) != len(tensors) or any(
-            tuple(t.shape) != tuple(size) for t, (size, _) in zip(tensors, layouts)):
+    if (
+        layouts is None
+        or len(layouts) != len(tensors)
+        or any(tuple(t.shape) != tuple(size) for t, (size, _) in zip(tensors, layouts))
+    ):
         return None
     return [tuple(stride) for _, stride in layouts]
 
@@ -75,7 +78,9 @@ def _layouts(tree, strides: list[tuple] | None) -> tuple | None:
         val = _val(leaf)
         if isinstance(val, torch.Tensor):
             layout = (tuple(val.shape), next(strides, tuple(val.stride())), val.storage_offset())
-            if val.device.type == "meta" or any(isinstance(d, torch.SymInt) for d in (*layout[0], *layout[1])):
+            if val.device.type == "meta" or any(
+                isinstance(d, torch.SymInt) for d in (*layout[0], *layout[1])
+            ):
                 return None
             out.append((layout, str(val.dtype), str(val.device), val.requires_grad))
         elif isinstance(val, (torch.SymInt, torch.SymFloat)) or isinstance(leaf, fx.Node):
@@ -100,8 +105,10 @@ def _measure(target, args, kwargs, strides: list[tuple] | None) -> int:
 
     with ti.real_tensors():
         args, kwargs = torch.utils._pytree.tree_map(real, (args, kwargs))
-        device = next((a.device for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)),
-                      torch.device("cpu"))
+        device = next(
+            (a.device for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)),
+            torch.device("cpu"),
+        )
         outputs = []
         if device.type == "cuda":  # the caching allocator's own counters (exact, and no profiler)
             torch.cuda.synchronize(device)
@@ -115,6 +122,9 @@ def _measure(target, args, kwargs, strides: list[tuple] | None) -> int:
             for nbytes in allocation_timeline(lambda: outputs.append(target(*args, **kwargs)), device):
                 live += nbytes
                 peak = max(peak, live)
-    made = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in torch.utils._pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
+    made = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in torch.utils._pytree.tree_leaves(outputs)
+        if isinstance(t, torch.Tensor)
+    }
     return max(peak - sum(made.values()), 0)

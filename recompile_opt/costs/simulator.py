@@ -21,12 +21,12 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.provenance import code_hash
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
-from recompile_opt.passes import approximate
-from recompile_opt.passes.partition import partition
 from recompile_opt.costs.peak import inductor_pool, peak_and_recomputed_at_peak
 from recompile_opt.ops import is_random_op
+from recompile_opt.passes import approximate
+from recompile_opt.passes.partition import partition
+from recompile_opt.provenance import code_hash
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ GRAPHS_KEPT = 8
 _FOUND: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
 
 
-def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
-                  info=None) -> PeakSimulator:
+def simulator_for(
+    gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None, info=None
+) -> PeakSimulator:
     """A :class:`PeakSimulator` of ``gm`` that shares the peaks found for identical earlier graphs.
 
     Why: a walk of Inductor's code costs 1-2 s, and a graph compiled at several budgets walked the
@@ -52,8 +53,12 @@ def simulator_for(gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_i
     planning the same graph (a restart, another budget, the next run of a script) finds the peaks
     the last one simulated and walked: the least-peak search then costs its ILP solves alone.
     :meth:`PeakSimulator.store` writes them after a plan is made."""
-    simulate = PeakSimulator(gm, num_fwd_outputs=num_fwd_outputs,
-                             static_lifetime_input_indices=static_lifetime_input_indices, info=info)
+    simulate = PeakSimulator(
+        gm,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static_lifetime_input_indices,
+        info=info,
+    )
     key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
     if key is not None:
         found = _FOUND.pop(key, None) or _load(key)
@@ -78,7 +83,9 @@ def _load(key: str) -> tuple[dict, dict] | None:
         data = json.loads(_disk_path(key).read_text())
     except (OSError, ValueError):
         return None
-    results = {(frozenset(saved), frozenset(rec)): (peak, names) for saved, rec, peak, names in data["simulated"]}
+    results = {
+        (frozenset(saved), frozenset(rec)): (peak, names) for saved, rec, peak, names in data["simulated"]
+    }
     exact = {(frozenset(saved), frozenset(rec)): peak for saved, rec, peak in data["walked"]}
     return results, exact
 
@@ -103,8 +110,9 @@ class PeakSimulator:
 
     can_walk = True
 
-    def __init__(self, gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None,
-                 info=None):
+    def __init__(
+        self, gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None, info=None
+    ):
         self.gm, self.info = gm, info
         self.num_fwd_outputs, self.static = num_fwd_outputs, static_lifetime_input_indices
         self.results: dict[tuple, tuple[int, list[str]]] = {}
@@ -116,12 +124,15 @@ class PeakSimulator:
         self.plain_layout = False  # exact() walks with Inductor's channels-last layout off
         self.exact_seconds = 0.0
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
-        self.asked_log: list[tuple] = []  # each question to exact(), in order, answered from exact_results or not
+        self.asked_log: list[
+            tuple
+        ] = []  # each question to exact(), in order, answered from exact_results or not
         # the partition reads the recomputed set only for its random ops (replayed) and the users of
         # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
         # described (which lists every recomputed value) finds the candidate it was checked as
         self.partition_reads = {n.name for n in gm.graph.nodes if is_random_op(n)} | {
-            u.name for n in gm.graph.nodes if ti.is_sym_node(n) for u in n.users}
+            u.name for n in gm.graph.nodes if ti.is_sym_node(n) for u in n.users
+        }
         # approximate backward: a plan's graph is the joint graph with its markers settled
         # (passes/approximate.py), one graph per set of approximated sites
         self.has_markers = bool(approximate.markers(gm))
@@ -161,9 +172,15 @@ class PeakSimulator:
         if key not in self.results:
             start = time.perf_counter()
             gm, info = self.graph_for(recomputed)
-            graphs = partition(gm, saved=saved, recomputed=recomputed,
-                               num_fwd_outputs=self.num_fwd_outputs, static_lifetime_input_indices=self.static,
-                               info=info, for_simulation=True)
+            graphs = partition(
+                gm,
+                saved=saved,
+                recomputed=recomputed,
+                num_fwd_outputs=self.num_fwd_outputs,
+                static_lifetime_input_indices=self.static,
+                info=info,
+                for_simulation=True,
+            )
             with inductor_pool(self.chunked):
                 self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
             self.seconds += time.perf_counter() - start
@@ -211,9 +228,16 @@ class PeakSimulator:
         and walked."""
         gm, info = self.graph_for(recomputed)
         with ti.layout_optimization(False) if plain_layout else contextlib.nullcontext():
-            return self._walked(*partition(gm, saved=saved, recomputed=recomputed, info=info,
-                                           num_fwd_outputs=self.num_fwd_outputs,
-                                           static_lifetime_input_indices=self.static))
+            return self._walked(
+                *partition(
+                    gm,
+                    saved=saved,
+                    recomputed=recomputed,
+                    info=info,
+                    num_fwd_outputs=self.num_fwd_outputs,
+                    static_lifetime_input_indices=self.static,
+                )
+            )
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
         """Why :meth:`exact` gave this plan no peak (for its figures' label)."""
@@ -238,9 +262,15 @@ class PeakSimulator:
         key = getattr(self, "disk_key", None)
         if key is None or len(self.results) + len(self.exact_results) == self.stored:
             return
-        data = {"simulated": [[sorted(saved), sorted(rec), peak, names]
-                              for (saved, rec), (peak, names) in self.results.items()],
-                "walked": [[sorted(saved), sorted(rec), peak] for (saved, rec), peak in self.exact_results.items()]}
+        data = {
+            "simulated": [
+                [sorted(saved), sorted(rec), peak, names]
+                for (saved, rec), (peak, names) in self.results.items()
+            ],
+            "walked": [
+                [sorted(saved), sorted(rec), peak] for (saved, rec), peak in self.exact_results.items()
+            ],
+        }
         path = _disk_path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,9 @@ from recompile_opt.parallel.rewrite import install, local_forward
 __all__ = ["parallelize", "parallel_plan"]
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, *, sequence_parallel: bool = True
-                ) -> torch.nn.Module:
+def parallelize(
+    model: torch.nn.Module, mesh: DeviceMesh, example_inputs, *, sequence_parallel: bool = True
+) -> torch.nn.Module:
     """``model`` laid out over the 1-D ``mesh`` as Megatron's tensor (+ sequence) parallelism, in place:
     its parameters become DTensors under their own names (``full_tensor()`` is the unsharded tensor),
     and its forward takes the same full inputs on every rank and returns the same full outputs.
@@ -38,8 +39,10 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, example_inputs, *, seq
     tp, rank = _check_mesh(mesh)
     device = _device_of(model)
     if device.type not in ("meta", mesh.device_type):
-        raise ValueError(f"recompile_opt.parallelize: the model is on {device.type!r} and the mesh on "
-                         f"{mesh.device_type!r}; move the model to the mesh's device (or to 'meta' to plan)")
+        raise ValueError(
+            f"recompile_opt.parallelize: the model is on {device.type!r} and the mesh on "
+            f"{mesh.device_type!r}; move the model to the mesh's device (or to 'meta' to plan)"
+        )
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     inputs = tuple(_on(t, device) for t in inputs)
     layout = find_layout(model, inputs, tp, sequence_parallel=sequence_parallel)
@@ -57,21 +60,29 @@ def parallel_plan(model: torch.nn.Module) -> Layout:
     if layout is None:
         layout = getattr(getattr(model, "_orig_mod", None), "_recompile_opt_layout", None)  # torch.compile'd
     if layout is None:
-        raise ValueError("recompile_opt.parallel_plan: this model was not laid out by recompile_opt.parallelize")
+        raise ValueError(
+            "recompile_opt.parallel_plan: this model was not laid out by recompile_opt.parallelize"
+        )
     return layout
 
 
 def _check_mesh(mesh) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("recompile_opt.parallelize: torch.distributed is not initialised: call "
-                           "torch.distributed.init_process_group (torchrun sets its environment), then "
-                           "make the mesh with torch.distributed.device_mesh.init_device_mesh")
+        raise RuntimeError(
+            "recompile_opt.parallelize: torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group (torchrun sets its environment), then "
+            "make the mesh with torch.distributed.device_mesh.init_device_mesh"
+        )
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"recompile_opt.parallelize: mesh must be a DeviceMesh (init_device_mesh), got "
-                        f"{type(mesh).__name__}")
+        raise TypeError(
+            f"recompile_opt.parallelize: mesh must be a DeviceMesh (init_device_mesh), got "
+            f"{type(mesh).__name__}"
+        )
     if mesh.ndim != 1:
-        raise ValueError(f"recompile_opt.parallelize: a 1-D device mesh is needed (the tensor-parallel group), "
-                         f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass mesh['tp'] of a larger one")
+        raise ValueError(
+            f"recompile_opt.parallelize: a 1-D device mesh is needed (the tensor-parallel group), "
+            f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass mesh['tp'] of a larger one"
+        )
     return mesh.size(), mesh.get_local_rank()
 
 

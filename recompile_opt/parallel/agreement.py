@@ -22,8 +22,13 @@ from recompile_opt.plan import Plan
 def fingerprint(plan: Plan) -> str:
     """What the plan keeps, recomputes and gathers again, and the collectives it runs, as a short hash.
     Not the graph's code: each rank's holds constants of its own (its rows' offsets)."""
-    parts = [*sorted(plan.saved_names()), "|", *sorted(plan.recomputed_names()), "|",
-             *(f"{c['name']} {c['op']} {c.get('shape')} {bool(c.get('regathered'))}" for c in plan.collectives)]
+    parts = [
+        *sorted(plan.saved_names()),
+        "|",
+        *sorted(plan.recomputed_names()),
+        "|",
+        *(f"{c['name']} {c['op']} {c.get('shape')} {bool(c.get('regathered'))}" for c in plan.collectives),
+    ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -37,15 +42,19 @@ def check_same_plan(plan: Plan, graph_id: str) -> None:
         return
     name = groups.pop()
     group, store = ti.process_group(name), ti.default_store()
-    if group is None or store is None or dist.get_backend(group) == "fake":  # a fake group: bench/paper.py --tp
+    if (
+        group is None or store is None or dist.get_backend(group) == "fake"
+    ):  # a fake group: bench/paper.py --tp
         return
     every = _exchange(store, name, dist.get_rank(group), dist.get_world_size(group), fingerprint(plan))
     if len(set(every)) > 1:
         ranks = "; ".join(f"rank {r}: {h}" for r, h in enumerate(every))
-        raise RuntimeError(f"recompile_opt: the ranks planned graph {graph_id} differently ({ranks}); their "
-                           "collectives would not match. Every rank must compile with the same options and "
-                           "inputs; if they did, this is a bug: please report it with each rank's "
-                           "recompile_opt.last_plans()")
+        raise RuntimeError(
+            f"recompile_opt: the ranks planned graph {graph_id} differently ({ranks}); their "
+            "collectives would not match. Every rank must compile with the same options and "
+            "inputs; if they did, this is a bug: please report it with each rank's "
+            "recompile_opt.last_plans()"
+        )
 
 
 _CHECKS: dict[str, int] = {}  # checks made per group in this process: ranks compile graphs in one order

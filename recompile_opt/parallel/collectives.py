@@ -50,8 +50,9 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return funcol.all_gather_autograd(x.contiguous(), dim, _name(group))
 
 
-def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
-                                   rank: int | None = None) -> torch.Tensor:
+def gather_sequence_for_replicated(
+    x: torch.Tensor, group, dim: int = 1, *, size: int | None = None, rank: int | None = None
+) -> torch.Tensor:
     """Every rank's sequence shard, concatenated along ``dim``, for a computation every rank then repeats
     whole (the LM head and the loss): each rank's gradient is already the whole one, so the backward
     keeps this rank's slice of it rather than summing the ranks' (which would count it t times).
@@ -61,8 +62,9 @@ def gather_sequence_for_replicated(x: torch.Tensor, group, dim: int = 1, *, size
     return _GatherToReplicated.apply(x, name, dim, size, rank)
 
 
-def gather_features_for_replicated(x: torch.Tensor, group, dim: int = -1, *, size: int | None = None,
-                                   rank: int | None = None) -> torch.Tensor:
+def gather_features_for_replicated(
+    x: torch.Tensor, group, dim: int = -1, *, size: int | None = None, rank: int | None = None
+) -> torch.Tensor:
     """A column-parallel layer's output features whole, for an op every rank then repeats whole (the
     loss after the LM head, as ``ColwiseParallel(output_layouts=Replicate())``): the same exchange, and
     the same backward (this rank's slice of the whole gradient), as :func:`gather_sequence_for_replicated`."""
@@ -75,14 +77,16 @@ def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tenso
     return funcol.reduce_scatter_autograd(x.contiguous(), "sum", dim, _name(group))
 
 
-def split_sequence(x: torch.Tensor, group, dim: int = 1, *, size: int | None = None,
-                   rank: int | None = None) -> torch.Tensor:
+def split_sequence(
+    x: torch.Tensor, group, dim: int = 1, *, size: int | None = None, rank: int | None = None
+) -> torch.Tensor:
     """This rank's shard of a replicated ``x`` along ``dim``, as a tensor of its own (a view would keep
     the whole input alive for as long as the shard is kept); the gradient is all-gathered."""
     name, size, rank = _name_size_rank(group, size, rank)
     if x.shape[dim] % size:
-        raise ValueError(f"recompile_opt.parallel: dimension {dim} of size {x.shape[dim]} does not split "
-                         f"over {size} ranks")
+        raise ValueError(
+            f"recompile_opt.parallel: dimension {dim} of size {x.shape[dim]} does not split over {size} ranks"
+        )
     return _SplitToShard.apply(x, name, dim, size, rank)
 
 
@@ -127,8 +131,12 @@ class _CopyAllToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        flat = torch.cat([(g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)).reshape(-1)
-                          for g, s in zip(grads, ctx.shapes)])  # None: an output the loss never read
+        flat = torch.cat(
+            [
+                (g if g is not None else torch.zeros(s, dtype=ctx.dtype, device=ctx.device)).reshape(-1)
+                for g, s in zip(grads, ctx.shapes)
+            ]
+        )  # None: an output the loss never read
         summed = funcol.all_reduce(flat, "sum", ctx.name)
         sizes = [s.numel() for s in ctx.shapes]
         return (None, *(piece.view(s) for piece, s in zip(summed.split(sizes), ctx.shapes)))

@@ -54,8 +54,19 @@ def sliced_native_dropout(x: torch.Tensor, p: float, train: bool | None, full_sh
     return aten.native_dropout_backward(x, keep, 1 / (1 - p)), keep
 
 
-def sliced_attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, *,
-                     scale: float | None = None, enable_gqa: bool = False, full_shape=(), slices: Slices = ()):
+def sliced_attention(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    full_shape=(),
+    slices: Slices = (),
+):
     """``F.scaled_dot_product_attention`` on a rank's heads with the slice of one process's dropout mask
     (``full_shape``: the attention probabilities' global shape ``[b, heads, L, S]``)."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
@@ -67,8 +78,11 @@ def sliced_attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal:
         causal = torch.ones(length, source, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(causal.logical_not(), float("-inf"))
     if attn_mask is not None:
-        scores = (scores.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool
-                  else scores + attn_mask)
+        scores = (
+            scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
     probs = torch.softmax(scores, -1)
     if dropout_p > 0:
         keep = kept_slice(full_shape, dropout_p, probs, slices)

@@ -27,17 +27,24 @@ aten = torch.ops.aten
 
 # ops that act on each element (or broadcast), so a sharded operand stays sharded the same way: the
 # elementwise class as the exported graph spells it, less the activations no layout was tried with
-_ELEMENTWISE = ELEMENTWISE - PYTHON_SPELLINGS - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish"}
+_ELEMENTWISE = (
+    ELEMENTWISE - PYTHON_SPELLINGS - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish"}
+)
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unflatten"}
 _LINEAR = {"linear"}
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+_ATTENTION = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention",
+}
 _NORMS = NORMS
 
 
 @dataclass
 class ModuleLayout:
     """One module's place in the layout."""
+
     module: str
     style: str  # column, row, sequence, vocab, replicated
     placement: str  # of its weight: Shard(0), _StridedShard(0, 3), Shard(1), Replicate
@@ -47,6 +54,7 @@ class ModuleLayout:
 @dataclass
 class Layout:
     """The layout of a model over ``tp`` ranks: module -> style, the pairs it could not shard."""
+
     tp: int
     sequence_parallel: bool
     modules: list[ModuleLayout] = field(default_factory=list)
@@ -62,8 +70,11 @@ class Layout:
 
     def __str__(self) -> str:
         width = max((len(m.module) for m in self.modules), default=6)
-        lines = [f"tensor parallel over {self.tp} ranks" + (", sequence parallel" if self.sequence_parallel else ""),
-                 f"  {'module':{width}s}  {'style':10s}  {'weight':20s}  why"]
+        lines = [
+            f"tensor parallel over {self.tp} ranks"
+            + (", sequence parallel" if self.sequence_parallel else ""),
+            f"  {'module':{width}s}  {'style':10s}  {'weight':20s}  why",
+        ]
         lines += [f"  {m.module:{width}s}  {m.style:10s}  {m.placement:20s}  {m.why}" for m in self.modules]
         return "\n".join(lines + [f"  warning: {w}" for w in self.warnings])
 
@@ -72,6 +83,7 @@ class Layout:
 class _Sharded:
     """A value whose dimension ``dim`` is split over the ranks; ``group``: the column-parallel linears
     it came from (one pair: they share their row-parallel partner)."""
+
     dim: int
     group: int
 
@@ -79,6 +91,7 @@ class _Sharded:
 @dataclass(frozen=True)
 class _Partial:
     """Partial sums of a row-parallel linear: one all-reduce (or reduce-scatter) makes them whole."""
+
     group: int
 
 
@@ -86,6 +99,7 @@ class _Partial:
 class _Replicated:
     """A replicated value that a pair kept replicated computes: the linear it reaches is that pair's
     partner, kept replicated too."""
+
     group: int
 
 
@@ -95,15 +109,19 @@ class _Failed(Exception):
         self.group, self.why, self.node = group, why, node
 
 
-def find_layout(model: torch.nn.Module, example_inputs: tuple, tp: int, *, sequence_parallel: bool = True
-                ) -> Layout:
+def find_layout(
+    model: torch.nn.Module, example_inputs: tuple, tp: int, *, sequence_parallel: bool = True
+) -> Layout:
     """The Megatron layout of ``model`` over ``tp`` ranks, found in its exported graph (meta inputs are
     fine: nothing runs). Pairs it cannot shard stay replicated, each with a warning."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"recompile_opt.parallel: tp must be a positive int, got {tp!r}")
     program = torch.export.export(model, tuple(example_inputs), strict=False)
-    params = {spec.arg.name: spec.target for spec in program.graph_signature.input_specs
-              if spec.kind.name == "PARAMETER"}
+    params = {
+        spec.arg.name: spec.target
+        for spec in program.graph_signature.input_specs
+        if spec.kind.name == "PARAMETER"
+    }
     _addmm_as_linear(program.graph_module, params)
     layout = _Finder(program.graph_module.graph, params, tp).layout(sequence_parallel)
     layout.program = program
@@ -133,17 +151,24 @@ class _Finder:
                 for i in self._members(failed.group):
                     self.excluded.setdefault(i, failed.why)
         else:  # every round excluded a pair and none came clean: nothing is sharded
-            self.excluded = {i: self.excluded.get(i, "no consistent layout found") for i in range(len(self.linears))}
+            self.excluded = {
+                i: self.excluded.get(i, "no consistent layout found") for i in range(len(self.linears))
+            }
             roles, strided, partners = self._propagate()
         out = Layout(self.tp, sequence_parallel)
-        gathered = {node: {a: self.state[a] for a in node.all_input_nodes if isinstance(self.state.get(a), _Sharded)}
-                    for node in self.gather_at}
+        gathered = {
+            node: {a: self.state[a] for a in node.all_input_nodes if isinstance(self.state.get(a), _Sharded)}
+            for node in self.gather_at
+        }
         ends = {self._find(v.group) for ins in gathered.values() for v in ins.values()}
         out.gathered = {node.name: {a.name: v.dim for a, v in ins.items()} for node, ins in gathered.items()}
         closed = {g for g, role in roles.values() if role == "row"} | ends
         open_groups = {g for g, role in roles.values()} - closed
-        out.sharded = {n.name: v.dim for n, v in self.state.items()
-                       if isinstance(v, _Sharded) and self._find(v.group) not in open_groups}
+        out.sharded = {
+            n.name: v.dim
+            for n, v in self.state.items()
+            if isinstance(v, _Sharded) and self._find(v.group) not in open_groups
+        }
         out.roles = {n.name: role for n, (g, role) in roles.items() if g in closed}
         for node in self.linears:
             name = self._name(node)
@@ -157,21 +182,45 @@ class _Finder:
             group, role = roles.get(node, (None, None))
             if role == "column" and group not in closed:
                 out.modules.append(ModuleLayout(name, "replicated", "Replicate", "no row-parallel partner"))
-                out.warnings.append(f"{name}: its output features reach no row-parallel linear; kept replicated")
+                out.warnings.append(
+                    f"{name}: its output features reach no row-parallel linear; kept replicated"
+                )
             # a weight laid out [in, out] (GPT-2's Conv1D) is split on the other dimension
             out_dim, in_dim = (1, 0) if _transposed(node, self.params) else (0, 1)
             if role == "column" and group in ends:
-                at = next(n for n in gathered if any(self._find(v.group) == group for v in gathered[n].values()))
-                out.modules.append(ModuleLayout(name, "column", f"Shard({out_dim})", "output features sharded, "
-                                                f"gathered whole for {op_name(at)} (it reads every feature)"))
+                at = next(
+                    n for n in gathered if any(self._find(v.group) == group for v in gathered[n].values())
+                )
+                out.modules.append(
+                    ModuleLayout(
+                        name,
+                        "column",
+                        f"Shard({out_dim})",
+                        f"output features sharded, gathered whole for {op_name(at)} (it reads every feature)",
+                    )
+                )
             elif role == "column":
                 k = strided.get(node, 1)
-                out.modules.append(ModuleLayout(
-                    name, "column", f"_StridedShard({out_dim}, {k})" if k > 1 else f"Shard({out_dim})",
-                    f"fused output split into {k} pieces, each sharded by heads" if k > 1 else "output features sharded"))
+                out.modules.append(
+                    ModuleLayout(
+                        name,
+                        "column",
+                        f"_StridedShard({out_dim}, {k})" if k > 1 else f"Shard({out_dim})",
+                        f"fused output split into {k} pieces, each sharded by heads"
+                        if k > 1
+                        else "output features sharded",
+                    )
+                )
             elif role == "row":
-                out.modules.append(ModuleLayout(name, "row", f"Shard({in_dim})", "contracts the sharded features; "
-                                                "partial sums " + ("reduce-scattered" if sequence_parallel else "all-reduced")))
+                out.modules.append(
+                    ModuleLayout(
+                        name,
+                        "row",
+                        f"Shard({in_dim})",
+                        "contracts the sharded features; "
+                        "partial sums " + ("reduce-scattered" if sequence_parallel else "all-reduced"),
+                    )
+                )
         out.modules += self._others(sequence_parallel)
         out.warnings += self._unrecognised()
         for w in out.warnings:
@@ -201,7 +250,9 @@ class _Finder:
             if node in self.index:
                 self._linear(node, state, roles, source, partners)
                 continue
-            if (op_name(node) or "").startswith("_assert"):  # checks of a value's metadata: no value of their own
+            if (op_name(node) or "").startswith(
+                "_assert"
+            ):  # checks of a value's metadata: no value of their own
                 continue
             ins = [a for a in node.all_input_nodes if isinstance(state.get(a), (_Sharded, _Partial))]
             if node in self.gather_at:  # its inputs gathered whole: it computes a replicated value
@@ -251,20 +302,27 @@ class _Finder:
                 return None  # the reduction point (Megatron's g): whole sums, replicated
             raise _Failed(group, f"partial sums reach {op} before they are added up")
         dim = first.dim
-        if any(isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins):
+        if any(
+            isinstance(state[a], _Partial) or (state[a].dim != dim and _ndim(a) == _ndim(ins[0])) for a in ins
+        ):
             raise _Failed(group, f"{op} combines values sharded on different dimensions")
         if op in _ELEMENTWISE or op in ("matmul", "bmm") or op in _ATTENTION:
             self._check_replicated_operands(node, op, ins, _out_dim(node, ins[0], dim), group)
         if op == "getitem":  # every piece of a split, else a multi-output op's first output
-            whole = op_name(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
+            whole = (
+                op_name(node.args[0]) in ("split", "split_with_sizes", "chunk", "unbind") or node.args[1] == 0
+            )
             return _Sharded(dim, group) if whole else None
         if op in _ELEMENTWISE:
             return _Sharded(_out_dim(node, ins[0], dim), group)
         if op in _VIEWS:
             new = _view_dim(_shape(ins[0]), _shape(node), dim, self.tp)
             if new is None:
-                raise _Failed(group, f"{op} {list(_shape(ins[0]))} -> {list(_shape(node))} splits the sharded "
-                              f"dimension into parts not divisible by {self.tp}")
+                raise _Failed(
+                    group,
+                    f"{op} {list(_shape(ins[0]))} -> {list(_shape(node))} splits the sharded "
+                    f"dimension into parts not divisible by {self.tp}",
+                )
             if ins[0] in source:
                 source[node] = source[ins[0]]
             return _Sharded(new, group)
@@ -310,8 +368,11 @@ class _Finder:
                 continue
             d = dim - (_ndim(node) - _ndim(a))
             if 0 <= d < _ndim(a) and _shape(a)[d] != 1:
-                raise _Failed(group, f"{op} combines this rank's part with a value replicated across the sharded "
-                              f"dimension ({a.name}, {list(_shape(a))})")
+                raise _Failed(
+                    group,
+                    f"{op} combines this rank's part with a value replicated across the sharded "
+                    f"dimension ({a.name}, {list(_shape(a))})",
+                )
 
     def _split(self, node, op, x, dim, group, strided, source):
         along = (node.args[2] if len(node.args) > 2 else 0) % _ndim(x)
@@ -321,7 +382,9 @@ class _Finder:
         sizes = {tuple(v.shape) for v in node.meta["val"]}
         column = source.get(x)
         if column is None or len(sizes) != 1 or strided.get(column, 1) not in (1, pieces):
-            raise _Failed(group, f"{op} along the sharded dimension into unequal pieces, or not of a linear's output")
+            raise _Failed(
+                group, f"{op} along the sharded dimension into unequal pieces, or not of a linear's output"
+            )
         strided[column] = pieces
         self._check_divisible(node.args[0], dim, pieces, group)
         return _Sharded(dim, group)
@@ -370,8 +433,10 @@ class _Finder:
                 for arg in node.args:
                     if isinstance(arg, fx.Node) and arg.name in self.params and _ndim(arg) == 2:
                         found.setdefault(_module(self.params[arg.name]), op_name(node))
-        return [f"{m}: its weight is multiplied by {op}, not recognised as a linear layer yet; kept replicated"
-                for m, op in found.items()]
+        return [
+            f"{m}: its weight is multiplied by {op}, not recognised as a linear layer yet; kept replicated"
+            for m, op in found.items()
+        ]
 
     # -- the modules between the pairs ------------------------------------------------------------
 
@@ -385,7 +450,9 @@ class _Finder:
                 name = _module(self.params[node.args[0].name])
                 rows = _shape(node.args[0])[0]
                 if not from_input(node.args[1]):
-                    out.append(ModuleLayout(name, "replicated", "Replicate", "indexed by positions, not tokens"))
+                    out.append(
+                        ModuleLayout(name, "replicated", "Replicate", "indexed by positions, not tokens")
+                    )
                 elif rows % self.tp == 0:
                     out.append(ModuleLayout(name, "vocab", "Shard(0)", "rows split; partial sums added up"))
                 else:
@@ -394,7 +461,9 @@ class _Finder:
                 path = _stack_path(node)
                 if path and path not in seen:
                     seen.add(path)
-                    out.append(ModuleLayout(path, "sequence", "Replicate", "runs on this rank's sequence shard"))
+                    out.append(
+                        ModuleLayout(path, "sequence", "Replicate", "runs on this rank's sequence shard")
+                    )
         return out
 
 
@@ -419,8 +488,14 @@ def _addmm_as_linear(gm: fx.GraphModule, params: dict) -> None:
     as any linear does (its weight split on dimension 1 where a linear's is on 0, :func:`_transposed`)."""
     graph = gm.graph
     for mm in list(graph.nodes):
-        if op_name(mm) != "addmm" or mm.kwargs or len(mm.args) != 3 or not _param(mm, 2, params) \
-                or _ndim(mm.args[2]) != 2 or len(mm.users) != 1:
+        if (
+            op_name(mm) != "addmm"
+            or mm.kwargs
+            or len(mm.args) != 3
+            or not _param(mm, 2, params)
+            or _ndim(mm.args[2]) != 2
+            or len(mm.users) != 1
+        ):
             continue
         flat, unflat = mm.args[1], next(iter(mm.users))
         if op_name(flat) not in _VIEWS or op_name(unflat) not in _VIEWS:

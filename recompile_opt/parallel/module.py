@@ -14,8 +14,8 @@ import weakref
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.parallel.layout import Layout, ModuleLayout
@@ -28,7 +28,9 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
     if mesh.ndim != 1:
         raise ValueError(f"recompile_opt.parallel: a 1-D device mesh is needed, got {mesh.ndim}-D")
     if mesh.size() != layout.tp:
-        raise ValueError(f"recompile_opt.parallel: the layout is for {layout.tp} ranks, the mesh has {mesh.size()}")
+        raise ValueError(
+            f"recompile_opt.parallel: the layout is for {layout.tp} ranks, the mesh has {mesh.size()}"
+        )
     by_module = {m.module: m for m in layout.modules}
     holders: dict[int, list] = {}  # a parameter -> the (module, name) holding it: tied weights share one
     for path, module in model.named_modules(remove_duplicate=False):
@@ -37,8 +39,10 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
     for held in holders.values():
         placements = {placement_of(by_module.get(path), name) for path, _, name, _ in held} - {Replicate()}
         if len(placements) > 1:
-            raise ValueError(f"recompile_opt.parallel: the tied parameter {', '.join(p + '.' + n for p, _, n, _ in held)} "
-                             f"would be split in different ways ({sorted(map(str, placements))})")
+            raise ValueError(
+                f"recompile_opt.parallel: the tied parameter {', '.join(p + '.' + n for p, _, n, _ in held)} "
+                f"would be split in different ways ({sorted(map(str, placements))})"
+            )
         param = held[0][3]
         shard = distribute_tensor(param.detach(), mesh, [placements.pop() if placements else Replicate()])
         new = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
@@ -57,6 +61,7 @@ def distribute_parameters(model: torch.nn.Module, layout: Layout, mesh: DeviceMe
 # plain tensor (the unparallelized model's own state dict, which DTensor's ``copy_`` refuses). Every
 # other saved parameter stays as DTensor made it. A fix in DCP would make the first hook unneeded.
 
+
 def _replicate_strided(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
         if _strided(param) and name in state_dict:
@@ -66,7 +71,11 @@ def _replicate_strided(module: torch.nn.Module, state_dict: dict, prefix: str, l
 def _placed(module: torch.nn.Module, state_dict: dict, prefix: str, *args) -> None:
     for name, param in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
         value = state_dict.get(name)
-        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        if (
+            not isinstance(param, DTensor)
+            or not isinstance(value, torch.Tensor)
+            or value.shape != param.shape
+        ):
             continue  # (a wrong shape is load_state_dict's to report)
         if isinstance(value, DTensor):
             state_dict[name] = _placed_as(value, param)
@@ -114,8 +123,10 @@ def _optimizer_state_mapped(optimizer, state_dict: dict, change) -> dict:
     for key, entry in state_dict["state"].items():
         param = by_key.get(key)
         if param is not None and _strided(param):
-            entry = {k: change(v, param) if isinstance(v, DTensor) and v.shape == param.shape else v
-                     for k, v in entry.items()}
+            entry = {
+                k: change(v, param) if isinstance(v, DTensor) and v.shape == param.shape else v
+                for k, v in entry.items()
+            }
         state[key] = entry
     return {**state_dict, "state": state}
 
@@ -125,7 +136,11 @@ def _replicated(value: DTensor, param: DTensor) -> DTensor:
 
 
 def _placed_as(value: DTensor, param: DTensor) -> DTensor:
-    return value if value.placements == param.placements else value.redistribute(param.device_mesh, param.placements)
+    return (
+        value
+        if value.placements == param.placements
+        else value.redistribute(param.device_mesh, param.placements)
+    )
 
 
 def _strided(param: torch.Tensor) -> bool:

@@ -21,9 +21,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from recompile_opt.ops import PER_TOKEN, PYTHON_SPELLINGS, op_name
 from recompile_opt.parallel import collectives as C
 from recompile_opt.parallel import dropout as D
-from recompile_opt.ops import PER_TOKEN, PYTHON_SPELLINGS, op_name
 from recompile_opt.parallel.layout import Layout, from_input
 
 aten = torch.ops.aten
@@ -31,7 +31,9 @@ aten = torch.ops.aten
 _SIZED = {"view", "reshape", "_unsafe_view", "expand"}
 
 
-def local_forward(layout: Layout, group_name: str, rank: int, device: torch.device | str = "cpu") -> fx.GraphModule:
+def local_forward(
+    layout: Layout, group_name: str, rank: int, device: torch.device | str = "cpu"
+) -> fx.GraphModule:
     """Rank ``rank``'s graph: the exported graph with local sizes and the transitions inserted. A graph
     captured on the meta device makes its tensors (``arange`` positions) on ``device`` instead.
 
@@ -40,18 +42,25 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
     a row-parallel linear's partial sums are reduce-scattered (instead of ``g``)."""
     source = layout.program.graph_module
     vocab = {m.module for m in layout.modules if m.style == "vocab"}
-    params = {s.arg.name: s.target for s in layout.program.graph_signature.input_specs if s.kind.name == "PARAMETER"}
+    params = {
+        s.arg.name: s.target for s in layout.program.graph_signature.input_specs if s.kind.name == "PARAMETER"
+    }
     seq = _SequencePlan(source.graph, layout, params) if layout.sequence_parallel else None
     if seq is not None and seq.length is not None and seq.length % layout.tp:
-        raise ValueError(f"recompile_opt.parallel: sequence parallelism splits the sequence over the ranks: "
-                         f"length {seq.length} is not divisible by {layout.tp} ranks (pad it, or pass "
-                         "sequence_parallel=False)")
+        raise ValueError(
+            f"recompile_opt.parallel: sequence parallelism splits the sequence over the ranks: "
+            f"length {seq.length} is not divisible by {layout.tp} ranks (pad it, or pass "
+            "sequence_parallel=False)"
+        )
     graph, env, copies, gathered, gathered_for_columns = _TracedGraph(), {}, {}, {}, {}
 
     def gather(x: fx.Node) -> fx.Node:  # a sequence-sharded value whole, for replicated work (once per value)
         if x not in gathered:
-            gathered[x] = graph.call_function(C.gather_sequence_for_replicated, (env[x], group_name, seq.dim(x)),
-                                              {"size": layout.tp, "rank": rank})
+            gathered[x] = graph.call_function(
+                C.gather_sequence_for_replicated,
+                (env[x], group_name, seq.dim(x)),
+                {"size": layout.tp, "rank": rank},
+            )
         return gathered[x]
 
     summed = []  # replicated parameters read on shards: their gradients summed by one f after the inputs
@@ -65,11 +74,16 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
             if seq is not None and node in seq.summed:
                 summed.append(node)
             elif seq is not None and node in seq.seeds:  # a bare block's hidden states: this rank's rows
-                env[node] = graph.call_function(C.split_sequence, (env[node], group_name, seq.dim(node)),
-                                                {"size": layout.tp, "rank": rank})
+                env[node] = graph.call_function(
+                    C.split_sequence,
+                    (env[node], group_name, seq.dim(node)),
+                    {"size": layout.tp, "rank": rank},
+                )
             continue
         if node.op == "output":
-            graph.output(fx.map_arg(node.args[0], lambda n: gather(n) if seq and n in seq.sharded else env[n]))
+            graph.output(
+                fx.map_arg(node.args[0], lambda n: gather(n) if seq and n in seq.sharded else env[n])
+            )
             continue
         if node.op == "get_attr":
             env[node] = graph.get_attr(node.target)
@@ -83,7 +97,9 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
             x = node.args[0]
             if x in sharded_in:  # its gradient comes back partial from each rank: reduce-scattered
                 if x not in gathered_for_columns:
-                    gathered_for_columns[x] = graph.call_function(C.gather_sequence, (env[x], group_name, seq.dim(x)))
+                    gathered_for_columns[x] = graph.call_function(
+                        C.gather_sequence, (env[x], group_name, seq.dim(x))
+                    )
                 x_local = gathered_for_columns[x]
             else:
                 if x not in copies:  # one f per input: its backward all-reduces the input's gradient once
@@ -92,33 +108,58 @@ def local_forward(layout: Layout, group_name: str, rank: int, device: torch.devi
             env[node] = graph.call_function(node.target, (x_local, *args[1:]), kwargs)
         elif role == "row":
             partial = graph.call_function(node.target, tuple(args[:2]))
-            out = (graph.call_function(C.reduce_scatter_sequence, (partial, group_name, seq.dim(node)))
-                   if seq is not None else graph.call_function(C.reduce_from_tensor_parallel, (partial, group_name)))
+            out = (
+                graph.call_function(C.reduce_scatter_sequence, (partial, group_name, seq.dim(node)))
+                if seq is not None
+                else graph.call_function(C.reduce_from_tensor_parallel, (partial, group_name))
+            )
             bias = args[2] if len(args) > 2 else None
             env[node] = out if bias is None else graph.call_function(aten.add.Tensor, (out, bias))
-        elif op in ("dropout", "native_dropout") and (slices := _rank_slices(node.args[0], layout, seq, rank)):
+        elif op in ("dropout", "native_dropout") and (
+            slices := _rank_slices(node.args[0], layout, seq, rank)
+        ):
             fn = D.sliced_dropout if op == "dropout" else D.sliced_native_dropout
             env[node] = graph.call_function(fn, (*args[:3], list(node.args[0].meta["val"].shape), slices))
-        elif op == "scaled_dot_product_attention" and _attention_dropout(node) > 0 \
-                and (slices := _rank_slices(node.args[0], layout, seq, rank)):
+        elif (
+            op == "scaled_dot_product_attention"
+            and _attention_dropout(node) > 0
+            and (slices := _rank_slices(node.args[0], layout, seq, rank))
+        ):
             q, k = (a.meta["val"].shape for a in node.args[:2])
-            env[node] = graph.call_function(D.sliced_attention, args, {
-                **kwargs, "full_shape": [*q[:-1], k[-2]], "slices": slices})
+            env[node] = graph.call_function(
+                D.sliced_attention, args, {**kwargs, "full_shape": [*q[:-1], k[-2]], "slices": slices}
+            )
         elif op == "embedding" and params.get(node.args[0].name, "").rsplit(".", 1)[0] in vocab:
-            env[node] = _vocab_lookup(graph, node, args, layout.tp, rank, group_name,
-                                      seq.dim(node) if seq is not None and node in seq.sharded else None)
+            env[node] = _vocab_lookup(
+                graph,
+                node,
+                args,
+                layout.tp,
+                rank,
+                group_name,
+                seq.dim(node) if seq is not None and node in seq.sharded else None,
+            )
         elif node.name in layout.gathered:  # needs every feature of a lone column linear's output: gathered
-            whole = {x: graph.call_function(C.gather_features_for_replicated, (env[x], group_name, dim),
-                                            {"size": layout.tp, "rank": rank})
-                     for x in node.all_input_nodes if (dim := layout.gathered[node.name].get(x.name)) is not None}
+            whole = {
+                x: graph.call_function(
+                    C.gather_features_for_replicated,
+                    (env[x], group_name, dim),
+                    {"size": layout.tp, "rank": rank},
+                )
+                for x in node.all_input_nodes
+                if (dim := layout.gathered[node.name].get(x.name)) is not None
+            }
             args = fx.map_arg(node.args, lambda n: whole.get(n, env[n]))
             env[node] = graph.call_function(node.target, _local_args(node, args, layout), kwargs)
         elif seq is not None and node in seq.sharded and node in seq.seeds:  # a replicated token embedding
             whole = graph.call_function(node.target, args, kwargs)
-            env[node] = graph.call_function(C.split_sequence, (whole, group_name, seq.dim(node)),
-                                            {"size": layout.tp, "rank": rank})
+            env[node] = graph.call_function(
+                C.split_sequence, (whole, group_name, seq.dim(node)), {"size": layout.tp, "rank": rank}
+            )
         elif seq is not None and node in seq.sharded:  # per-token op on shards: full-length operands narrowed
-            env[node] = graph.call_function(node.target, seq.narrowed(node, args, env, graph, rank, group_name), kwargs)
+            env[node] = graph.call_function(
+                node.target, seq.narrowed(node, args, env, graph, rank, group_name), kwargs
+            )
         else:
             if sharded_in:  # anything else reads the whole sequence
                 args = fx.map_arg(node.args, lambda n: gather(n) if n in sharded_in else env[n])
@@ -144,6 +185,7 @@ class _TracedGraph(fx.Graph):
     """A graph whose new nodes carry the user's source line and module path of the node they stand for
     (Dynamo keeps a GraphModule's node metadata when it traces one), so plans of the rank's graph show
     the model's own lines and modules."""
+
     origin: dict = {}
 
     def create_node(self, *args, **kwargs) -> fx.Node:
@@ -155,11 +197,25 @@ class _TracedGraph(fx.Graph):
 # ops that act on each token alone, so they run on a rank's rows of the sequence: the per-token class as
 # the exported graph spells it, less the ops the sequence plan was never tried with (of the reductions only
 # ``mean``, whose dimension it does not check)
-_PER_TOKEN = (PER_TOKEN - PYTHON_SPELLINGS - {"sum", "amax", "softmax", "log_softmax"}
-              - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish", "mish", "erf", "exp", "sigmoid",
-                 "gelu_"}
-              - {"contiguous", "lift_fresh_copy", "where", "masked_fill", "scalar_tensor", "logical_not",
-                 "bitwise_not"})
+_PER_TOKEN = (
+    PER_TOKEN
+    - PYTHON_SPELLINGS
+    - {"sum", "amax", "softmax", "log_softmax"}
+    - {
+        "square",
+        "softplus",
+        "relu6",
+        "leaky_relu",
+        "elu",
+        "hardswish",
+        "mish",
+        "erf",
+        "exp",
+        "sigmoid",
+        "gelu_",
+    }
+    - {"contiguous", "lift_fresh_copy", "where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"}
+)
 
 
 class _SequencePlan:
@@ -189,10 +245,17 @@ class _SequencePlan:
             elif layout.roles.get(node.name) == "row":
                 self.sharded.add(node)  # reduce-scattered; its bias is then added on the rank's rows
                 self.summed |= {a for a in node.args[2:3] if isinstance(a, fx.Node) and a.name in params}
-            elif op == "getitem" and node.args[0] in self.sharded and layout.roles.get(node.args[0].name) != "column":
+            elif (
+                op == "getitem"
+                and node.args[0] in self.sharded
+                and layout.roles.get(node.args[0].name) != "column"
+            ):
                 self.sharded.add(node)  # getitem of a per-token multi-output op (its output, mean, rstd)
-            elif op in _PER_TOKEN and any(a in self.sharded for a in node.all_input_nodes) \
-                    and layout.roles.get(node.name) is None:
+            elif (
+                op in _PER_TOKEN
+                and any(a in self.sharded for a in node.all_input_nodes)
+                and layout.roles.get(node.name) is None
+            ):
                 self.sharded.add(node)
                 full = [a for a in node.all_input_nodes if a not in self.sharded and self._spans(a, node)]
                 self.to_narrow[node] = full
@@ -228,8 +291,9 @@ class _SequencePlan:
         for a in self.to_narrow.get(node, []):
             d = self.dim(node) - (len(node.meta["val"].shape) - a.meta["val"].dim())
             if a in self.resplit:
-                swap[env[a]] = graph.call_function(C.split_sequence, (env[a], group_name, d),
-                                                   {"size": self.tp, "rank": rank})
+                swap[env[a]] = graph.call_function(
+                    C.split_sequence, (env[a], group_name, d), {"size": self.tp, "rank": rank}
+                )
                 continue
             swap[env[a]] = graph.call_function(aten.narrow.default, (env[a], d, rank * rows, rows))
         return fx.map_arg(args, lambda n: swap.get(n, n))
@@ -292,8 +356,15 @@ def _local_args(node: fx.Node, args: tuple, layout: Layout) -> tuple:
     return args
 
 
-def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: int, group_name: str,
-                  seq_dim: int | None = None) -> fx.Node:
+def _vocab_lookup(
+    graph: fx.Graph,
+    node: fx.Node,
+    args: tuple,
+    tp: int,
+    rank: int,
+    group_name: str,
+    seq_dim: int | None = None,
+) -> fx.Node:
     """Megatron's vocabulary-parallel embedding: this rank's rows looked up, the others zero, summed by g
     (or, with sequence parallelism, reduce-scattered over the sequence).
 
@@ -304,13 +375,15 @@ def _vocab_lookup(graph: fx.Graph, node: fx.Node, args: tuple, tp: int, rank: in
     weight, ids = args[0], args[1]
     vocab = node.args[0].meta["val"].shape[0]
     rows = vocab // tp
-    local = graph.call_function(aten.remainder.Scalar, (
-        graph.call_function(aten.add.Tensor, (ids, (tp - rank) * rows)), vocab))
+    local = graph.call_function(
+        aten.remainder.Scalar, (graph.call_function(aten.add.Tensor, (ids, (tp - rank) * rows)), vocab)
+    )
     outside = graph.call_function(aten.ge.Scalar, (local, rows))
     local = graph.call_function(aten.masked_fill.Scalar, (local, outside, 0))
     found = graph.call_function(aten.embedding.default, (weight, local, *args[2:]))
-    found = graph.call_function(aten.masked_fill.Scalar, (found, graph.call_function(aten.unsqueeze.default,
-                                                                                     (outside, -1)), 0.0))
+    found = graph.call_function(
+        aten.masked_fill.Scalar, (found, graph.call_function(aten.unsqueeze.default, (outside, -1)), 0.0)
+    )
     if seq_dim is not None:
         return graph.call_function(C.reduce_scatter_sequence, (found, group_name, seq_dim))
     return graph.call_function(C.reduce_from_tensor_parallel, (found, group_name))
@@ -323,8 +396,11 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
     program = layout.program
     specs = program.graph_signature.input_specs
     out_specs = program.graph_signature.output_specs
-    captured = [_signature(n.meta.get("val")) for n, s in zip(program.graph.find_nodes(op="placeholder"), specs)
-                if s.kind.name == "USER_INPUT"]
+    captured = [
+        _signature(n.meta.get("val"))
+        for n, s in zip(program.graph.find_nodes(op="placeholder"), specs)
+        if s.kind.name == "USER_INPUT"
+    ]
     training = model.training
     # read here, not in the forward: Dynamo does not trace into ExportedProgram (a graph break per call)
     constants = {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
@@ -334,10 +410,12 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
         leaves = pytree.tree_leaves((args, kwargs))
         got = [_signature(x) for x in leaves]
         if got != captured or self.training != training:
-            raise ValueError(f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
-                             f"{'training' if training else 'eval'} mode; called with {got} in "
-                             f"{'training' if self.training else 'eval'} mode. Parallelize a fresh model with "
-                             "example inputs of these shapes and this mode")
+            raise ValueError(
+                f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
+                f"{'training' if training else 'eval'} mode; called with {got} in "
+                f"{'training' if self.training else 'eval'} mode. Parallelize a fresh model with "
+                "example inputs of these shapes and this mode"
+            )
         user = iter(leaves)
         inputs = []
         for spec in specs:

@@ -41,10 +41,12 @@ SEQ = 1  # the sequence dimension of a [b, s, h] activation (torchtitan's and Hu
 # ops whose every output row depends only on the same row of their inputs (reductions only over the
 # last dimension, checked by :func:`_per_token`): the per-token class as Dynamo's graph spells it (functions'
 # and methods' names), less the ops this pass was never tried with
-PER_TOKEN = (ops.PER_TOKEN - {"_to_copy", "alias", "detach", "lift_fresh_copy", "gelu_", "native_dropout",
-                              "native_layer_norm"}
-             - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish", "mish", "erf"}
-             - {"where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"})
+PER_TOKEN = (
+    ops.PER_TOKEN
+    - {"_to_copy", "alias", "detach", "lift_fresh_copy", "gelu_", "native_dropout", "native_layer_norm"}
+    - {"square", "softplus", "relu6", "leaky_relu", "elu", "hardswish", "mish", "erf"}
+    - {"where", "masked_fill", "scalar_tensor", "logical_not", "bitwise_not"}
+)
 _LAST_DIM = ops.DIM_REDUCTIONS
 
 
@@ -54,19 +56,26 @@ def add_sequence_parallel(gm: fx.GraphModule) -> list[str]:
     so); dynamic shapes and meshes of more than one dimension are refused."""
     seeds = [n for n in gm.graph.nodes if _row_parallel_output(n)]
     if not seeds:
-        return ["sequence parallel: no row-parallel output redistributed to Replicate() in this graph; "
-                "left as it is"]
+        return [
+            "sequence parallel: no row-parallel output redistributed to Replicate() in this graph; "
+            "left as it is"
+        ]
     mesh = _dtensor(seeds[0].args[0]).device_mesh
     if mesh.ndim != 1:
-        raise OptionError(f"option 'sequence_parallel': needs a 1-D tensor-parallel mesh, got a {mesh.ndim}-D one")
+        raise OptionError(
+            f"option 'sequence_parallel': needs a 1-D tensor-parallel mesh, got a {mesh.ndim}-D one"
+        )
     lengths = sorted({_shape(seed.args[0])[SEQ] for seed in seeds}, key=str)
     if not all(isinstance(n, int) for n in lengths):
-        raise OptionError("option 'sequence_parallel': the sequence length is dynamic in this graph; "
-                          "compile with dynamic=False")
+        raise OptionError(
+            "option 'sequence_parallel': the sequence length is dynamic in this graph; "
+            "compile with dynamic=False"
+        )
     for n in lengths:
         if n % mesh.size():
-            raise OptionError(f"option 'sequence_parallel': the sequence length {n} does not split over "
-                              f"{mesh.size()} ranks")
+            raise OptionError(
+                f"option 'sequence_parallel': the sequence length {n} does not split over {mesh.size()} ranks"
+            )
     return _Rewrite(gm, mesh, lengths).run(seeds)
 
 
@@ -80,11 +89,17 @@ class _Rewrite:
         self.gathered: dict[fx.Node, fx.Node] = {}  # rows -> their all-gathered DTensor (q, k, v share one)
         self.whole: dict[fx.Node, fx.Node] = {}  # rows -> the whole sequence, for replicated readers
         self.batches: dict[torch.dtype, fx.Node] = {}  # dtype -> the parameters' one f (see _summed)
-        self.counts = {"reduce-scatter": 0, "all-gather": 0, "gathered for a replicated reader": 0,
-                       "split to rows": 0, "dropout sliced": 0}
+        self.counts = {
+            "reduce-scatter": 0,
+            "all-gather": 0,
+            "gathered for a replicated reader": 0,
+            "split to rows": 0,
+            "dropout sliced": 0,
+        }
 
     def run(self, seeds: list[fx.Node]) -> list[str]:
         from torch.distributed.tensor import Shard
+
         for redistribute in seeds:
             if "placements" in redistribute.kwargs:
                 redistribute.update_kwarg("placements", (Shard(SEQ),))
@@ -104,14 +119,18 @@ class _Rewrite:
         self.graph.lint()
         self.gm.recompile()
         counts = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v)
-        return [f"sequence parallel (option sequence_parallel=True, t = {self.tp}): {counts}; "
-                f"{len(self.rows)} values run on the rank's 1/{self.tp} of the rows "
-                f"(sequence length {', '.join(map(str, self.lengths))})"]
+        return [
+            f"sequence parallel (option sequence_parallel=True, t = {self.tp}): {counts}; "
+            f"{len(self.rows)} values run on the rank's 1/{self.tp} of the rows "
+            f"(sequence length {', '.join(map(str, self.lengths))})"
+        ]
 
     def _on_rows(self, node: fx.Node) -> None:
         """``node`` runs on the rank's rows: its full-length operands split, its broadcast ones summed."""
         out_ndim, length = _ndim(node), _shape(node)[SEQ]
-        operands = node.all_input_nodes[:1] if op_name(node) == "type_as" else node.all_input_nodes  # (a dtype)
+        operands = (
+            node.all_input_nodes[:1] if op_name(node) == "type_as" else node.all_input_nodes
+        )  # (a dtype)
         for a in list(operands):
             if a in self.rows:
                 continue
@@ -127,8 +146,9 @@ class _Rewrite:
     def _split(self, a: fx.Node, before: fx.Node, d: int) -> fx.Node:
         with self.graph.inserting_before(before):
             self.counts["split to rows"] += 1
-            return self.graph.call_function(C.split_sequence, (a, self.group, d),
-                                            {"size": self.tp, "rank": self.rank})
+            return self.graph.call_function(
+                C.split_sequence, (a, self.group, d), {"size": self.tp, "rank": self.rank}
+            )
 
     def _summed(self, a: fx.Node) -> fx.Node:
         """``a`` with its gradient summed over the ranks. The parameters (graph inputs) of one dtype share
@@ -144,8 +164,9 @@ class _Rewrite:
         batch = self.batches.get(dtype)
         if batch is None:
             with self.graph.inserting_after(self.graph.find_nodes(op="placeholder")[-1]):
-                batch = self.batches[dtype] = self.graph.call_function(C.copy_all_to_tensor_parallel,
-                                                                       ([], self.group))
+                batch = self.batches[dtype] = self.graph.call_function(
+                    C.copy_all_to_tensor_parallel, ([], self.group)
+                )
         batch.update_arg(0, [*batch.args[0], a])
         with self.graph.inserting_after(batch):
             self.summed[a] = self.graph.call_function(operator.getitem, (batch, len(batch.args[0]) - 1))
@@ -165,6 +186,7 @@ class _Rewrite:
         """A column-parallel linear's replicated input, all-gathered from the rows: its gradient is
         reduce-scattered back (DTensor's redistribute from ``Shard`` and its backward)."""
         from torch.distributed.tensor import Replicate, Shard
+
         rows = node.args[0]
         if rows in self.gathered:  # another linear of the same input (q, k and v): one gather for all
             node.replace_all_uses_with(self.gathered[rows])
@@ -183,8 +205,11 @@ class _Rewrite:
         for a in [a for a in node.all_input_nodes if a in self.rows]:
             if a not in self.whole:
                 with self.graph.inserting_before(node):
-                    self.whole[a] = self.graph.call_function(C.gather_sequence_for_replicated, (a, self.group, SEQ),
-                                                             {"size": self.tp, "rank": self.rank})
+                    self.whole[a] = self.graph.call_function(
+                        C.gather_sequence_for_replicated,
+                        (a, self.group, SEQ),
+                        {"size": self.tp, "rank": self.rank},
+                    )
                 self.counts["gathered for a replicated reader"] += 1
             node.replace_input_with(a, self.whole[a])
 
@@ -193,19 +218,30 @@ def _row_parallel_output(node: fx.Node) -> bool:
     """``redistribute(partial, placements=(Replicate(),))`` read only by its ``to_local()``, on a
     ``[b, s, h]`` value: RowwiseParallel's output hook (and a vocabulary-parallel embedding's)."""
     from torch.distributed.tensor import Partial, Replicate
+
     if node.op != "call_method" or node.target != "redistribute":
         return False
     value = _dtensor(node.args[0])
     placements = _arg(node, 2, "placements", None)  # redistribute(self, device_mesh, placements)
-    return (value is not None and len(value.shape) == 3 and tuple(placements or ()) == (Replicate(),)
-            and all(isinstance(p, Partial) for p in value.placements)
-            and len(node.users) == 1 and next(iter(node.users)).target == "to_local")
+    return (
+        value is not None
+        and len(value.shape) == 3
+        and tuple(placements or ()) == (Replicate(),)
+        and all(isinstance(p, Partial) for p in value.placements)
+        and len(node.users) == 1
+        and next(iter(node.users)).target == "to_local"
+    )
 
 
 def _from_local_replicated(node: fx.Node) -> bool:
     from torch.distributed.tensor import Replicate
-    return (node.op == "call_function" and getattr(node.target, "__name__", "") == "from_local"
-            and len(node.args) >= 3 and tuple(node.args[2] or ()) == (Replicate(),))
+
+    return (
+        node.op == "call_function"
+        and getattr(node.target, "__name__", "") == "from_local"
+        and len(node.args) >= 3
+        and tuple(node.args[2] or ()) == (Replicate(),)
+    )
 
 
 def _per_token(node: fx.Node) -> bool:
@@ -244,6 +280,7 @@ def _value(node):
 
 def _dtensor(node):
     from torch.distributed.tensor import DTensor
+
     value = _value(node)
     return value if isinstance(value, DTensor) else None
 

@@ -50,9 +50,11 @@ class BlockReduction:
         return out
 
     def note(self, total_values: int) -> str:
-        return (f"{self.repeats} identical blocks solved as {len(self.group_sizes)} groups "
-                f"of {'+'.join(map(str, self.group_sizes))} ({len(self.reduced.values)} of "
-                f"{total_values} values)")
+        return (
+            f"{self.repeats} identical blocks solved as {len(self.group_sizes)} groups "
+            f"of {'+'.join(map(str, self.group_sizes))} ({len(self.reduced.values)} of "
+            f"{total_values} values)"
+        )
 
 
 def group_sizes(n: int) -> list[int]:
@@ -77,7 +79,7 @@ def reduce_blocks(problem: Problem) -> BlockReduction | None:
     sizes = group_sizes(len(order))
     groups, start = [], 0
     for k in sizes:
-        groups.append(order[start:start + k])
+        groups.append(order[start : start + k])
         start += k
     template_of = {b: g[0] for g in groups for b in g}  # block -> its group's template block
     size_of = {g[0]: len(g) for g in groups}
@@ -96,6 +98,7 @@ class BlockMirror:
     its input from outside (the embedding) where later blocks read the previous block: ``entry_twins``
     maps that input to the first block's values the second block reads in its place, and a uniform
     plan keeps the input where it keeps the twins (else the first block's kernels differ)."""
+
     positions: list[list[str]]  # per value position in a block: that value in every block, in order
     entry_twins: dict[str, tuple[str, ...]]  # outside value the first block reads -> its twins there
 
@@ -133,8 +136,12 @@ def block_mirror(problem: Problem) -> BlockMirror | None:
     twins: dict[str, tuple[str, ...]] = {}
     for a, b in zip(first, second):
         for u, w in zip(problem.values[a].inputs, problem.values[b].inputs):
-            if (block_of.get(u) is None and block_of.get(w) == order[0] and problem.values[u].can_save
-                    and problem.values[u].tag not in ("must_recompute", "prefer_recompute")):
+            if (
+                block_of.get(u) is None
+                and block_of.get(w) == order[0]
+                and problem.values[u].can_save
+                and problem.values[u].tag not in ("must_recompute", "prefer_recompute")
+            ):
                 twins[u] = tuple(dict.fromkeys((*twins.get(u, ()), w)))
     return BlockMirror([list(ns) for ns in zip(*(blocks[b] for b in order))], twins)
 
@@ -164,13 +171,27 @@ def _signature(problem: Problem, names: list[str], local: dict) -> list[tuple]:
         block = local[n][0]
         refs = tuple(("in", local[u][1]) if local.get(u, (None,))[0] == block else ("out",) for u in v.inputs)
         storage = ("in", local[v.storage][1]) if local.get(v.storage, (None,))[0] == block else ("out",)
-        sig.append((v.info.get("op"), tuple(v.info.get("shape", ())), v.info.get("dtype"), refs, storage,
-                    v.needed, v.can_save, v.can_recompute, v.in_forward, v.random, v.tag))
+        sig.append(
+            (
+                v.info.get("op"),
+                tuple(v.info.get("shape", ())),
+                v.info.get("dtype"),
+                refs,
+                storage,
+                v.needed,
+                v.can_save,
+                v.can_recompute,
+                v.in_forward,
+                v.random,
+                v.tag,
+            )
+        )
     return sig
 
 
-def _build(problem: Problem, block_of: dict, local: dict, blocks: dict, to_template: dict,
-           size_of: dict) -> Problem:
+def _build(
+    problem: Problem, block_of: dict, local: dict, blocks: dict, to_template: dict, size_of: dict
+) -> Problem:
     """Outside values as they are, each template's values scaled by its group's size."""
     values: dict[str, Value] = {}
     for name, v in problem.values.items():
@@ -180,17 +201,26 @@ def _build(problem: Problem, block_of: dict, local: dict, blocks: dict, to_templ
         k = size_of.get(b, 1)
         inputs = [to_template.get(u, u) for u in v.inputs]
         if k > 1:  # the group's other blocks read the previous block of the same group: its template
-            inputs += [blocks[b][local[u][1]] for u in v.inputs
-                       if block_of.get(u) not in (None, b)]
+            inputs += [blocks[b][local[u][1]] for u in v.inputs if block_of.get(u) not in (None, b)]
         inputs = tuple(u for u in dict.fromkeys(inputs) if u != name)
-        values[name] = replace(v, inputs=inputs, recompute_s=v.recompute_s * k, flops=v.flops * k,
-                               storage=to_template.get(v.storage, v.storage), copies=k)
+        values[name] = replace(
+            v,
+            inputs=inputs,
+            recompute_s=v.recompute_s * k,
+            flops=v.flops * k,
+            storage=to_template.get(v.storage, v.storage),
+            copies=k,
+        )
     # in the full problem's order, not a set's: the ILP's columns follow this order, and with a MIP gap
     # the solver's answer depends on it (a set made plans differ between processes: hash seeds)
     used = {v.storage for v in values.values()}
     storages = [s for s in problem.storage_bytes if s in used]
     scale = {s: size_of.get(block_of.get(s), 1) for s in storages}
-    return replace(problem, values=values,
-                   storage_bytes={s: problem.storage_bytes[s] * scale[s] for s in storages},
-                   save_s={s: problem.save_s[s] * scale[s] for s in storages},
-                   rng_state_bytes=problem.rng_state_bytes, bwd_steps=0)
+    return replace(
+        problem,
+        values=values,
+        storage_bytes={s: problem.storage_bytes[s] * scale[s] for s in storages},
+        save_s={s: problem.save_s[s] * scale[s] for s in storages},
+        rng_state_bytes=problem.rng_state_bytes,
+        bwd_steps=0,
+    )

@@ -54,15 +54,19 @@ def options_for_graph(options: Options, graph: str) -> tuple[Options, str | None
         return options, None
     share = _SHARES.get((budget, graph))
     if share is not None:
-        return (dataclasses.replace(options, memory_budget=share),
-                f"whole-model memory_budget {fmt_bytes(budget)} split over the model's graphs "
-                f"(learned by recompile_opt.plan): this graph's share is {fmt_bytes(share)}")
+        return (
+            dataclasses.replace(options, memory_budget=share),
+            f"whole-model memory_budget {fmt_bytes(budget)} split over the model's graphs "
+            f"(learned by recompile_opt.plan): this graph's share is {fmt_bytes(share)}",
+        )
     seen = _UNSPLIT.setdefault(budget, set())
     seen.add(graph)
     if len(seen) == 2:
-        warnings.warn(f"recompile_opt: a second graph with memory_budget={fmt_bytes(budget)}: the budget "
-                      "holds per graph; to hold it for the whole model, call recompile_opt.plan(model, "
-                      "example_inputs, memory_budget=...) once before compiling, which splits it")
+        warnings.warn(
+            f"recompile_opt: a second graph with memory_budget={fmt_bytes(budget)}: the budget "
+            "holds per graph; to hold it for the whole model, call recompile_opt.plan(model, "
+            "example_inputs, memory_budget=...) once before compiling, which splits it"
+        )
     return options, None
 
 

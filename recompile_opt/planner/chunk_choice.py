@@ -98,7 +98,10 @@ def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Ca
     region, capped by the floor on rows; where the floor lowered it, Liger's k as a second candidate
     below the floor, after every kind's first."""
     out = []
-    for kind, regions, width in (("loss", loss_regions, lambda r: r.vocab), ("mlp", mlp_regions, lambda r: r.hidden)):
+    for kind, regions, width in (
+        ("loss", loss_regions, lambda r: r.vocab),
+        ("mlp", mlp_regions, lambda r: r.hidden),
+    ):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
             liger = chunks_for(kind, width(r), r.width, r.tokens)
@@ -141,8 +144,12 @@ def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit:
     return f"chunks (auto): {kinds} not tried: none of their full-length tensors is alive at the peak"
 
 
-def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_limit: int | None,
-           unchunked: Plan | None = None) -> tuple[dict, Plan, Plan, list[str]]:
+def choose(
+    candidates: list[Candidate],
+    plan_with: Callable[[dict], Plan],
+    peak_limit: int | None,
+    unchunked: Plan | None = None,
+) -> tuple[dict, Plan, Plan, list[str]]:
     """Greedy over ``candidates`` (in order): ``plan_with(chunks)`` plans the graph chunked so; returns
     the chunks taken, the unchunked plan (``unchunked`` where it is made already), the plan taken, and
     one note line per candidate tried. A kind not chunked yet is planned only where its full-length
@@ -171,13 +178,23 @@ def choose(candidates: list[Candidate], plan_with: Callable[[dict], Plan], peak_
             missed.append((chunks, trial))
     passed, (taken, best) = _combined(passed, missed, plan_with, peak_limit, taken, best, notes, unchunked)
     if passed:
-        notes.append(f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
-                     "of their full-length tensors is alive at the peak")
+        notes.append(
+            f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
+            "of their full-length tensors is alive at the peak"
+        )
     return taken, unchunked, best, notes
 
 
-def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_with, peak_limit,
-              taken: dict, best: Plan, notes: list[str], unchunked: Plan) -> tuple[list[Candidate], tuple[dict, Plan]]:
+def _combined(
+    passed: list[Candidate],
+    missed: list[tuple[dict, Plan]],
+    plan_with,
+    peak_limit,
+    taken: dict,
+    best: Plan,
+    notes: list[str],
+    unchunked: Plan,
+) -> tuple[list[Candidate], tuple[dict, Plan]]:
     """The candidates passed over, each tried once more with the chunks of the first trial not taken.
     Why: chunking one region moves the peak to another, so neither alone may lower it (the GPT with
     vocabulary 2048: its MLPs chunked moved the peak from the MLP's backward to the logits' gradient,
@@ -191,8 +208,16 @@ def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_wit
             both = {**chunks, c.kind: c.chunks}
             combo = plan_with(both)
             better = _better(combo, best, peak_limit, unchunked)
-            notes.append(_tried(" + ".join(f"{kind} in {k}" for kind, k in chunks.items()) + f" + {c.kind}",
-                                c.chunks, best, combo, better, unchunked))
+            notes.append(
+                _tried(
+                    " + ".join(f"{kind} in {k}" for kind, k in chunks.items()) + f" + {c.kind}",
+                    c.chunks,
+                    best,
+                    combo,
+                    better,
+                    unchunked,
+                )
+            )
             if better:
                 taken, best = both, combo
             break
@@ -202,11 +227,21 @@ def _combined(passed: list[Candidate], missed: list[tuple[dict, Plan]], plan_wit
 
 
 def _tried(what: str, chunks: int, best: Plan, trial: Plan, better: bool, unchunked: Plan) -> str:
-    verdict = "taken" if better else "not taken" + (
-        "" if affordable(trial, unchunked) else ": its step is too slow for its peak (chunk_choice.STEP_SLACK)")
-    return (f"chunks (auto): {what} in {chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
-            f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
-            f" -> {_time(trial) * 1e3:.1f} ms: " + verdict)
+    verdict = (
+        "taken"
+        if better
+        else "not taken"
+        + (
+            ""
+            if affordable(trial, unchunked)
+            else ": its step is too slow for its peak (chunk_choice.STEP_SLACK)"
+        )
+    )
+    return (
+        f"chunks (auto): {what} in {chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
+        f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
+        f" -> {_time(trial) * 1e3:.1f} ms: " + verdict
+    )
 
 
 def _time(plan: Plan) -> float:
@@ -229,7 +264,11 @@ def _better(trial: Plan, best: Plan, peak_limit: int | None, unchunked: Plan) ->
     if trial.predicted_peak_bytes < (1 - GAIN) * best.predicted_peak_bytes:
         return True
     # one chunked plan for another: no higher peak and a shorter step
-    return bool(best.chunks) and trial.predicted_peak_bytes <= best.predicted_peak_bytes and _time(trial) < _time(best)
+    return (
+        bool(best.chunks)
+        and trial.predicted_peak_bytes <= best.predicted_peak_bytes
+        and _time(trial) < _time(best)
+    )
 
 
 def affordable(trial: Plan, unchunked: Plan) -> bool:

@@ -90,9 +90,18 @@ class SolveLog:
             self.seconds += seconds
 
 
-def solve(problem: Problem, *, budget: int | None, solver: str = "highs",
-          time_limit_s: float = 30.0, mip_gap: float = 0.0, minimize_memory: bool = False,
-          log: SolveLog | None = None, max_nodes: int | None = None, time_cap_s: float | None = None) -> Solution:
+def solve(
+    problem: Problem,
+    *,
+    budget: int | None,
+    solver: str = "highs",
+    time_limit_s: float = 30.0,
+    mip_gap: float = 0.0,
+    minimize_memory: bool = False,
+    log: SolveLog | None = None,
+    max_nodes: int | None = None,
+    time_cap_s: float | None = None,
+) -> Solution:
     """Least recompute time under the limits; ``minimize_memory`` instead finds the least kept bytes.
     ``log`` counts the solve and its time (``Solution.solve_s``). ``max_nodes``: stop the branch and
     bound after this many nodes with the best plan found ("feasible", with its gap), a limit that,
@@ -112,8 +121,14 @@ def plan_seconds(problem: Problem, saved: set[str], recomputed: set[str]) -> flo
     return problem.recompute_seconds(recomputed) + sum(t for s, t in problem.save_s.items() if s in storages)
 
 
-def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory: bool,
-           time_cap_s: float | None = None) -> Solution:
+def _solve(
+    problem: Problem,
+    budget,
+    solver: str,
+    limits: tuple,
+    minimize_memory: bool,
+    time_cap_s: float | None = None,
+) -> Solution:
     start = time.perf_counter()
     m = _Model(problem)
     m.add_availability()
@@ -136,8 +151,15 @@ def _solve(problem: Problem, budget, solver: str, limits: tuple, minimize_memory
         # property test): ask CBC before calling it a solver failure
         status, gap = _run(m.lp, "cbc", *limits)
     ok = status in ("optimal", "feasible")
-    return Solution((m.chosen(m.r) - m.chosen(m.s)) | m.chosen(m.a) if ok else set(), m.chosen(m.s) if ok else set(),
-                    status, time.perf_counter() - start, gap, m.lp.numVariables(), m.lp.numConstraints())
+    return Solution(
+        (m.chosen(m.r) - m.chosen(m.s)) | m.chosen(m.a) if ok else set(),
+        m.chosen(m.s) if ok else set(),
+        status,
+        time.perf_counter() - start,
+        gap,
+        m.lp.numVariables(),
+        m.lp.numConstraints(),
+    )
 
 
 class _Model:
@@ -187,10 +209,14 @@ class _Model:
                 self.lp += a == int(site.fixed), self.row("fixed")
 
     def kept_bytes_expr(self):
-        rng = [v.copies * self.r[v.name] for v in self.p.values.values()
-               if v.random and v.in_forward and v.name in self.r]
-        return (pulp.lpSum(self.p.storage_bytes[s] * z for s, z in self.z.items())
-                + self.p.rng_state_bytes * pulp.lpSum(rng))
+        rng = [
+            v.copies * self.r[v.name]
+            for v in self.p.values.values()
+            if v.random and v.in_forward and v.name in self.r
+        ]
+        return pulp.lpSum(
+            self.p.storage_bytes[s] * z for s, z in self.z.items()
+        ) + self.p.rng_state_bytes * pulp.lpSum(rng)
 
     def add_budget(self, budget: int):
         self.lp += self.kept_bytes_expr() <= budget, "budget"
@@ -208,15 +234,16 @@ class _Model:
 
     def time_expr(self):
         """Recompute and saving time, in µs."""
-        return (pulp.lpSum(US * self.p.values[n].recompute_s * r for n, r in self.r.items()
-                           if self.p.values[n].in_forward)
-                + pulp.lpSum(US * self.p.save_s[s] * z for s, z in self.z.items()))
+        return pulp.lpSum(
+            US * self.p.values[n].recompute_s * r for n, r in self.r.items() if self.p.values[n].in_forward
+        ) + pulp.lpSum(US * self.p.save_s[s] * z for s, z in self.z.items())
 
     def set_objective(self, *, minimize_memory: bool, preferences_first: bool = False):
         us = US
         time_cost = self.time_expr()
-        total_time = us * (sum(v.recompute_s for v in self.p.values.values())
-                           + sum(self.p.save_s.values())) + 1.0
+        total_time = (
+            us * (sum(v.recompute_s for v in self.p.values.values()) + sum(self.p.save_s.values())) + 1.0
+        )
         # the tie-break's byte scale; bwd_byte_steps keeps it as it was when peak rows existed (why:
         # passes/joint_graph._bwd_live_bytes)
         total_bytes = sum(self.p.storage_bytes.values()) + self.p.bwd_byte_steps + 1
@@ -255,14 +282,21 @@ def _solver_threads() -> ThreadPoolExecutor:
         return _SOLVER_THREADS[1]
 
 
-def _run(lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
-         ) -> tuple[str, float | None]:
+def _run(
+    lp: pulp.LpProblem, solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None
+) -> tuple[str, float | None]:
     """Status and gap; "optimal" with gap g means proven within a relative gap g (the tolerance).
     CBC's files go to a folder of the solve's own, removed after it: PuLP removes them only when
     CBC wrote a solution, and the first try below left an .mps and an empty .sol in /tmp."""
-    folder = tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-") if solver == "cbc" else contextlib.nullcontext()
+    folder = (
+        tempfile.TemporaryDirectory(prefix="recompile_opt-cbc-")
+        if solver == "cbc"
+        else contextlib.nullcontext()
+    )
     # CBC runs as a process of its own; HiGHS in this one, on its long-lived threads
-    run = lp.solve if solver == "cbc" else lambda command: _solver_threads().submit(lp.solve, command).result()
+    run = (
+        lp.solve if solver == "cbc" else lambda command: _solver_threads().submit(lp.solve, command).result()
+    )
     with folder as files:
         try:
             run(_command(solver, time_limit_s, mip_gap, max_nodes, presolve=False, files=files))
@@ -294,8 +328,15 @@ def _reported_gap(lp: pulp.LpProblem, solver: str) -> float | None:
         return None
 
 
-def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | None, *, presolve: bool,
-             files: str | None):
+def _command(
+    solver: str,
+    time_limit_s: float,
+    mip_gap: float,
+    max_nodes: int | None,
+    *,
+    presolve: bool,
+    files: str | None,
+):
     if solver == "highs":
         nodes = {"mip_max_nodes": max_nodes} if max_nodes else {}
         return _HiGHS(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, **nodes)
@@ -303,8 +344,13 @@ def _command(solver: str, time_limit_s: float, mip_gap: float, max_nodes: int | 
         warnings.simplefilter("ignore", DeprecationWarning)
         # CBC's preprocessing can return a slightly worse plan labelled optimal ("postprocessing
         # changed objective ... possible tolerance issue"); the problems are small, so turn it off.
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=mip_gap, maxNodes=max_nodes,
-                                options=[] if presolve else ["preprocess off"])
+        cbc = pulp.PULP_CBC_CMD(
+            msg=False,
+            timeLimit=time_limit_s,
+            gapRel=mip_gap,
+            maxNodes=max_nodes,
+            options=[] if presolve else ["preprocess off"],
+        )
     cbc.tmpDir = files  # where it writes the model and reads the solution
     return cbc
 
@@ -326,16 +372,28 @@ class _HiGHS(pulp.HiGHS):
         variables = lp.variables()
         for i, var in enumerate(variables):
             var.index = i
-        bound = [(-inf if v.lowBound is None else v.lowBound, inf if v.upBound is None else v.upBound)
-                 for v in variables]
+        bound = [
+            (-inf if v.lowBound is None else v.lowBound, inf if v.upBound is None else v.upBound)
+            for v in variables
+        ]
         model, empty = lp.solverModel, np.array([], dtype=np.int32)
-        model.addCols(len(variables), np.array([sign * lp.objective.get(v, 0.0) for v in variables], dtype=np.float64),
-                      np.array([b[0] for b in bound], dtype=np.float64), np.array([b[1] for b in bound], dtype=np.float64),
-                      0, empty, empty, np.array([], dtype=np.float64))
+        model.addCols(
+            len(variables),
+            np.array([sign * lp.objective.get(v, 0.0) for v in variables], dtype=np.float64),
+            np.array([b[0] for b in bound], dtype=np.float64),
+            np.array([b[1] for b in bound], dtype=np.float64),
+            0,
+            empty,
+            empty,
+            np.array([], dtype=np.float64),
+        )
         if self.mip:
             integer = np.array([v.index for v in variables if v.cat == pulp.LpInteger], dtype=np.int32)
-            model.changeColsIntegrality(len(integer), integer,
-                                        np.full(len(integer), int(highspy.HighsVarType.kInteger), dtype=np.uint8))
+            model.changeColsIntegrality(
+                len(integer),
+                integer,
+                np.full(len(integer), int(highspy.HighsVarType.kInteger), dtype=np.uint8),
+            )
         starts, indices, values, lower, upper = [], [], [], [], []
         for i, constraint in enumerate(lp._constraints.values()):
             constraint.index = i
@@ -347,9 +405,15 @@ class _HiGHS(pulp.HiGHS):
             lb, ub = constraint.getLb(), constraint.getUb()
             lower.append(-inf if lb is None else lb)
             upper.append(inf if ub is None else ub)
-        model.addRows(len(starts), np.array(lower, dtype=np.float64), np.array(upper, dtype=np.float64), len(indices),
-                      np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
-                      np.array(values, dtype=np.float64))
+        model.addRows(
+            len(starts),
+            np.array(lower, dtype=np.float64),
+            np.array(upper, dtype=np.float64),
+            len(indices),
+            np.array(starts, dtype=np.int32),
+            np.array(indices, dtype=np.int32),
+            np.array(values, dtype=np.float64),
+        )
 
     def findSolutionValues(self, lp):
         try:

@@ -20,9 +20,17 @@ from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner import ilp
 from recompile_opt.planner.blocks import BlockMirror, block_mirror
 from recompile_opt.planner.problem import Problem
-from recompile_opt.planner.solving import (InfeasibleBudget, Simulate, below_least, Candidate, least_bytes,
-                                           one_tensor_per_storage, solve_reduced, solver_info,
-                                           greedy_recompute)
+from recompile_opt.planner.solving import (
+    Candidate,
+    InfeasibleBudget,
+    Simulate,
+    below_least,
+    greedy_recompute,
+    least_bytes,
+    one_tensor_per_storage,
+    solve_reduced,
+    solver_info,
+)
 
 # Kept-byte levels (fractions of the range least-possible .. save-all) tried for the least peak.
 PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
@@ -83,9 +91,16 @@ SCRATCH_MARGIN = 0.01
 SIM_SLACK = 1.10
 
 
-def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline: int,
-                simulate: Simulate, notes: list[str], verify: bool = True
-                ) -> tuple[int, ilp.Solution | None, list[Candidate]]:
+def _least_peak(
+    problem: Problem,
+    reduction,
+    kw: dict,
+    min_bytes: int,
+    baseline: int,
+    simulate: Simulate,
+    notes: list[str],
+    verify: bool = True,
+) -> tuple[int, ilp.Solution | None, list[Candidate]]:
     """The plan with the least predicted peak over a ladder of kept-byte budgets, its kept bytes, and
     every plan the search met (``peak_memory`` takes the least recompute among those that fit).
 
@@ -113,9 +128,12 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     # 0.93 s on 2 threads), each result simulated here as soon as it is in
     kw = {**kw, "max_nodes": SEARCH_MAX_NODES}
     with ThreadPoolExecutor(max_workers=ilp.ILP_THREADS) as pool:
+
         def solving(points: list[tuple[tuple, float]]) -> list[Future]:
-            return [pool.submit(solve_reduced, prob, red, int(lo + f * (hi - lo)), kw, [])
-                    for (prob, red, lo, hi), f in points]
+            return [
+                pool.submit(solve_reduced, prob, red, int(lo + f * (hi - lo)), kw, [])
+                for (prob, red, lo, hi), f in points
+            ]
 
         def candidates(points: list[tuple[tuple, float]], futures: list[Future]) -> list[Candidate]:
             out = []
@@ -123,8 +141,16 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
                 sol = future.result()
                 if sol.status in ("optimal", "feasible"):
                     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-                    out.append(Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                                          problem.kept_bytes(saved, recomputed), sol, ladder, f))
+                    out.append(
+                        Candidate(
+                            simulate(saved, recomputed),
+                            problem.recompute_seconds(recomputed),
+                            problem.kept_bytes(saved, recomputed),
+                            sol,
+                            ladder,
+                            f,
+                        )
+                    )
             return out
 
         points = [((problem, reduction, min_bytes, baseline), f) for f in PEAK_LADDER]
@@ -141,8 +167,12 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
         if not found:
             return min_bytes, None, []
         lowest = sorted(found, key=lambda c: c.peak)[:PEAK_PROBES]  # the peak is spiky in the level
-        probes = [(c.ladder, f) for c in lowest
-                  for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP) if 0 <= f <= 1]
+        probes = [
+            (c.ladder, f)
+            for c in lowest
+            for f in (c.level - PEAK_PROBE_STEP, c.level + PEAK_PROBE_STEP)
+            if 0 <= f <= 1
+        ]
         found += candidates(probes, solving(probes))
     best = _least_of(found)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
@@ -158,29 +188,45 @@ def _least_peak(problem: Problem, reduction, kw: dict, min_bytes: int, baseline:
     if mirror is not None:  # uniform versions of the plans met; one that is as good on both counts wins
         uniform = _mirrored(problem, mirror, found, simulate)
         found += uniform
-        rivals = [c for c in uniform if c.peak <= least * (1 + PEAK_TIE) and c.recompute_s <= best.recompute_s]
+        rivals = [
+            c for c in uniform if c.peak <= least * (1 + PEAK_TIE) and c.recompute_s <= best.recompute_s
+        ]
         best = min(rivals, key=lambda c: (c.recompute_s, c.peak), default=best)
     checked = None
-    if reduction is None and verify:  # deep stacks: lowering their graphs takes too long (~1.5 s per 2 blocks)
+    if (
+        reduction is None and verify
+    ):  # deep stacks: lowering their graphs takes too long (~1.5 s per 2 blocks)
         best, checked = _verified(problem, best, found, simulate)
-    refined = ("; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
-               f"less): {', '.join(best.refined)}")
-    same = (f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
-            "block's kernels")
+    refined = (
+        "; kept on top of the ILP's choice, alive at its peak (a lower peak, or a tie that recomputes "
+        f"less): {', '.join(best.refined)}"
+    )
+    same = (
+        f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
+        "block's kernels"
+    )
     # the plan's predicted peak is walked in Inductor's code where the search walked this graph (the
     # backend walks the plan taken too): a figure of the kernel model's says it is one
-    peak = (f"peak walked in Inductor's code {fmt_bytes(best.peak)}" if checked else
-            f"the kernel model's estimate of its peak {fmt_bytes(best.peak)}")
-    notes.append(f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, {peak} "
-                 "(keeping less only raises the peak). Searched by simulated peaks "
-                 f"(least {fmt_bytes(least)}; within {PEAK_TIE:.0%} are ties, the least recompute wins"
-                 + (refined if best.refined else "") + (same if best.mirrored is not None else "") + ")"
-                 + (f"; {checked}" if checked else ""))
+    peak = (
+        f"peak walked in Inductor's code {fmt_bytes(best.peak)}"
+        if checked
+        else f"the kernel model's estimate of its peak {fmt_bytes(best.peak)}"
+    )
+    notes.append(
+        f"memory_budget 0.0 = the least-peak plan: keeps {fmt_bytes(best.kept)}, {peak} "
+        "(keeping less only raises the peak). Searched by simulated peaks "
+        f"(least {fmt_bytes(least)}; within {PEAK_TIE:.0%} are ties, the least recompute wins"
+        + (refined if best.refined else "")
+        + (same if best.mirrored is not None else "")
+        + ")"
+        + (f"; {checked}" if checked else "")
+    )
     return best.kept, best.sol, found
 
 
-def _verified(problem: Problem, best: Candidate, found: list[Candidate], simulate: Simulate
-              ) -> tuple[Candidate, str | None]:
+def _verified(
+    problem: Problem, best: Candidate, found: list[Candidate], simulate: Simulate
+) -> tuple[Candidate, str | None]:
     """``best`` checked against plans that recompute much less, by the peaks of the code Inductor
     generates for them (``simulate.exact``): the cheapest whose exact peak is within ``EXACT_TIE`` of
     best's replaces it. Returns the choice (its peak the exact one where known) and a note.
@@ -210,11 +256,13 @@ def _verified(problem: Problem, best: Candidate, found: list[Candidate], simulat
             return c._replace(peak=peak), (
                 f"then checked in Inductor's generated code: the search's choice ({_ms(best)} of recompute, "
                 f"est.) peaks at {fmt_bytes(least)}, this plan at {fmt_bytes(peak)} ({peak / least - 1:+.1%}, "
-                f"within the {EXACT_TIE:.0%} tie) for {_ms(c)}")
+                f"within the {EXACT_TIE:.0%} tie) for {_ms(c)}"
+            )
     n = min(len(rivals), VERIFY_MAX)
     return best._replace(peak=least), (
         f"then checked in Inductor's generated code: peaks at {fmt_bytes(least)}; the {n} plan(s) that "
-        f"recompute least peak more than {EXACT_TIE:.0%} above it")
+        f"recompute least peak more than {EXACT_TIE:.0%} above it"
+    )
 
 
 def _walked_widely(problem: Problem, best: Candidate, found: list[Candidate], exact) -> tuple[Candidate, str]:
@@ -229,11 +277,15 @@ def _walked_widely(problem: Problem, best: Candidate, found: list[Candidate], ex
     if not walked:
         return best, None
     least = min(c.peak for c in walked)
-    chosen = min((c for c in walked if c.peak <= least * (1 + EXACT_TIE)), key=lambda c: (c.recompute_s, c.peak))
-    return chosen, (f"then, the graph chunked, its {len(walked)} plans of least simulated peak checked in "
-                    f"Inductor's generated code: least {fmt_bytes(least)}; this plan peaks at "
-                    f"{fmt_bytes(chosen.peak)} for {_ms(chosen)} (within {EXACT_TIE:.0%} are ties, the least "
-                    "recompute wins)")
+    chosen = min(
+        (c for c in walked if c.peak <= least * (1 + EXACT_TIE)), key=lambda c: (c.recompute_s, c.peak)
+    )
+    return chosen, (
+        f"then, the graph chunked, its {len(walked)} plans of least simulated peak checked in "
+        f"Inductor's generated code: least {fmt_bytes(least)}; this plan peaks at "
+        f"{fmt_bytes(chosen.peak)} for {_ms(chosen)} (within {EXACT_TIE:.0%} are ties, the least "
+        "recompute wins)"
+    )
 
 
 def _as_compiled(problem: Problem, c: Candidate) -> tuple[frozenset, frozenset]:
@@ -246,8 +298,9 @@ def _ms(c: Candidate) -> str:
     return f"{c.recompute_s * 1e3:.3g} ms"
 
 
-def _mirrored(problem: Problem, mirror: BlockMirror, found: list[Candidate], simulate: Simulate
-              ) -> list[Candidate]:
+def _mirrored(
+    problem: Problem, mirror: BlockMirror, found: list[Candidate], simulate: Simulate
+) -> list[Candidate]:
     """Every candidate with one block's decisions given to all blocks, for each block: uniform plans.
     Why not search uniform plans directly: on the 2-layer GPT the ILP over one template found a least
     peak of 26.60 MiB; mirroring the full search's plans found 23.84 MiB, and for less recompute than
@@ -266,17 +319,24 @@ def _mirrored(problem: Problem, mirror: BlockMirror, found: list[Candidate], sim
                 saved, recomputed = problem.needed_closure(recompute, keep)
             sol = dataclasses.replace(c.sol, recompute=recompute, keep=keep)
             out[key] = Candidate(
-                simulate(saved, recomputed), problem.recompute_seconds(recomputed),
-                problem.kept_bytes(saved, recomputed), sol, c.ladder, c.level,
-                tuple(sorted(mirror.mirror(set(c.refined), source))), source)
+                simulate(saved, recomputed),
+                problem.recompute_seconds(recomputed),
+                problem.kept_bytes(saved, recomputed),
+                sol,
+                c.ladder,
+                c.level,
+                tuple(sorted(mirror.mirror(set(c.refined), source))),
+                source,
+            )
     return list(out.values())
 
 
 def _least_of(candidates: list[Candidate]) -> Candidate:
     """The candidate of least peak; peaks within PEAK_TIE of it are ties, won by the least recompute."""
     least = min(c.peak for c in candidates)
-    return min((c for c in candidates if c.peak <= least * (1 + PEAK_TIE)),
-               key=lambda c: (c.recompute_s, c.peak))
+    return min(
+        (c for c in candidates if c.peak <= least * (1 + PEAK_TIE)), key=lambda c: (c.recompute_s, c.peak)
+    )
 
 
 def _improves(new: Candidate, old: Candidate) -> bool:
@@ -296,15 +356,26 @@ def _keep_moves(problem: Problem, base: Candidate, simulate: Simulate) -> list[C
     kept-byte budget makes the ILP prefer it."""
     sol = base.sol
     saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-    moves = [n for n in simulate.recomputed_at_peak(saved, recomputed)
-             if problem.values[n].in_forward and problem.values[n].can_save
-             and problem.values[n].tag not in ("must_recompute", "prefer_recompute")]  # the user's word
+    moves = [
+        n
+        for n in simulate.recomputed_at_peak(saved, recomputed)
+        if problem.values[n].in_forward
+        and problem.values[n].can_save
+        and problem.values[n].tag not in ("must_recompute", "prefer_recompute")
+    ]  # the user's word
     out = []
     for name in moves[:REFINE_MOVES]:
         trial = dataclasses.replace(sol, recompute=sol.recompute - {name}, keep=sol.keep | {name})
         s2, r2 = problem.needed_closure(trial.recompute, trial.keep)
-        out.append(Candidate(simulate(s2, r2), problem.recompute_seconds(r2), problem.kept_bytes(s2, r2),
-                              trial, refined=(*base.refined, name)))
+        out.append(
+            Candidate(
+                simulate(s2, r2),
+                problem.recompute_seconds(r2),
+                problem.kept_bytes(s2, r2),
+                trial,
+                refined=(*base.refined, name),
+            )
+        )
     return out
 
 
@@ -320,14 +391,16 @@ def _lifetime_weighted(problem: Problem) -> Problem:
         if v.storage:
             last[v.storage] = max(last.get(v.storage, -1), v.last_use)
     share = {s: max((last.get(s, steps - 1) + 1) / steps, 0.02) for s in problem.storage_bytes}
-    return dataclasses.replace(problem, storage_bytes={s: int(b * share[s])
-                                                      for s, b in problem.storage_bytes.items()})
+    return dataclasses.replace(
+        problem, storage_bytes={s: int(b * share[s]) for s, b in problem.storage_bytes.items()}
+    )
 
 
 class _RangeEnds(NamedTuple):
     """A fractional budget's range for one graph: the least any plan keeps, the least-peak plan (the 0.0
     end: its kept bytes and solution, None if every solve failed), its note, and every plan the
     least-peak search met (what a ``peak_memory`` limit picks from when no kept-byte level fits)."""
+
     min_bytes: int | None
     floor: int | None
     least_peak: ilp.Solution | None
@@ -341,23 +414,37 @@ class _RangeEnds(NamedTuple):
 _RANGE_ENDS: dict[str, _RangeEnds] = {}
 
 
-def _range_search(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
-                  options: Options, min_bytes: int | None = None, *, verify: bool = True) -> _RangeEnds:
+def _range_search(
+    problem: Problem,
+    reduction,
+    kw: dict,
+    baseline: int,
+    simulate: Simulate,
+    options: Options,
+    min_bytes: int | None = None,
+    *,
+    verify: bool = True,
+) -> _RangeEnds:
     """The range's ends from the least-peak search, searched once per graph and options (the byte
     and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
     any plan keeps, when the caller has solved for it already. ``verify=False``: the least simulated
     peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares."""
     key = _fingerprint(problem, options) + ("" if verify else ":unverified")
     if key in _RANGE_ENDS:
-        simulate.mark_asked(_RANGE_ENDS[key].walked_keys)  # as if searched again: its walks are this compile's
+        simulate.mark_asked(
+            _RANGE_ENDS[key].walked_keys
+        )  # as if searched again: its walks are this compile's
         return _RANGE_ENDS[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
     since = len(simulate.asked_log)  # questions to exact() before the search
-    floor, least_peak, found = _least_peak(problem, reduction, kw, min_bytes, baseline, simulate, notes, verify)
-    ends = _RangeEnds(min_bytes, floor, least_peak, notes[-1] if notes else None, found,
-                      simulate.walked_keys(since))
+    floor, least_peak, found = _least_peak(
+        problem, reduction, kw, min_bytes, baseline, simulate, notes, verify
+    )
+    ends = _RangeEnds(
+        min_bytes, floor, least_peak, notes[-1] if notes else None, found, simulate.walked_keys(since)
+    )
     if least_peak is not None:
         _RANGE_ENDS[key] = ends
     return ends
@@ -376,17 +463,37 @@ def _fingerprint(problem: Problem, options: Options) -> str:
     search runs without a peak limit: it is applied to the plans the search meets) and the compiler
     (the eager path plans the graph Inductor would get; where the two differ, e.g. random ops kept
     rather than replayed, the problem's data differs)."""
-    rest = dataclasses.replace(options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False,
-                               compiler="inductor")
-    blob = repr((sorted(problem.storage_bytes.items()), problem.bwd_steps, problem.bwd_byte_steps,
-                 problem.rng_state_bytes,
-                 [(dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
-                  for v in problem.values.values()], problem.sites, rest.key()))
+    rest = dataclasses.replace(
+        options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False, compiler="inductor"
+    )
+    blob = repr(
+        (
+            sorted(problem.storage_bytes.items()),
+            problem.bwd_steps,
+            problem.bwd_byte_steps,
+            problem.rng_state_bytes,
+            [
+                (dataclasses.astuple(v)[:-1], [str(v.info.get(k)) for k in ("op", "shape", "dtype")])
+                for v in problem.values.values()
+            ],
+            problem.sites,
+            rest.key(),
+        )
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: int, min_bytes,
-              kw: dict, notes: list[str], simulate: Simulate):
+def _fit_peak(
+    problem: Problem,
+    reduction,
+    options: Options,
+    budget,
+    baseline: int,
+    min_bytes,
+    kw: dict,
+    notes: list[str],
+    simulate: Simulate,
+):
     """``peak_memory``: a hard limit on the step's peak. Walk kept-byte levels from the byte budget down
     to the first plan whose simulated peak fits, probe between it and the level above (the peak is
     spiky in the level), and take the least recompute that fits; then check it in Inductor's own code
@@ -426,7 +533,9 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
         kept = problem.kept_bytes(saved, recomputed)
         if budget is not None and kept > budget:
             return None
-        return Candidate(simulate(saved, recomputed), problem.recompute_seconds(recomputed), kept, sol, None, f)
+        return Candidate(
+            simulate(saved, recomputed), problem.recompute_seconds(recomputed), kept, sol, None, f
+        )
 
     tried: list[Candidate] = []
     for above, f in zip((None, *PEAK_SEARCH), PEAK_SEARCH):
@@ -437,34 +546,70 @@ def _fit_peak(problem: Problem, reduction, options: Options, budget, baseline: i
             tried += [c for c in between if c]
             chosen = check.first_fitting(tried, limit)
             if chosen is not None:
-                return _fitted(options, budget, min_bytes, notes, chosen, check,
-                               "the least-recompute plan whose peak fits ({}), over kept-byte levels")
+                return _fitted(
+                    options,
+                    budget,
+                    min_bytes,
+                    notes,
+                    chosen,
+                    check,
+                    "the least-recompute plan whose peak fits ({}), over kept-byte levels",
+                )
     # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level); with
     # approximations offered, it searches again with every site approximated (the priced ILP rarely
     # takes them for the peak alone: planner.search._least_peak_approximating)
     searched = [problem] + ([problem.with_sites_fixed(True)] if problem.sites else [])
-    found = [c for p in searched
-             for c in _range_search(p, reduction, kw, baseline, simulate, options,
-                                    min_bytes if p is problem else None, verify=p is problem).found
-             if budget is None or c.kept <= budget]
+    found = [
+        c
+        for p in searched
+        for c in _range_search(
+            p,
+            reduction,
+            kw,
+            baseline,
+            simulate,
+            options,
+            min_bytes if p is problem else None,
+            verify=p is problem,
+        ).found
+        if budget is None or c.kept <= budget
+    ]
     chosen = check.first_fitting(found, limit)
     if chosen is not None:
-        return _fitted(options, budget, min_bytes, notes, chosen, check,
-                       "no kept-byte level fits; the least-recompute plan of the least-peak search that "
-                       "does ({})")
+        return _fitted(
+            options,
+            budget,
+            min_bytes,
+            notes,
+            chosen,
+            check,
+            "no kept-byte level fits; the least-recompute plan of the least-peak search that does ({})",
+        )
     # none fits among the plans walked for the limit (at most PEAK_WALKS): walk toward the least peak,
     # and a plan walked on the way that fits is the answer (a plan simulated far over the limit, never
     # worth a walk for it, may walk under it: the kernel model over-estimates convolution nets)
     least = check.least_walked(tried + found)
     chosen = check.least_recompute_walked(tried + found, limit)
     if chosen is not None:
-        return _fitted(options, budget, min_bytes, notes, chosen, check,
-                       "no plan simulated within reach of the limit walks under it; the least-recompute "
-                       "plan walked on the way to the least peak that fits ({})")
-    msg = (f"recompile_opt: peak_memory={fmt_bytes(limit)} cannot be met; the least peak found is "
-           + (f"{fmt_bytes(check.peak(least))} ({check.source(least)})" if least else "none")
-           + (f", over the limit less the {check.margin:.0%} kept free for extern kernels' scratch"
-              if least and check.margin and check.peak(least) <= limit else ""))
+        return _fitted(
+            options,
+            budget,
+            min_bytes,
+            notes,
+            chosen,
+            check,
+            "no plan simulated within reach of the limit walks under it; the least-recompute "
+            "plan walked on the way to the least peak that fits ({})",
+        )
+    msg = (
+        f"recompile_opt: peak_memory={fmt_bytes(limit)} cannot be met; the least peak found is "
+        + (f"{fmt_bytes(check.peak(least))} ({check.source(least)})" if least else "none")
+        + (
+            f", over the limit less the {check.margin:.0%} kept free for extern kernels' scratch"
+            if least and check.margin and check.peak(least) <= limit
+            else ""
+        )
+    )
     if options.strict:
         raise InfeasibleBudget(msg + " (strict=True)")
     warnings.warn(msg + "; using that plan")
@@ -540,13 +685,17 @@ class _PeakCheck:
 
     def source(self, c: Candidate) -> str:
         """Where :meth:`peak` has this plan's peak from."""
-        return "simulated" if self._known(_as_compiled(self.problem, c)) is None else "walked in Inductor's code"
+        return (
+            "simulated" if self._known(_as_compiled(self.problem, c)) is None else "walked in Inductor's code"
+        )
 
     def first_fitting(self, candidates: list[Candidate], limit: int) -> Candidate | None:
         """The least-recompute candidate whose walk (where one is made) fits ``limit`` less the margin,
         among those that may fit (:meth:`may_fit`); its peak the walked one. None if none of those tried
         does (past ``PEAK_WALKS`` walks, only plans already walked are tried)."""
-        for c in sorted((c for c in candidates if self.may_fit(c, limit)), key=lambda c: (c.recompute_s, c.peak)):
+        for c in sorted(
+            (c for c in candidates if self.may_fit(c, limit)), key=lambda c: (c.recompute_s, c.peak)
+        ):
             if self.walk is None:
                 return c
             sets = _as_compiled(self.problem, c)
@@ -579,15 +728,23 @@ class _PeakCheck:
     def how(self, c: Candidate) -> str:
         """How the chosen plan's peak was judged, for its note."""
         if self.source(c) == "simulated":
-            why = self.simulate.why_unwalked(*_as_compiled(self.problem, c)) if self.walk else "no walk for this graph"
+            why = (
+                self.simulate.why_unwalked(*_as_compiled(self.problem, c))
+                if self.walk
+                else "no walk for this graph"
+            )
             return f"simulated peak (not checked in Inductor's code: {why})"
-        return "peak walked in Inductor's code" + (f", {self.margin:.0%} under the limit for the scratch of "
-                                                   "extern kernels" if self.margin else "")
+        return "peak walked in Inductor's code" + (
+            f", {self.margin:.0%} under the limit for the scratch of extern kernels" if self.margin else ""
+        )
 
 
-def _fitted(options: Options, budget, min_bytes, notes: list[str], chosen: Candidate, check: _PeakCheck,
-            why: str):
+def _fitted(
+    options: Options, budget, min_bytes, notes: list[str], chosen: Candidate, check: _PeakCheck, why: str
+):
     """The chosen candidate as the search's answer, with a note saying how its peak was judged."""
-    notes.append(f"peak_memory {fmt_bytes(options.peak_memory)}: " + why.format(
-        f"{check.how(chosen)} {fmt_bytes(chosen.peak)}"))
+    notes.append(
+        f"peak_memory {fmt_bytes(options.peak_memory)}: "
+        + why.format(f"{check.how(chosen)} {fmt_bytes(chosen.peak)}")
+    )
     return chosen.sol, solver_info(options, chosen.sol), budget, min_bytes

@@ -34,8 +34,24 @@ def save_all(problem: Problem) -> set[str]:
 
 # ops that only move what an all-gather brought in: its wait, the split into the ranks' pieces and
 # their cat along the sequence, views
-_MOVES = ("wait_tensor", "split", "split_with_sizes", "chunk", "getitem", "cat", "view", "_unsafe_view", "reshape",
-          "clone", "permute", "t", "transpose", "expand", "alias", "contiguous")
+_MOVES = (
+    "wait_tensor",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "getitem",
+    "cat",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "clone",
+    "permute",
+    "t",
+    "transpose",
+    "expand",
+    "alias",
+    "contiguous",
+)
 
 
 def regathers(problem: Problem) -> set[str]:
@@ -51,7 +67,9 @@ def regathers(problem: Problem) -> set[str]:
         if name in found or not v.can_recompute or v.flops:
             continue
         found.add(name)
-        todo.extend(u for u in users[name] if problem.values[u].info.get("op", "").rsplit(".", 1)[-1] in _MOVES)
+        todo.extend(
+            u for u in users[name] if problem.values[u].info.get("op", "").rsplit(".", 1)[-1] in _MOVES
+        )
     return with_views(problem, found)
 
 
@@ -99,10 +117,16 @@ def full(problem: Problem) -> set[str]:
     it kept each attention dropout mask (32 MiB of the 22B layer at t = 8)."""
     users = consumers(problem)
     blocks = find_blocks(problem)
-    outputs = {problem.values[n].storage or n for n, b in blocks.items()
-               if b is not None and any(blocks.get(u) != b for u in users[n] if problem.values[u].in_forward)}
-    recompute = {n for n, v in problem.values.items()
-                 if blocks[n] is not None and v.can_recompute and (v.storage or n) not in outputs}
+    outputs = {
+        problem.values[n].storage or n
+        for n, b in blocks.items()
+        if b is not None and any(blocks.get(u) != b for u in users[n] if problem.values[u].in_forward)
+    }
+    recompute = {
+        n
+        for n, v in problem.values.items()
+        if blocks[n] is not None and v.can_recompute and (v.storage or n) not in outputs
+    }
     return with_views(problem, recompute)
 
 

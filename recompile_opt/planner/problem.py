@@ -45,7 +45,9 @@ class Site:
     replaced: str  # the value the approximation stands for (the activation's / the linear's input)
     detail: dict = field(default_factory=dict)  # bits and activation, or ratio
     cost_s: float = 0.0  # what approximating adds to the step (codes, projections): its price in the ILP
-    fixed: bool | None = None  # True: approximated, False: exact, whatever its price (the least-peak searches)
+    fixed: bool | None = (
+        None  # True: approximated, False: exact, whatever its price (the least-peak searches)
+    )
 
 
 @dataclass
@@ -67,8 +69,9 @@ class Problem:
         """This problem with every site's choice fixed: all approximated (True) or none (False)."""
         return dataclasses.replace(self, sites=[dataclasses.replace(s, fixed=fixed) for s in self.sites])
 
-    def needed_closure(self, recompute: set[str], keep: set[str] = frozenset(), *,
-                       feasible: set[str] | None = None) -> tuple[set[str], set[str]]:
+    def needed_closure(
+        self, recompute: set[str], keep: set[str] = frozenset(), *, feasible: set[str] | None = None
+    ) -> tuple[set[str], set[str]]:
         """Given which values are recomputed, derive (saved, recomputed) — what the backward reads.
 
         Values only the backward uses (``in_forward=False``, e.g. a transposed weight or an upcast for a
@@ -107,8 +110,11 @@ class Problem:
 
     def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
         storages = {self.values[n].storage for n in saved} - {""}
-        rng = sum(self.values[n].copies for n in recomputed  # (a site's choice is no value)
-                  if n in self.values and self.values[n].random and self.values[n].in_forward)
+        rng = sum(
+            self.values[n].copies
+            for n in recomputed  # (a site's choice is no value)
+            if n in self.values and self.values[n].random and self.values[n].in_forward
+        )
         return sum(self.storage_bytes[s] for s in storages) + rng * self.rng_state_bytes
 
     def recompute_seconds(self, recomputed: set[str]) -> float:

@@ -17,8 +17,16 @@ from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
 from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
 from recompile_opt.planner.problem import Problem
-from recompile_opt.planner.solving import (InfeasibleBudget, Simulate, below_least, least_bytes,
-                                           one_tensor_per_storage, solve_reduced, solver_info, greedy_recompute)
+from recompile_opt.planner.solving import (
+    InfeasibleBudget,
+    Simulate,
+    below_least,
+    greedy_recompute,
+    least_bytes,
+    one_tensor_per_storage,
+    solve_reduced,
+    solver_info,
+)
 
 __all__ = ["InfeasibleBudget", "make_plan"]
 
@@ -31,8 +39,9 @@ log = logging.getLogger(__name__)
 RANK_SAFE_MAX_NODES, RANK_SAFE_TIME_LIMIT_S = 2000, 3600.0
 
 
-def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
-              ) -> Plan:
+def make_plan(
+    problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
+) -> Plan:
     """``simulate`` predicts a plan's peak (the partitioner passes one that partitions and simulates
     the graphs); with it, a fractional budget's 0.0 end is the plan of least predicted peak."""
     baseline = problem.kept_bytes(*problem.needed_closure(POLICIES["save-all"](problem)))  # memory_budget 1.0
@@ -44,7 +53,9 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
         solver_info.update(solves=solves.solves, solves_s=round(solves.seconds, 3))
         recompute, keep = sol.recompute, sol.keep
     else:  # the user's MUST_* tags hold under a fixed policy too
-        tagged = {t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")}
+        tagged = {
+            t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")
+        }
         own = POLICIES[options.policy](problem)
         recompute = (own | tagged["must_recompute"]) - tagged["must_save"]
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
@@ -53,23 +64,49 @@ def make_plan(problem: Problem, options: Options, *, graph: str = "", simulate: 
         _note_policy(problem, options.policy, acts, notes)
     saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
-    plan = _describe(problem, options, graph, saved, recomputed, baseline=baseline, budget=budget,
-                     min_bytes=min_bytes, solver_info=solver_info, notes=notes)
+    plan = _describe(
+        problem,
+        options,
+        graph,
+        saved,
+        recomputed,
+        baseline=baseline,
+        budget=budget,
+        min_bytes=min_bytes,
+        solver_info=solver_info,
+        notes=notes,
+    )
     plan.approximated = _approximated(problem, recomputed)
-    log.info("recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
-             graph, fmt_bytes(plan.saved_bytes), fmt_bytes(baseline), options.policy, len(recomputed))
+    log.info(
+        "recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
+        graph,
+        fmt_bytes(plan.saved_bytes),
+        fmt_bytes(baseline),
+        options.policy,
+        len(recomputed),
+    )
     return plan
 
 
-def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[str],
-                simulate: Simulate | None = None, solves: ilp.SolveLog | None = None):
+def _solve_auto(
+    problem: Problem,
+    options: Options,
+    baseline: int,
+    notes: list[str],
+    simulate: Simulate | None = None,
+    solves: ilp.SolveLog | None = None,
+):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap, log=solves)
     if problem.collectives:  # every rank must reach the same plan (a different one hangs the collectives)
-        kw.update(max_nodes=RANK_SAFE_MAX_NODES, time_limit_s=max(options.time_limit_s, RANK_SAFE_TIME_LIMIT_S))
+        kw.update(
+            max_nodes=RANK_SAFE_MAX_NODES, time_limit_s=max(options.time_limit_s, RANK_SAFE_TIME_LIMIT_S)
+        )
     fit_peak = options.peak_memory is not None
     if fit_peak and simulate is None:  # the ILP has no peak rows: a peak is only known by simulation
-        raise ValueError("recompile_opt: peak_memory needs plans simulated on the graphs (recompile_opt.plan "
-                         "or torch.compile); make_plan was given no simulator")
+        raise ValueError(
+            "recompile_opt: peak_memory needs plans simulated on the graphs (recompile_opt.plan "
+            "or torch.compile); make_plan was given no simulator"
+        )
     reduction = reduce_blocks(problem)  # identical blocks are solved as a few groups
     min_bytes = None
     budget = options.memory_budget
@@ -88,9 +125,11 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
             return least_peak, solver_info(options, least_peak), floor, min_bytes
         fraction, budget = budget, int(floor + budget * (baseline - floor))
         if least_peak is not None:  # a plan of the range, not the least-peak plan that is its 0.0 end
-            notes.append(f"memory_budget {fraction}: keeps at most {fmt_bytes(budget)}, {fraction:.0%} of the "
-                         f"way from the least-peak plan's {fmt_bytes(floor)} (memory_budget 0.0) to save-all's "
-                         f"{fmt_bytes(baseline)} (1.0)")
+            notes.append(
+                f"memory_budget {fraction}: keeps at most {fmt_bytes(budget)}, {fraction:.0%} of the "
+                f"way from the least-peak plan's {fmt_bytes(floor)} (memory_budget 0.0) to save-all's "
+                f"{fmt_bytes(baseline)} (1.0)"
+            )
     if fit_peak:
         return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
     sol = solve_reduced(problem, reduction, budget, kw, notes)
@@ -105,13 +144,16 @@ def _solve_auto(problem: Problem, options: Options, baseline: int, notes: list[s
         greedy = ilp.Solution(greedy_recompute(problem, budget), status=sol.status)
         return greedy, solver_info(options, sol), budget, min_bytes
     if sol.status == "feasible":
-        notes.append(f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
-                     + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver"))
+        notes.append(
+            f"time limit {options.time_limit_s:g} s reached: best plan found, gap "
+            + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver")
+        )
     return sol, solver_info(options, sol), budget, min_bytes
 
 
-def _leanest_as_fast(problem: Problem, reduction, fastest: ilp.Solution, options: Options, kw: dict
-                     ) -> ilp.Solution:
+def _leanest_as_fast(
+    problem: Problem, reduction, fastest: ilp.Solution, options: Options, kw: dict
+) -> ilp.Solution:
     """No budget: of the plans within ``mip_gap`` of the fastest one's estimated step (the tolerance the
     solver already allows that plan), the one keeping the fewest bytes, then the fastest at those
     bytes. Why: the fastest plan keeps whatever costs any time to recompute, however little; a
@@ -134,8 +176,9 @@ def _leanest_as_fast(problem: Problem, reduction, fastest: ilp.Solution, options
     return best if best.status in ("optimal", "feasible") else fastest
 
 
-def _least_peak_approximating(problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate,
-                              options: Options, ends):
+def _least_peak_approximating(
+    problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate, options: Options, ends
+):
     """The least-peak search again with every site approximated and with none, and the ends of the
     lowest peak of the three. Why: the ILP prices an approximation by the recompute it saves, and the
     search's ladders are budgets of kept bytes, which codes and projections barely change; but their
@@ -180,7 +223,6 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     return sol, min_bytes
 
 
-
 def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str]) -> None:
     """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
     a silent save-all), or acts on blocks it is unsure of; ``acts``: the policy alone keeps less than
@@ -191,12 +233,17 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str]) ->
     elif policy == "megatron-selective":
         cores = attention_cores(problem)
         if not acts:
-            why = ("no attention core found (no QK^T matmul feeding softmax and @V, no SDPA call)" if not cores
-                   else f"none of the {len(cores)} attention cores found can be recomputed")
+            why = (
+                "no attention core found (no QK^T matmul feeding softmax and @V, no SDPA call)"
+                if not cores
+                else f"none of the {len(cores)} attention cores found can be recomputed"
+            )
             msg = f"policy='megatron-selective': {why}; nothing is recomputed, as under save-all"
         elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
-            notes.append("megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
-                         "the SDPA call itself is recomputed")
+            notes.append(
+                "megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
+                "the SDPA call itself is recomputed"
+            )
     if msg:
         warnings.warn("recompile_opt: " + msg)
         notes.append(msg)
@@ -210,15 +257,21 @@ def _blocks_message(problem: Problem, acts: bool) -> str | None:
     found = sorted({b for b in blocks.values() if b})
     named = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
     if not found:
-        return ("policy='full': no repeated blocks found (by the graph's structure or by indexed module "
-                "names); nothing is recomputed, as under save-all")
+        return (
+            "policy='full': no repeated blocks found (by the graph's structure or by indexed module "
+            "names); nothing is recomputed, as under save-all"
+        )
     if not acts:
-        return (f"policy='full': every value inside the {len(found)} blocks found ({named}) is read outside "
-                "its block (each makes only its outputs, as a single linear does), so nothing is recomputed, "
-                "as under save-all")
+        return (
+            f"policy='full': every value inside the {len(found)} blocks found ({named}) is read outside "
+            "its block (each makes only its outputs, as a single linear does), so nothing is recomputed, "
+            "as under save-all"
+        )
     if origin == "names":
-        return (f"policy='full': {len(found)} blocks taken from indexed module names ({named}), but no "
-                "module's children repeat in the graph: check that these are the model's layers")
+        return (
+            f"policy='full': {len(found)} blocks taken from indexed module names ({named}), but no "
+            "module's children repeat in the graph: check that these are the model's layers"
+        )
     return None
 
 
@@ -227,8 +280,10 @@ def _note_prefer_tags(problem: Problem, saved: set[str], recomputed: set[str], n
     for name, v in problem.values.items():
         remade_view = v.storage != name and v.storage in kept_storages  # same memory as keeping it
         if v.tag in ("prefer_save", "must_save") and name in recomputed and remade_view:
-            notes.append(f"{name}: {v.tag.upper()} met by keeping its buffer {v.storage} (the view is "
-                         "remade from it: no two kept tensors share memory)")
+            notes.append(
+                f"{name}: {v.tag.upper()} met by keeping its buffer {v.storage} (the view is "
+                "remade from it: no two kept tensors share memory)"
+            )
         elif v.tag == "prefer_save" and name in recomputed:
             notes.append(f"{name}: PREFER_SAVE overridden, the budget forces a recompute")
         elif v.tag == "prefer_recompute" and name in saved and v.can_recompute:
@@ -248,8 +303,19 @@ def _reason(v, action: str, policy: str, free: bool) -> str:
     return "ilp" if policy == "auto" else "policy"
 
 
-def _describe(problem: Problem, options: Options, graph: str, saved: set[str], recomputed: set[str],
-              *, baseline, budget, min_bytes, solver_info, notes) -> Plan:
+def _describe(
+    problem: Problem,
+    options: Options,
+    graph: str,
+    saved: set[str],
+    recomputed: set[str],
+    *,
+    baseline,
+    budget,
+    min_bytes,
+    solver_info,
+    notes,
+) -> Plan:
     kept_entries, rec_entries, charged = [], [], set()
     kept_storages = {problem.values[n].storage for n in saved}
     for name, v in problem.values.items():
@@ -260,21 +326,40 @@ def _describe(problem: Problem, options: Options, graph: str, saved: set[str], r
             kept_entries.append(_entry(v, KEEP, _reason(v, KEEP, options.policy, free), b))
         elif name in recomputed and v.in_forward:  # backward-only values are not recomputation
             view = v.storage != name and v.storage in kept_storages and not v.flops and not v.tag
-            reason = "view" if view else _reason(v, RECOMPUTE, options.policy, False)  # remade from a kept buffer
+            reason = (
+                "view" if view else _reason(v, RECOMPUTE, options.policy, False)
+            )  # remade from a kept buffer
             rec_entries.append(_entry(v, RECOMPUTE, reason, 0))
             if v.random and v.in_forward:
-                kept_entries.append(PlanEntry(name=f"{name}.rng_state", op="rng_state", action=KEEP,
-                                              reason="rng", bytes=problem.rng_state_bytes,
-                                              dtype="uint8", shape=[problem.rng_state_bytes]))
+                kept_entries.append(
+                    PlanEntry(
+                        name=f"{name}.rng_state",
+                        op="rng_state",
+                        action=KEEP,
+                        reason="rng",
+                        bytes=problem.rng_state_bytes,
+                        dtype="uint8",
+                        shape=[problem.rng_state_bytes],
+                    )
+                )
     forward_recomputed = {n for n in recomputed if n in problem.values and problem.values[n].in_forward}
     kept = problem.kept_bytes(saved, recomputed)
     return Plan(
-        graph=graph, policy=options.policy, saved=kept_entries, recomputed=rec_entries,
-        saved_bytes=kept, baseline_bytes=baseline, min_bytes=min_bytes, budget_bytes=budget,
+        graph=graph,
+        policy=options.policy,
+        saved=kept_entries,
+        recomputed=rec_entries,
+        saved_bytes=kept,
+        baseline_bytes=baseline,
+        min_bytes=min_bytes,
+        budget_bytes=budget,
         peak_limit_bytes=options.peak_memory,
         recompute_flops=sum(problem.values[n].flops for n in forward_recomputed),
-        recompute_s=problem.recompute_seconds(recomputed), step_s=problem.step_s,
-        predicted_peak_bytes=0, solver=solver_info, notes=notes,  # the caller simulates it (backend)
+        recompute_s=problem.recompute_seconds(recomputed),
+        step_s=problem.step_s,
+        predicted_peak_bytes=0,
+        solver=solver_info,
+        notes=notes,  # the caller simulates it (backend)
         options={k: v for k, v in vars(options).items() if v not in (None, {}, "")},
         collectives=[{**c, "regathered": c["name"] in forward_recomputed} for c in problem.collectives],
     )
@@ -288,20 +373,39 @@ def _approximated(problem: Problem, recomputed: set[str]) -> list[dict]:
             continue
         v = problem.values[site.replaced]
         kept_as = [problem.values[n] for n in site.approx]
-        out.append({"value": site.replaced, "kind": site.kind, **site.detail, "shape": list(v.info.get("shape", [])),
-                    "dtype": v.info.get("dtype", ""), "bytes": problem.storage_bytes.get(v.storage, 0),
-                    "kept_as": [u.name for u in kept_as],
-                    "kept_as_bytes": sum(problem.storage_bytes.get(u.storage, 0) for u in kept_as),
-                    "choice": site.choice, "marker": site.marker, "cost_s": site.cost_s,
-                    # where the approximation is made: the activation's or the linear layer's module
-                    "module": kept_as[0].info.get("module", ""), "source": kept_as[0].info.get("source", "")})
+        out.append(
+            {
+                "value": site.replaced,
+                "kind": site.kind,
+                **site.detail,
+                "shape": list(v.info.get("shape", [])),
+                "dtype": v.info.get("dtype", ""),
+                "bytes": problem.storage_bytes.get(v.storage, 0),
+                "kept_as": [u.name for u in kept_as],
+                "kept_as_bytes": sum(problem.storage_bytes.get(u.storage, 0) for u in kept_as),
+                "choice": site.choice,
+                "marker": site.marker,
+                "cost_s": site.cost_s,
+                # where the approximation is made: the activation's or the linear layer's module
+                "module": kept_as[0].info.get("module", ""),
+                "source": kept_as[0].info.get("source", ""),
+            }
+        )
     return out
 
 
 def _entry(v, action: str, reason: str, nbytes: int) -> PlanEntry:
     i = v.info
-    return PlanEntry(name=v.name, op=i.get("op", ""), action=action, reason=reason,
-                     shape=list(i.get("shape", [])), dtype=i.get("dtype", ""), bytes=nbytes,
-                     flops=v.flops if action == RECOMPUTE else 0,
-                     recompute_s=v.recompute_s if action == RECOMPUTE else 0.0,
-                     module=i.get("module", ""), source=i.get("source", ""))
+    return PlanEntry(
+        name=v.name,
+        op=i.get("op", ""),
+        action=action,
+        reason=reason,
+        shape=list(i.get("shape", [])),
+        dtype=i.get("dtype", ""),
+        bytes=nbytes,
+        flops=v.flops if action == RECOMPUTE else 0,
+        recompute_s=v.recompute_s if action == RECOMPUTE else 0.0,
+        module=i.get("module", ""),
+        source=i.get("source", ""),
+    )

@@ -21,6 +21,7 @@ class InfeasibleBudget(OptionError):
 class Candidate(NamedTuple):
     """A plan met by the least-peak search: its predicted peak, recompute time and kept bytes, the ILP
     solution, where it came from (a ladder and level), and the values the refinement kept on top."""
+
     peak: int
     recompute_s: float
     kept: int
@@ -82,8 +83,9 @@ class SimulateOnly:
         return frozenset()
 
 
-def solve_reduced(problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str],
-           **extra) -> ilp.Solution:
+def solve_reduced(
+    problem: Problem, reduction: BlockReduction | None, budget, kw: dict, notes: list[str], **extra
+) -> ilp.Solution:
     """Solve the reduced problem and expand it. The first block reads the embedding where the template
     reads its own copy, so the expanded plan can keep a little more than the reduced one claimed:
     tighten the budget by that excess and re-solve (twice at most), else solve in full."""
@@ -92,8 +94,15 @@ def solve_reduced(problem: Problem, reduction: BlockReduction | None, budget, kw
         sol = ilp.solve(reduction.reduced, budget=target, **kw, **extra)
         if sol.status not in ("optimal", "feasible"):
             break
-        full = ilp.Solution(reduction.expand(sol.recompute), reduction.expand(sol.keep), sol.status,
-                            sol.solve_s, sol.gap, sol.n_vars, sol.n_constraints)
+        full = ilp.Solution(
+            reduction.expand(sol.recompute),
+            reduction.expand(sol.keep),
+            sol.status,
+            sol.solve_s,
+            sol.gap,
+            sol.n_vars,
+            sol.n_constraints,
+        )
         kept = problem.kept_bytes(*problem.needed_closure(full.recompute, full.keep))
         if budget is None or extra.get("minimize_memory") or kept <= budget:
             note_once(notes, reduction.note(len(problem.values)))
@@ -117,13 +126,21 @@ def note_once(notes: list[str], note: str) -> None:
 
 
 def below_least(budget: int, min_bytes: int | None) -> str:
-    return (f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
-            f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)")
+    return (
+        f"memory_budget={fmt_bytes(budget)} is below the least any plan can keep "
+        f"({fmt_bytes(min_bytes)}, {min_bytes} bytes)"
+    )
 
 
 def solver_info(options: Options, sol: ilp.Solution) -> dict:
-    return {"name": options.solver, "status": sol.status, "solve_s": round(sol.solve_s, 4),
-            "gap": sol.gap, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints}
+    return {
+        "name": options.solver,
+        "status": sol.status,
+        "solve_s": round(sol.solve_s, 4),
+        "gap": sol.gap,
+        "n_vars": sol.n_vars,
+        "n_constraints": sol.n_constraints,
+    }
 
 
 def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
@@ -159,8 +176,9 @@ def greedy_recompute(problem: Problem, budget: int | None) -> set[str]:
     return rec
 
 
-def _ranked_moves(problem: Problem, saved: set[str], rec: set[str], skip: set[str]
-                  ) -> list[tuple[str, set[str]]]:
+def _ranked_moves(
+    problem: Problem, saved: set[str], rec: set[str], skip: set[str]
+) -> list[tuple[str, set[str]]]:
     """For each kept storage, the values to recompute so that it is freed (its kept values, its base,
     and their ancestors back to kept values), by estimated bytes freed per second, best first (ties
     by name: every process breaks them alike)."""
@@ -174,11 +192,16 @@ def _ranked_moves(problem: Problem, saved: set[str], rec: set[str], skip: set[st
         move, fresh = _move(problem, names | ({storage} & problem.values.keys()), saved, rec)
         if move is None:
             continue
-        freed = (problem.storage_bytes[storage]
-                 - sum(problem.storage_bytes.get(s, 0) for s in fresh - set(by_storage) - {""})
-                 - sum(problem.rng_state_bytes * problem.values[n].copies for n in move
-                       if problem.values[n].random))
-        seconds = sum(problem.values[n].recompute_s for n in sorted(move)) + 1e-12  # a fixed order: same float on every rank
+        freed = (
+            problem.storage_bytes[storage]
+            - sum(problem.storage_bytes.get(s, 0) for s in fresh - set(by_storage) - {""})
+            - sum(
+                problem.rng_state_bytes * problem.values[n].copies for n in move if problem.values[n].random
+            )
+        )
+        seconds = (
+            sum(problem.values[n].recompute_s for n in sorted(move)) + 1e-12
+        )  # a fixed order: same float on every rank
         scored.append((-freed / seconds, storage, move))
     return [(storage, move) for _, storage, move in sorted(scored, key=lambda t: t[:2])]
 
@@ -207,7 +230,9 @@ def _move(problem: Problem, start: set[str], saved: set[str], rec: set[str]):
     return move, fresh
 
 
-def one_tensor_per_storage(problem: Problem, recompute: set[str], keep: set[str]) -> tuple[set[str], set[str]]:
+def one_tensor_per_storage(
+    problem: Problem, recompute: set[str], keep: set[str]
+) -> tuple[set[str], set[str]]:
     """The plan's (saved, recomputed), with one kept value per storage: where it would keep several
     values of one buffer (``div`` and its view ``permute_61``; two views of one ``clone``), it keeps
     the buffer's own value and recomputes the views from it in the backward (free). Same bytes.
@@ -224,9 +249,14 @@ def one_tensor_per_storage(problem: Problem, recompute: set[str], keep: set[str]
         storage = problem.values[name].storage
         if storage and problem.storage_bytes.get(storage, 0) > 0:
             groups.setdefault(storage, []).append(name)
-    shared = {s for s, names in groups.items()
-              if len(names) > 1 and s in problem.values and problem.values[s].can_save
-              and problem.values[s].tag != "must_recompute"}
+    shared = {
+        s
+        for s, names in groups.items()
+        if len(names) > 1
+        and s in problem.values
+        and problem.values[s].can_save
+        and problem.values[s].tag != "must_recompute"
+    }
     if not shared:
         return saved, recomputed
     # every view of those storages, so that the chain from the kept value to a view the backward reads

@@ -44,18 +44,22 @@ def structural_blocks(problem: Problem) -> dict[str, str | None]:
     total = sum(problem.values[n].flops for n in forward) or 1
     chosen: list[tuple[str, ...]] = []
     for depth in range(1, max((len(m) for m in modules.values()), default=0) + 1):
-        children: dict[tuple[str, ...], dict[tuple[str, ...], list[str]]] = defaultdict(lambda: defaultdict(list))
+        children: dict[tuple[str, ...], dict[tuple[str, ...], list[str]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         for n in forward:
             path = modules[n]
-            if len(path) >= depth and not any(path[:len(c)] == c for c in chosen):
-                children[path[:depth - 1]][path[:depth]].append(n)
+            if len(path) >= depth and not any(path[: len(c)] == c for c in chosen):
+                children[path[: depth - 1]][path[:depth]].append(n)
         for kids in children.values():
             kids = {k: names for k, names in kids.items() if _makes_several(problem, names)}
             taken = _layers(kids, modules) or _repeated(problem, kids)
             if sum(problem.values[n].flops for k in taken for n in kids[k]) >= MIN_FLOP_SHARE * total:
                 chosen.extend(taken)
     owner = {c: ".".join(c) for c in chosen}
-    return {n: next((owner[m[:len(c)]] for c in chosen if m[:len(c)] == c), None) for n, m in modules.items()}
+    return {
+        n: next((owner[m[: len(c)]] for c in chosen if m[: len(c)] == c), None) for n, m in modules.items()
+    }
 
 
 def _path(module: str) -> tuple[str, ...]:
@@ -68,14 +72,18 @@ def _makes_several(problem: Problem, names: list[str]) -> bool:
     return sum(problem.values[n].storage == n for n in names) >= 2
 
 
-def _layers(kids: dict[tuple[str, ...], list[str]], modules: dict[str, tuple[str, ...]]
-            ) -> list[tuple[str, ...]]:
+def _layers(
+    kids: dict[tuple[str, ...], list[str]], modules: dict[str, tuple[str, ...]]
+) -> list[tuple[str, ...]]:
     """The indexed children (``layers.0``, ``layers.1``: a ``ModuleList``'s or ``nn.Sequential``'s
     entries) whose submodule names half match another's at least, in their order; none if fewer than
     two. Why the names: ``nn.Sequential(backbone, head)`` is indexed too, and its entries are no layers."""
-    subs = {k: {modules[n][len(k):] for n in names} for k, names in kids.items() if k[-1].isdigit()}
-    alike = [k for k, s in subs.items()
-             if any(len(s & t) >= 0.5 * min(len(s), len(t)) for j, t in subs.items() if j != k)]
+    subs = {k: {modules[n][len(k) :] for n in names} for k, names in kids.items() if k[-1].isdigit()}
+    alike = [
+        k
+        for k, s in subs.items()
+        if any(len(s & t) >= 0.5 * min(len(s), len(t)) for j, t in subs.items() if j != k)
+    ]
     return alike if len(alike) >= 2 else []
 
 
