@@ -6,6 +6,8 @@ Units are MiB: a (256, 1024) fp32 buffer is exactly 1 MiB.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import forget_searches
 from test_ilp import MiB, inp, op, problem
@@ -75,15 +77,17 @@ def test_an_extern_kernels_scratch_counts_while_it_runs():
 # -- the planner's check --------------------------------------------------------------------------
 
 
-def chain():
-    """x is kept by every plan; keeping a (2 MiB) saves 1000 us of recompute, b and c cost little."""
-    return problem(
+def chain(step_ms: float = 10.0):
+    """x is kept by every plan; keeping a (2 MiB) saves 1000 us of recompute, b and c cost little; the
+    step is estimated at ``step_ms`` (keeping a then saves 10% of it by default)."""
+    chained = problem(
         inp("x", 1, needed=True),
         op("a", ["x"], 2, 1000),
         op("b", ["a"], 3, 2),
         op("c", ["b"], 4, 4),
         bwd_steps=0,
     )
+    return dataclasses.replace(chained, step_s=step_ms * 1e-3)
 
 
 class _ScriptedSimulator(SimulateOnly):
@@ -128,6 +132,17 @@ def test_a_plan_that_recomputes_less_wins_within_the_exact_tie(monkeypatch, riva
         assert f"this plan at {rival:.2f} MiB" in note and "within the 5% tie" in note, note
     else:
         assert "peaks at 20.00 MiB" in note and "more than 5% above it" in note, note
+
+
+@pytest.mark.parametrize(("step_ms", "kept_a"), [(20.0, True), (40.0, False)], ids=["5%-saved", "2.5%-saved"])
+def test_a_higher_peak_is_taken_only_for_as_large_a_share_of_the_step(monkeypatch, step_ms, kept_a):
+    """The rival peaks 4% above the search's choice and saves 1 ms of recompute: taken for 5% of the
+    est. step, refused for 2.5% (a tiny ViT's 0.0 plan took +3.5% of peak for 2.7%: over eager's peak)."""
+    forget_searches(monkeypatch)
+    plan = search.make_plan(
+        chain(step_ms), parse_options({"memory_budget": 0.0}), simulate=_ScriptedSimulator(20.8)
+    )
+    assert ("a" in plan.saved_names()) == kept_a
 
 
 class _FarSimulator(_ScriptedSimulator):

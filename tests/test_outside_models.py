@@ -17,7 +17,6 @@ from helpers import train_side_by_side
 
 import recompile_opt
 from recompile_opt.costs.measure import peak_memory
-from recompile_opt.planner import least_peak
 
 D, HEADS, FF, SEQ, BATCH, CLASSES = 32, 2, 64, 16, 2, 10
 
@@ -299,16 +298,13 @@ def test_a_vision_transformers_least_peak_is_at_most_eagers_and_plain_compiles()
     """Inductor lays the ViT's patch convolution out channels-last and keeps the copies of its images and
     weights for the backward: every plan measured 203,824 B, plain torch.compile too, against eager's
     133,332 (131,020 on one thread). The plan walks both layouts and keeps the convolution's own where
-    it peaks lower. The 0.0 plan is the least walked peak up to the search's tie (``EXACT_TIE``: a
-    plan within 5% that recomputes less wins): on one thread it measures 132,080 B, 0.8% over eager."""
+    it peaks lower. The 0.0 plan had taken a plan 3.5% above the least walked peak for 2.7% of the
+    step's time (then the search's tie: 5% of peak for any saving): 132,080 B on one thread, over eager.
+    A peak is now traded for at least as large a share of the step."""
     model, inputs = _vit()
     eager, compiled = _measured_peak(model, inputs, None), _measured_peak(model, inputs, "inductor")
     predicted, measured = _predicted_and_measured("vit", {"memory_budget": 0.0})
-    assert measured <= compiled and measured <= eager * (1 + least_peak.EXACT_TIE), (
-        measured,
-        eager,
-        compiled,
-    )
+    assert measured <= compiled and measured <= eager, (measured, eager, compiled)
     assert predicted == pytest.approx(measured, rel=0.01), (predicted, measured)
     assert any("convolutions in their own layout" in n for n in recompile_opt.last_plans()[-1].notes)
 
