@@ -171,7 +171,7 @@ def train_one(variant: str, seed: int, steps: int, task: MarkovTask, held_out, s
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
     data = torch.Generator().manual_seed(seed)
     curve, times = [], []
-    for step in range(steps):
+    for _ in range(steps):
         idx, tgt = task.sample(size["batch"], size["seq"], data)  # outside the timed region
         start = time.perf_counter()
         loss = model(idx, tgt)

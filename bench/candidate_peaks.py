@@ -2,9 +2,9 @@
 
 Usage::
 
-    python bench/candidate_peaks.py --list                    # the candidates: index, predicted peak, recompute
-    python bench/candidate_peaks.py --index 3                 # compile candidate 3 as the 0.0 plan, measure
-    python bench/candidate_peaks.py --index 3 --keep add      # the same with the value ``add`` kept too
+    python bench/candidate_peaks.py --list                  # the candidates: index, predicted peak, recompute
+    python bench/candidate_peaks.py --index 3               # compile candidate 3 as the 0.0 plan, measure
+    python bench/candidate_peaks.py --index 3 --keep add    # the same with the value ``add`` kept too
     python bench/candidate_peaks.py --list --walk --vocab 2048 --chunks '{"loss": 4, "mlp": 4}'
                                                               # each listed plan walked in Inductor's code
 

@@ -22,9 +22,11 @@ x, w, t = torch.randn(T, h), torch.randn(V, h) * 0.02, torch.randint(0, V, (T,))
 
 
 def best(k):
-    run = lambda: torch.ops.recompile_opt.chunked_head_loss(
-        x, w, None, t, k, torch.float32, -100, 0.0, True, True, False
-    )
+    def run():
+        return torch.ops.recompile_opt.chunked_head_loss(
+            x, w, None, t, k, torch.float32, -100, 0.0, True, True, False
+        )
+
     run()
     times = []
     for _ in range(5):

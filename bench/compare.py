@@ -15,7 +15,8 @@ Strategies (``--strategies``; the default set is :data:`DEFAULT_STRATEGIES`)
   (``torch._functorch.config.activation_memory_budget = B``, its knapsack);
   ``compile-full-ckpt`` (``torch.compile`` of the block-checkpointed model).
 * ``ours-B`` (``memory_budget=B``, the same budgets B as ``compile-amb-B``), ``ours-none``
-  (no budget: the fewest bytes within ``mip_gap`` of the fastest plan) and ``ours-<policy>`` for each fixed policy.
+  (no budget: the fewest bytes within ``mip_gap`` of the fastest plan) and ``ours-<policy>`` for each
+  fixed policy.
 * ``ours-...+nochunks`` (any ``ours-`` strategy with ``chunks=False``, e.g. ``ours-0.0+nochunks``):
   the planner does not chunk the LM head + loss and the MLPs along the tokens (``chunks="auto"``, the
   default, lets it where the goal is memory; ``+chunks`` says so explicitly).

@@ -13,7 +13,8 @@ AOTAutograd, Inductor's joint passes and our partition run, no step is computed 
 and the captured :class:`~recompile_opt.planner.problem.Problem` is then planned twice with
 :func:`recompile_opt.planner.search.make_plan`, the function the partitioner calls:
 
-* ``reuse``: as shipped — ``reduce_blocks`` finds the identical blocks and solves one template per group of blocks;
+* ``reuse``: as shipped — ``reduce_blocks`` finds the identical blocks and solves one template per group
+  of blocks;
 * ``full``: ``search.reduce_blocks`` patched to return None, so the whole graph is one ILP.
 
 Both see one int byte budget: ``least + fraction * (save_all - least)`` (``least`` from the reduced

@@ -126,7 +126,8 @@ def table(results: dict, args) -> str:
         f"Cap {args.cap / MiB:.0f} MiB (measured step peak above the pre-step baseline); model: "
         f"{json.dumps(MODEL)}.",
         "",
-        "| strategy | longest sequence under the cap | x torch.compile | peak MiB there | step s there | chunks |",
+        "| strategy | longest sequence under the cap | x torch.compile | peak MiB there | step s there "
+        "| chunks |",
         "|---|---|---|---|---|---|",
     ]
     for label, r in results.items():

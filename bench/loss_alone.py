@@ -79,7 +79,8 @@ def _version(dist: str) -> str:
 
 
 def loss_function(name: str, n: int, v: int, d: int):
-    """``(f(x, W, t) -> loss, note)`` for strategy ``name``; raises ImportError where its package is missing."""
+    """``(f(x, W, t) -> loss, note)`` for strategy ``name``; raises ImportError where its package is
+    missing."""
     import torch
     import torch.nn.functional as F
 
@@ -253,7 +254,8 @@ def table(rows: list[dict], args) -> str:
         header_line(),
         "",
         f"N={n} tokens, V={v}, D={d}, fp32, one thread. For scale: the logits [N, V] are "
-        f"{n * v * 4 / MiB:.1f} MiB; x.grad + W.grad (counted in every peak) {(n + v) * d * 4 / MiB:.1f} MiB.",
+        f"{n * v * 4 / MiB:.1f} MiB; x.grad + W.grad (counted in every peak) "
+        f"{(n + v) * d * 4 / MiB:.1f} MiB.",
         "",
         "| strategy | peak MiB (measured) | step ms (median) | matches plain | note |",
         "|---|---|---|---|---|",

@@ -75,7 +75,8 @@ def rows(name: str, build):
         held = "" if limit is None else (" (under the limit)" if measured <= limit else " **over the limit**")
         yield (
             f"| {name} | {setting} | {predicted} | {plan.solver.get('peak_from')} | "
-            f"{plan.peak_breakdown['total']} | {measured}{held} | {100 * (predicted - measured) / measured:+.1f}% |"
+            f"{plan.peak_breakdown['total']} | {measured}{held} | "
+            f"{100 * (predicted - measured) / measured:+.1f}% |"
         )
 
 

@@ -241,7 +241,8 @@ def markdown_table(rows: list[dict]) -> str:
         sbh = r["s"] * r["b"] * r["h"]
         same = "yes" if r["forward_flops"] == r["forward_flops_formula"] else "NO"
         lines.append(
-            f"| {r['model']} | {r['strategy']} | {r['formula_bytes'] / 2**20:.1f} ({r['formula_bytes'] / sbh:.2f})"
+            f"| {r['model']} | {r['strategy']} | {r['formula_bytes'] / 2**20:.1f}"
+            f" ({r['formula_bytes'] / sbh:.2f})"
             f" | {r['plan_bytes'] / 2**20:.1f} ({r['plan_bytes'] / sbh:.3f}) | {r['ratio']:.4f}"
             f" | {r['recompute_flops'] / 1e9:.1f} | {r['forward_flops'] / 1e9:.1f} ({same})"
             f" | {_pct(r['overhead'])} | {_pct(r['megatron_overhead'])} | {_pct(r['paper_overhead'])}"
@@ -374,8 +375,10 @@ def markdown_tp(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {'TP+SP' if r['sp'] else 'TP'} | {r['strategy']} | {r['formula_bytes'] / 2**20:.1f}"
-            f" | {r['plan_bytes'] / 2**20:.1f} | {r['ratio']:.4f} | {r['sent_bytes'] / 2**20:.1f} | {r['regathered']}"
+            f"| {r['model']} | {'TP+SP' if r['sp'] else 'TP'} | {r['strategy']}"
+            f" | {r['formula_bytes'] / 2**20:.1f}"
+            f" | {r['plan_bytes'] / 2**20:.1f} | {r['ratio']:.4f} | {r['sent_bytes'] / 2**20:.1f}"
+            f" | {r['regathered']}"
             f" | {r['s2_kept_bytes'] / 2**20:.1f} | {r['recompute_flops'] / 1e9:.1f}"
             f" | {', '.join(r['recomputed_modules']) or '-'} |"
         )

@@ -3,10 +3,10 @@ process), hand-written DTensor TP and TP+SP (the torchtitan recipe: ``paralleliz
 ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` / ``PrepareModuleInput``, compiled by
 plain ``torch.compile``), and ``recompile_opt.parallelize`` + ``backend="recompile_opt"`` at several
 budgets, and the hand TP model compiled with ``options={"sequence_parallel": True}`` (made TP+SP by our
-backend; ``hand-tp+sp-option@budget``). Each configuration runs in fresh processes: two warm-up (compiling) steps, the median peak of
-seven steps (the allocator's records above the step's start: activations, gradients, temporaries; the
-sharded parameters live before it), then the median of ``--steps`` timed steps, and the bytes one step
-keeps for backward (its saved tensors, parameters excluded).
+backend; ``hand-tp+sp-option@budget``). Each configuration runs in fresh processes: two warm-up (compiling)
+steps, the median peak of seven steps (the allocator's records above the step's start: activations, gradients,
+temporaries; the sharded parameters live before it), then the median of ``--steps`` timed steps, and the bytes
+one step keeps for backward (its saved tensors, parameters excluded).
 
     python bench/parallel.py --world 2 4 --md out.md   (docs/parallel.md)
 

@@ -4,7 +4,7 @@ seconds on the same plans.
 Usage::
 
     python bench/peak_accuracy.py --check bench/measured_peaks.json   # re-simulate the stored plans (seconds)
-    python bench/peak_accuracy.py --check bench/measured_peaks.json --exact   # and walk Inductor's code (~30 s)
+    python bench/peak_accuracy.py --check bench/measured_peaks.json --exact # and walk Inductor's code (~30 s)
     python bench/peak_accuracy.py --measure peaks.json                # 16 settings through Inductor (~6 min)
     python bench/peak_accuracy.py --measure p.json --models gpt --settings none,0.0
 

@@ -2,7 +2,8 @@
 bytes, recompute FLOPs, predicted peak, the saved/recomputed names' hash): a check that a change which
 should not move plans (a refactor, a module move) moves none. Compare two runs with diff.
 
-    python bench/plan_digest.py > before.txt; ...; python bench/plan_digest.py > after.txt; diff before.txt after.txt
+    python bench/plan_digest.py > before.txt; ...; python bench/plan_digest.py > after.txt;
+    diff before.txt after.txt
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/planning_time.py                       # GPT, Llama, nn.TransformerEncoder; 3 rounds (~40 min)
+    python bench/planning_time.py                      # GPT, Llama, nn.TransformerEncoder; 3 rounds (~40 min)
     python bench/planning_time.py --models encoder --repeats 1
 
 Each setting runs in a fresh process with an empty Inductor cache and an empty plan cache (a new

@@ -1,4 +1,5 @@
-"""Mini-sequence chunking (MST, Luo et al. 2024) of the MLP: ``down(act(up(x)[, gate(x)]))`` in k token chunks.
+"""Mini-sequence chunking (MST, Luo et al. 2024) of the MLP: ``down(act(up(x)[, gate(x)]))`` in k token
+chunks.
 
 Why: in a transformer's backward the MLP's hidden-width values (``[tokens, 4h]`` for a GELU MLP, three of
 them for SwiGLU) are the largest working set after the logits; at the least-peak plan the step peaks

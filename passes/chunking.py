@@ -8,17 +8,16 @@ exists for one chunk at a time.
 A region is ``linear(x, W[, b])`` followed only by ops that keep the token order (``view`` / ``reshape``
 to ``[tokens, vocab]``, ``float`` / ``to`` / ``contiguous``) or select tokens before any reshape (a
 causal LM's ``logits[:, :-1]``: moved onto ``x``, since the head is row-wise) into
-``F.cross_entropy(logits, target)`` with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo graph, before AOTAutograd: the
-region becomes :func:`chunked_linear_cross_entropy`, a loop over ``tensor_split`` chunks of the tokens
-(k need not divide them) that sums each chunk's summed loss and divides by the count of counted tokens
-(``mean`` with ``ignore_index`` exactly, up to the order of the float sums). Each chunk computes its
-loss and its gradients in the forward (:class:`_ChunkedHeadLoss`, Liger's way), so the backward only
-scales them; or (``recompute=True``, MST's way, :class:`_RecomputedHeadLoss`) the forward computes the
-loss only and the backward runs the chunks again for the gradients: twice the head's logits, but no
-gradient held from the forward to the backward, which matters where more of the forward runs after
-the loss (:attr:`LossRegion.last`).
-The chunks' head matmuls are separate extern kernels, so Inductor cannot fuse them back into one
-full-length buffer.
+``F.cross_entropy(logits, target)`` with a ``mean`` or ``sum`` reduction. The rewrite runs on the Dynamo
+graph, before AOTAutograd: the region becomes :func:`chunked_linear_cross_entropy`, a loop over
+``tensor_split`` chunks of the tokens (k need not divide them) that sums each chunk's summed loss and divides
+by the count of counted tokens (``mean`` with ``ignore_index`` exactly, up to the order of the float sums).
+Each chunk computes its loss and its gradients in the forward (:class:`_ChunkedHeadLoss`, Liger's way), so the
+backward only scales them; or (``recompute=True``, MST's way, :class:`_RecomputedHeadLoss`) the forward
+computes the loss only and the backward runs the chunks again for the gradients: twice the head's logits, but
+no gradient held from the forward to the backward, which matters where more of the forward runs after the loss
+(:attr:`LossRegion.last`). The chunks' head matmuls are separate extern kernels, so Inductor cannot fuse them
+back into one full-length buffer.
 
 Refused, with the reason in the region's ``why_not``: logits read anywhere else (returned, or a second
 loss: the head would be computed twice), class weights, a reduction of ``none``, inputs that are not

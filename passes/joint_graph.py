@@ -268,7 +268,10 @@ def build_problem(
     values: dict[str, Value] = {}
     storage_bytes_: dict[str, int] = {}
     first_use: dict[str, int] = {}  # backward step of a value's first direct use
-    fuses = lambda n: is_fusible_pointwise(n) or (random_fuses and is_generated_random(n))
+
+    def fuses(n):
+        return is_fusible_pointwise(n) or (random_fuses and is_generated_random(n))
+
     memo: dict = {}
     demand = lambda n: demanded_fraction(n, fuses, memo)  # noqa: E731 - one graph's memo
     for node in jg.fwd_nodes:
@@ -429,7 +432,8 @@ def _make_value(
     share = demand(node)  # of its elements a recompute makes (a fused chain a gather reads)
     is_primal = node.op == "placeholder"
     target = node.target
-    # a wait is "impure" to FX (DCE must not drop it); whether it may run again is _unrepeatable_collective's call
+    # a wait is "impure" to FX (DCE must not drop it); whether it may run again is
+    # _unrepeatable_collective's call
     impure = node.op == "call_function" and (
         node.is_impure() and not is_seeded_op(target) and not ti.is_wait_tensor(target)
     )

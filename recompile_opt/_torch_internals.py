@@ -43,7 +43,8 @@ def check_torch_version(version=None) -> tuple[int, int, int]:
     if not (lo_major, lo_minor) <= parsed[:2] < (hi_major, hi_minor):
         raise ImportError(
             f"recompile_opt supports {lo_major}.{lo_minor} <= torch < {hi_major}.{hi_minor}; "
-            f"torch {version} is installed (pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}')"
+            f"torch {version} is installed "
+            f"(pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor}')"
         )
     return parsed
 
@@ -398,7 +399,8 @@ def is_collective_op(target) -> bool:
 
 
 def collective_name(target) -> str:
-    """``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``wait_tensor``, ... ('' if none)."""
+    """``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``wait_tensor``,
+    ... ('' if none)."""
     if not is_collective_op(target):
         return ""
     packet = getattr(target, "_overloadpacket", None)

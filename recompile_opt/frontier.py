@@ -4,25 +4,25 @@ budgets, with the fixed policies and PyTorch's own knapsack on the same axes (``
 Points (all estimated by our cost model, so they are comparable; measured figures only when asked):
 
 * **ilp** — our ILP at each fraction of ``budgets`` (0.0 = the least-peak plan, 1.0 = save-all; see
-  docs/design.md, "Budgets, and the least-peak search"). Fractions that give the same plan (same kept and recomputed values in every
-  graph) make one point. With 0.0 swept, a few more ILP points under byte budgets between the least
-  any plan can keep and the 0.0 plan's bytes (``BELOW_FLOOR``): they keep less at a higher peak, and
-  show our curve where PyTorch's knapsack at small budgets lands.
+  docs/design.md, "Budgets, and the least-peak search"). Fractions that give the same plan (same kept and
+  recomputed values in every graph) make one point. With 0.0 swept, a few more ILP points under byte budgets
+  between the least any plan can keep and the 0.0 plan's bytes (``BELOW_FLOOR``): they keep less at a higher
+  peak, and show our curve where PyTorch's knapsack at small budgets lands.
 * **policy** — ``save-all``, ``full`` and ``megatron-selective``, run through the same pipeline.
 * **pytorch** — torch's ``min_cut_rematerialization_partition`` with
   ``torch._functorch.config.activation_memory_budget = b`` (its knapsack, default solver ``dp``; at 1.0
   it is plain ``torch.compile``'s partition). It runs on the very joint graph our partitioner sees
   (after Inductor's decompositions and joint passes). Its backward graph's inputs are the forward values
   it saves and are named like them; the forward nodes it recomputes appear in its backward under their
-  joint-graph names. Both map by name onto our :class:`~recompile_opt.planner.problem.Problem`, which then gives
-  kept bytes (``Problem.kept_bytes``), recompute FLOPs and time; the peak is our simulation of torch's
-  own forward and backward graphs. Every PyTorch point is checked three ways: every backward input is a
-  known forward value; the kept bytes equal the bytes of the distinct non-parameter storages of the
-  backward's inputs, read from their fake tensors without the Problem; and every value our Problem says
-  the backward reads is kept or recomputed, or was merged away by torch's CSE. On the demo GPT and the
-  test models all three hold exactly, and trained, the bytes saved for backward (saved_tensors_hooks)
-  equal the mapped kept bytes to the byte; a point that fails a check says so in its note (and warns),
-  and ``measure=True`` gives measured figures for it regardless.
+  joint-graph names. Both map by name onto our :class:`~recompile_opt.planner.problem.Problem`, which then
+  gives kept bytes (``Problem.kept_bytes``), recompute FLOPs and time; the peak is our simulation of torch's
+  own forward and backward graphs. Every PyTorch point is checked three ways: every backward input is a known
+  forward value; the kept bytes equal the bytes of the distinct non-parameter storages of the backward's
+  inputs, read from their fake tensors without the Problem; and every value our Problem says the backward
+  reads is kept or recomputed, or was merged away by torch's CSE. On the demo GPT and the test models all
+  three hold exactly, and trained, the bytes saved for backward (saved_tensors_hooks) equal the mapped kept
+  bytes to the byte; a point that fails a check says so in its note (and warns), and ``measure=True`` gives
+  measured figures for it regardless.
 
 One capture serves the whole sweep: Dynamo and AOTAutograd run once, and each joint graph is planned
 for every point. A fraction f is planned as :func:`recompile_opt.plan` would (``make_plan`` after the
@@ -64,7 +64,8 @@ BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
 PYTORCH_BUDGETS = (1.0, 0.5, 0.2, 0.05)
 # With 0.0 swept, byte budgets below the least-peak plan's kept bytes: this far from the least possible
-# kept bytes (0.0) to the least-peak plan's. They keep less at a higher peak (docs/design.md, "Budgets, and the least-peak search").
+# kept bytes (0.0) to the least-peak plan's. They keep less at a higher peak (docs/design.md, "Budgets,
+# and the least-peak search").
 BELOW_FLOOR = (0.0, 0.25, 0.5, 0.75)
 MiB = 2**20
 

@@ -58,9 +58,9 @@ class Plan:
     # the step's collectives (tensor/sequence parallelism): name, op, shape, dtype, phase, bytes one rank
     # sends, regathered (a forward all-gather run again in the backward from the kept shard)
     collectives: list[dict] = field(default_factory=list)
-    # mini-sequence chunking: region, kind (loss, loss_recompute, mlp), chunks, tokens, width (vocabulary, hidden),
-    # recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the unchunked
-    # plan, where the planner chose the chunks; None where forced)
+    # mini-sequence chunking: region, kind (loss, loss_recompute, mlp), chunks, tokens, width (vocabulary,
+    # hidden), recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the
+    # unchunked plan, where the planner chose the chunks; None where forced)
     chunks: list[dict] = field(default_factory=list)
     # approximate backward (option ``approximate``): one entry per value the backward reads approximately:
     # value, kind (few-bit, randomized), bits and activation or ratio, shape, dtype, bytes (the exact
@@ -114,20 +114,23 @@ class Plan:
             (
                 "  predicted peak    : not simulated (planned without its graphs)"
                 if not self.predicted_peak_bytes
-                else f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)} above the pre-step baseline"
+                else f"  predicted peak    : {fmt_bytes(self.predicted_peak_bytes)}"
+                " above the pre-step baseline"
             )
             + (
                 f" (walked in Inductor's generated code; the kernel model below says "
                 f"{fmt_bytes(self.peak_breakdown.get('total', 0))})"
                 if self.solver.get("peak_from") == "inductor-code"
-                else f" (the kernel model's estimate, not walked in Inductor's code: {self.solver['unwalked']})"
+                else " (the kernel model's estimate, not walked in Inductor's code: "
+                f"{self.solver['unwalked']})"
                 if self.solver.get("unwalked")
                 else ""
             ),
             *(
                 [
-                    f"  outputs held      : the peak assumes the caller drops the forward's outputs but the loss "
-                    f"({fmt_bytes(self.outputs_bytes)}) before backward; holding them adds up to that"
+                    f"  outputs held      : the peak assumes the caller drops the forward's outputs "
+                    f"but the loss ({fmt_bytes(self.outputs_bytes)}) before backward; holding them adds "
+                    "up to that"
                 ]
                 if self.outputs_bytes
                 else []
@@ -161,8 +164,8 @@ class Plan:
         choice = s.get("chunk_choice")  # the trials' own planning: the figures before count only the last
         tried = (
             (
-                f"; choosing chunks: {choice['plannings']} plannings, {choice['simulations']} plans simulated, "
-                f"{choice['walks']} walked"
+                f"; choosing chunks: {choice['plannings']} plannings, "
+                f"{choice['simulations']} plans simulated, {choice['walks']} walked"
             )
             if choice
             else ""
@@ -383,7 +386,8 @@ class Plan:
             how = f"{a['bits']}-bit" if a["kind"] == "few-bit" else f"ratio {a['ratio']:g}"
             before, after = ("approx", "exact") if value in mine_a else ("exact", "approx")
             lines.append(
-                f"  {value:<24} {before:>9} -> {after:<9} {how:<20} {fmt_bytes(a['bytes']):>10} {a.get('module', '')}"
+                f"  {value:<24} {before:>9} -> {after:<9} {how:<20} "
+                f"{fmt_bytes(a['bytes']):>10} {a.get('module', '')}"
             )
         if len(lines) == header:
             lines.append("  (same decisions)")
@@ -400,7 +404,8 @@ def _pct(a: int, b: int) -> str:
 
 
 def fmt_type(dtype: str, shape: list) -> str:
-    """``float32[4x256x64]``; a 0-d tensor (a seed, a scalar) is ``int64[]``; no dtype (not a tensor): ``-``."""
+    """``float32[4x256x64]``; a 0-d tensor (a seed, a scalar) is ``int64[]``; no dtype (not a tensor):
+    ``-``."""
     if not dtype:
         return "-"
     return f"{dtype}[{'x'.join(str(s) for s in shape)}]"

@@ -1,6 +1,6 @@
-"""Chunked (and approximating) regions under autocast (issue 51): every op of a chunk in the dtype eager autocast gives it,
-and every sum over chunks rounded as eager's one GEMM rounds it. Loss and gradients are checked
-against eager under the same autocast, within the deviation plain ``torch.compile`` (Inductor) shows
+"""Chunked (and approximating) regions under autocast (issue 51): every op of a chunk in the dtype eager
+autocast gives it, and every sum over chunks rounded as eager's one GEMM rounds it. Loss and gradients are
+checked against eager under the same autocast, within the deviation plain ``torch.compile`` (Inductor) shows
 on the same model and step: before the fix the chunked loss was computed in bf16 (7.8125 where eager
 gives 7.795475) and the chunked weights' gradients were rounded once a chunk (0.2-0.6% off, where
 Inductor is 3e-7 off on the tiny GPT)."""
@@ -58,7 +58,8 @@ def _deviation(got, ref) -> tuple[float, float]:
 
 @functools.cache
 def _eager_and_compiles_deviation(build: str, dtype: str):
-    """Eager's step, and how far plain ``torch.compile`` (Inductor) lands from it: ``(eager, (loss, grad))``."""
+    """Eager's step, and how far plain ``torch.compile`` (Inductor) lands from it:
+    ``(eager, (loss, grad))``."""
     eager = _step(build, dtype)
     return eager, _deviation(_step(build, dtype, torch.compile), eager)
 

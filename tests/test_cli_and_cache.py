@@ -228,13 +228,13 @@ def test_plan_solver_flag(tmp_path, capsys):
         ),
         (
             ["plan", "recompile_opt.models:nope"],
-            "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions without "
-            "required arguments: demo_gpt, demo_llama, demo_encoder, gpt3_175b_layer",
+            "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions "
+            "without required arguments: demo_gpt, demo_llama, demo_encoder, gpt3_175b_layer",
         ),
         (
             ["plan", "recompile_opt.models:demo_gpt", "--budget", "2 gigs"],
-            "recompile-opt plan: error: option 'memory_budget': unknown unit 'gigs' in '2 gigs'; accepted units: "
-            "['b', 'gb', 'gib', 'kb', 'kib', 'mb', 'mib', 'tb', 'tib']",
+            "recompile-opt plan: error: option 'memory_budget': unknown unit 'gigs' in '2 gigs'; "
+            "accepted units: ['b', 'gb', 'gib', 'kb', 'kib', 'mb', 'mib', 'tb', 'tib']",
         ),
     ],
     ids=["missing-file", "missing-factory", "bad-unit"],

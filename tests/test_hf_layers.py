@@ -1,8 +1,9 @@
 """Hugging Face models whose layers are not copies of one another (issue 46): T5's first block owns
 ``relative_attention_bias``, Gemma2 alternates sliding and global attention, Whisper's encoder and
-decoder are stacks of different layers, Qwen3-MoE routes each token to 2 of 4 experts. ``full`` must checkpoint their layers (``encoder.block.0``,
-``model.layers.0``), not the repeated q/k/v/o linears inside them, whether the model returns its
-output object or only the loss; and a fixed policy that cannot act says so.
+decoder are stacks of different layers, Qwen3-MoE routes each token to 2 of 4 experts. ``full`` must
+checkpoint their layers (``encoder.block.0``, ``model.layers.0``), not the repeated q/k/v/o linears
+inside them, whether the model returns its output object or only the loss; and a fixed policy that
+cannot act says so.
 
 Small random configs as in ``test_hf_models.py`` (2 layers, nothing downloaded), ``compiler="eager"``.
 """

@@ -1,5 +1,5 @@
-"""The exact peak walked in Inductor's generated wrapper (recompile_opt.costs.inductor_peak), and the planner's
-check of the least-peak plan against cheaper plans by it (least_peak._verified).
+"""The exact peak walked in Inductor's generated wrapper (recompile_opt.costs.inductor_peak), and the
+planner's check of the least-peak plan against cheaper plans by it (least_peak._verified).
 
 Units are MiB: a (256, 1024) fp32 buffer is exactly 1 MiB.
 """

@@ -1,9 +1,9 @@
 """Hugging Face causal LMs through ``recompile_opt.parallelize`` (issue 22's must-show): ``LlamaForCausalLM``
 (grouped-query attention, rotary, SwiGLU; at 4 ranks its 2 KV heads do not split, so attention stays
-replicated with a warning and the MLP is still parallel) and ``GPT2LMHeadModel`` (``Conv1D`` layers, whose weights are
-laid out ``[in, out]``, a fused QKV, the LM head tied to the token embedding), with their own loss, on
-gloo ranks: over 3 SGD steps the loss and every gradient (``full_tensor()``) equal one process's, eager
-and compiled by recompile_opt at ``memory_budget`` 1.0, 0.3, 0.0 and Megatron's selective policy (the
+replicated with a warning and the MLP is still parallel) and ``GPT2LMHeadModel`` (``Conv1D`` layers, whose
+weights are laid out ``[in, out]``, a fused QKV, the LM head tied to the token embedding), with their own
+loss, on gloo ranks: over 3 SGD steps the loss and every gradient (``full_tensor()``) equal one process's,
+eager and compiled by recompile_opt at ``memory_budget`` 1.0, 0.3, 0.0 and Megatron's selective policy (the
 eager compiler: the same partition as Inductor's path; the benchmark models cover Inductor); with
 dropout on, each rank applies one process's masks, so the runs equal one process's too."""
 

@@ -206,7 +206,8 @@ def test_tensor_parallel_equals_one_process(name, options, tmp_path):
             "compiled-0.0-4-ranks": ({"memory_budget": 0.0}, 4),
         },
         slow={"llama-compiled-0.0-4-ranks", "block-compiled-0.0-4-ranks"},
-        # the same worker at 0.0 among its budgets: test_sequence_parallel_budgets_equal_one_process[gpt-2, gpt-4]
+        # the same worker at 0.0 among its budgets:
+        # test_sequence_parallel_budgets_equal_one_process[gpt-2, gpt-4]
         elsewhere={"gpt-compiled-0.0", "gpt-compiled-0.0-4-ranks"},
     ),
 )

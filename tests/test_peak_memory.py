@@ -480,7 +480,10 @@ def test_a_cnns_least_peak_step_peaks_at_most_eagers_and_plain_compiles():
     plan, ours = train_side_by_side(
         model, inputs, options={"memory_budget": 0.0}, steps=1, measure_peak=True, rtol=1e-2, atol=1e-3
     )
-    figures = f"ours {fmt_bytes(ours)}, eager {fmt_bytes(eager)}, torch.compile {fmt_bytes(compiled)}\n{plan.summary()}"
+    figures = (
+        f"ours {fmt_bytes(ours)}, eager {fmt_bytes(eager)}, torch.compile {fmt_bytes(compiled)}\n"
+        f"{plan.summary()}"
+    )
     assert ours <= eager and ours <= compiled, figures
     assert plan.solver["peak_from"] == "inductor-code", figures
     assert abs(plan.predicted_peak_bytes - ours) <= 0.01 * ours, figures
@@ -506,8 +509,8 @@ def test_a_fractions_note_gives_its_range_and_does_not_claim_to_be_the_least_pea
     )
     assert not any("= the least-peak plan" in n for n in half.notes), half.notes
     assert (
-        f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way from the least-peak "
-        f"plan's {fmt_bytes(least.budget_bytes)} (memory_budget 0.0) to save-all's "
+        f"memory_budget 0.5: keeps at most {fmt_bytes(half.budget_bytes)}, 50% of the way from the "
+        f"least-peak plan's {fmt_bytes(least.budget_bytes)} (memory_budget 0.0) to save-all's "
         f"{fmt_bytes(half.baseline_bytes)} (1.0)"
     ) in half.notes, half.notes
     # the fake simulator walks nothing: the 0.0 note's figure is the kernel model's, and says so

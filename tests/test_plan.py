@@ -17,8 +17,9 @@ free, so the budget alone decides:
 
 Save-all keeps x + relu (shared by t) + dropout = 9 MiB; so does the fastest plan (no budget,
 ``mip_gap=0``). The step is 100 us, so with no budget and the default gap (1%) dropout's 1 us of
-recompute is within the gap: that plan replays it and keeps 5 MiB + 16 B. Under 6 MiB the cheapest plan recomputes
-dropout (kept 5 MiB + 16 B); under 5 MiB that no longer fits and mm, relu and t are recomputed instead.
+recompute is within the gap: that plan replays it and keeps 5 MiB + 16 B. Under 6 MiB the cheapest plan
+recomputes dropout (kept 5 MiB + 16 B); under 5 MiB that no longer fits and mm, relu and t are
+recomputed instead.
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ PLAN_PATH = textwrap.dedent("""
         recompile_opt.reset_plans()
         # fallback_random: Inductor draws the seeds as eager does
         with _every_site_approximated(), torch._inductor.config.patch(fallback_random=True):
-            got = _grads(model, inputs, {{"memory_budget": budget, "compiler": {compiler!r}, "approximate": BOTH}})
+            got = _grads(
+                model, inputs, {{"memory_budget": budget, "compiler": {compiler!r}, "approximate": BOTH}}
+            )
         assert recompile_opt.last_plans()[0].approximated
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)

@@ -103,7 +103,8 @@ def _(grad, packed, name, bits):
 
 @torch.library.custom_op("recompile_opt::randomized_project", mutates_args=())
 def randomized_project(seed: Tensor, rows: Tensor, ratio: float) -> Tensor:
-    """:func:`randomized_linear.project <recompile_opt.approximate.randomized_linear.project>`: ``S^T rows``."""
+    """:func:`randomized_linear.project <recompile_opt.approximate.randomized_linear.project>`:
+    ``S^T rows``."""
     if triton_kernels.use_triton(rows):
         return triton_kernels.project(seed, rows, ratio)
     return randomized_linear.project(seed, rows, ratio)

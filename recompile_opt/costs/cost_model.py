@@ -144,7 +144,8 @@ def collective_bytes(node: fx.Node) -> int:
 
 
 def _group_size(node: fx.Node) -> int:
-    """The group size an all-gather / reduce-scatter carries as an argument; an all-reduce's from its group."""
+    """The group size an all-gather / reduce-scatter carries as an argument; an all-reduce's from its
+    group."""
     for a in list(node.args[1:]) + list(node.kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool):
             return a
@@ -155,7 +156,9 @@ _aten = torch.ops.aten
 # Ops without a formula of their own that share another's argument layout (torch 2.13).
 _SAME_FLOPS_AS = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        _aten._scaled_dot_product_flash_attention_backward
+    ),
 }
 
 

@@ -11,8 +11,9 @@ no C++ is built) and walk the two wrappers' ``call`` functions in order, countin
 storage. On the 16 stored plans of ``bench/measured_peaks.json`` (GPT and Llama, every budget and
 policy) this gives the measured peak to within 0.4% (14 of them within 4 bytes). What the wrapper does
 not show is added: an extern kernel's workspace while it runs (:mod:`recompile_opt.costs.scratch`), and
-the channels-last copies Inductor makes of convolutions' inputs (:func:`exact_peak`). It costs about a second and a half per graph on this machine, so the planner asks it only
-about the few candidates that decide the least-peak plan (``planner._verified``).
+the channels-last copies Inductor makes of convolutions' inputs (:func:`exact_peak`). It costs about a
+second and a half per graph on this machine, so the planner asks it only about the few candidates that
+decide the least-peak plan (``planner._verified``).
 
 The step as the walk sees it: the forward starts with its inputs (parameters, data: the baseline, not
 counted); its outputs (the loss and the saved tensors) stay alive into the backward, which receives
@@ -230,8 +231,8 @@ class _Storages:
         """A multi-output call allocates every output at once; only the tuple holds them until unpacked."""
         self.drop(tuple_name)
         self.held[tuple_name] = []
-        for name, nbytes in outputs:
-            self.pending[name] = self.new(name, nbytes, holder="#" + tuple_name)
+        for name, n_bytes in outputs:
+            self.pending[name] = self.new(name, n_bytes, holder="#" + tuple_name)
             self.held[tuple_name].append(self.pending[name])
 
     def unpack(self, name: str, nbytes: int) -> None:

@@ -238,8 +238,8 @@ class PeakReport:
     """Allocator activity of one profiled call, relative to its start.
 
     ``peak_bytes``: max over time of (bytes allocated - bytes freed) since the
-    start, never below 0.  ``alloc_bytes``: total bytes allocated.  ``end_bytes``: the same balance at the end (what the
-    call left allocated, e.g. gradients).  ``n_events``: memory records used.
+    start, never below 0.  ``alloc_bytes``: total bytes allocated.  ``end_bytes``: the same balance at
+    the end (what the call left allocated, e.g. gradients).  ``n_events``: memory records used.
     """
 
     peak_bytes: int

@@ -63,8 +63,9 @@ def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] 
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
     the plan recomputes), ``scratch`` (an extern kernel's own workspace), ``temporaries`` (the
-    backward's other buffers; in the forward, everything not kept) and ``pooled`` (dead buffers Inductor's pool holds for a later allocation). Why: it
-    tells a user what a lower budget can still remove (kept, recomputed) and what it cannot
+    backward's other buffers; in the forward, everything not kept) and ``pooled`` (dead buffers
+    Inductor's pool holds for a later allocation). Why: it tells a user what a lower budget can still
+    remove (kept, recomputed) and what it cannot
     (gradients, the backward's own working set), i.e. the floor of the peak."""
     peak, phase, gm, trace = _simulate(fw, bw, traced=True)
     outs = {base_of(a) for a in next(iter(reversed(gm.graph.nodes))).all_input_nodes}
@@ -276,10 +277,10 @@ def _scratch(k: Kernel) -> int:
 
 
 def _log(trace: PeakTrace, kernel: int, changes: list, live: int) -> None:
-    for buf, nbytes in changes:
-        if nbytes:
-            live += nbytes
-            trace.events.append((kernel, nbytes, live, buf if isinstance(buf, str) else buf.name))
+    for buf, n_bytes in changes:
+        if n_bytes:
+            live += n_bytes
+            trace.events.append((kernel, n_bytes, live, buf if isinstance(buf, str) else buf.name))
 
 
 def _plan_reuse(
@@ -296,7 +297,8 @@ def inductor_pool(on: bool = True):
     span. Why only where asked: on the 16 stored plans of ``bench/peak_accuracy.py`` it is closer on
     the mean (|error| 2.7% against 3.5%; the GPT's plans within 1% but its 0.0 plan, +7.1%) and
     farther on the Llama's least-peak plan (+11.9% against +7.9%); on graphs chunked along the sequence,
-    where the span is far off (below), it ranks the least-peak search's plans (:mod:`recompile_opt.costs.simulator`)."""
+    where the span is far off (below), it ranks the least-peak search's plans
+    (:mod:`recompile_opt.costs.simulator`)."""
     token = _INDUCTOR_POOL.set(on)
     try:
         yield

@@ -12,8 +12,9 @@ caching allocator's peak counter), and its
 peak within the call less the bytes of its outputs is the scratch. A few milliseconds per distinct
 layout, cached for the process.
 
-Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other kernel's outputs are
-all it allocates. The meta device (planning without a step) has no kernel to measure: 0.
+Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other
+kernel's outputs are all it allocates. The meta device (planning without a step) has no kernel to
+measure: 0.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def simulator_for(
 def _disk_path(key: str) -> Path:
     """Where a graph's figures are kept: under Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``),
     by the graph's key and a hash of the code that computes them (the cost and pass modules and
-    ``_torch_internals``, which lowers the walks: a changed simulator or walk finds none of the old figures)."""
+    ``_torch_internals``, which lowers the walks: a changed simulator or walk finds none of the old
+    figures)."""
     return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{code_hash()[:12]}.json"
 
 

@@ -4,8 +4,8 @@ can see, cost and (for an all-gather) recompute.
 
 Why functions of our own: the transitions are conjugate pairs, and torch registers only some of them.
 An all-gather's registered backward is a reduce-scatter and a reduce-scatter's is an all-gather
-(``all_gather_single_autograd``, ``reduce_scatter_single_autograd``; ``_torch_internals.functional_collectives``):
-those are used as they are.
+(``all_gather_single_autograd``, ``reduce_scatter_single_autograd``;
+``_torch_internals.functional_collectives``): those are used as they are.
 An all-reduce's registered backward is another all-reduce, not Megatron's identity, so tensor
 parallelism without sequence parallelism needs its own pair (``f``: identity forward, all-reduce
 backward; ``g``: all-reduce forward, identity backward); ``f`` is also what makes the gradient of a

@@ -517,7 +517,8 @@ def _addmm_as_linear(gm: fx.GraphModule, params: dict) -> None:
 
 
 def _weight(linear: fx.Node, params: dict) -> fx.Node | None:
-    """The parameter a linear multiplies by: its weight, or a weight it transposes (:func:`_addmm_as_linear`)."""
+    """The parameter a linear multiplies by: its weight, or a weight it transposes
+    (:func:`_addmm_as_linear`)."""
     if len(linear.args) < 2 or not isinstance(linear.args[1], fx.Node):
         return None
     w = linear.args[1]

@@ -10,11 +10,12 @@ at a time (the loss first: it needs no recompute) and keep it only where the pla
 lower by at least :data:`GAIN` (against a chunked plan already taken: or no higher with a shorter
 estimated step; under ``peak_memory``: fits where the other does not, or fits with less recompute).
 
-A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's peak so far
-(:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try plans the
-graph again. Where a kind tried was not taken, the kinds passed over are tried with it once: its
-chunks may have moved the peak to them. The compile's own plan of the unchunked graph is the first (:func:`worth_trying`), so a
-graph where no kind is worth trying is planned once (``"auto"`` is the default).
+A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's
+peak so far (:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try
+plans the graph again. Where a kind tried was not taken, the kinds passed over are tried with it once:
+its chunks may have moved the peak to them. The compile's own plan of the unchunked graph is the first
+(:func:`worth_trying`), so a graph where no kind is worth trying is planned once (``"auto"`` is the
+default).
 
 Where the forward goes on after the loss (more than scalar ops), the loss is tried two ways: its
 gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in the backward (MST's,
@@ -24,10 +25,10 @@ The number of chunks follows Liger's rule (the chunk's logits no larger than the
 to a power of two; the MLP's hidden the same way: k = hidden / h), with a floor on the rows of a chunk
 from the roofline (:func:`min_rows`): each chunk passes over the region's weights whatever its rows, so
 chunks of a few rows are memory-bound (measured, ``bench/chunk_rows.py``: the LM head's loss in 128
-chunks of 4 rows took about 9x its unchunked time; at 128 rows, about 1.1x). Where the floor lowers Liger's k, a kind is tried at the floor
-first and at Liger's k after every kind's first try: the least-peak plan takes it where it peaks at
-least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met yet (fitting
-first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
+chunks of 4 rows took about 9x its unchunked time; at 128 rows, about 1.1x). Where the floor lowers Liger's k,
+a kind is tried at the floor first and at Liger's k after every kind's first try: the least-peak plan takes it
+where it peaks at least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met
+yet (fitting first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Candidate:
         """Whether one of the region's full-length tensors is alive at ``plan``'s simulated peak: a
         buffer with the region's width among its dims and tokens x width elements (exactly: attention's
         ``[b, heads, s, s]`` has a width among its dims where the sequence equals it). Where
-        none is, chunking the region cannot lower that peak (so it is not planned). A plan without the shapes at its peak: unknown, so yes."""
+        none is, chunking the region cannot lower that peak (so it is not planned). A plan without the
+        shapes at its peak: unknown, so yes."""
         shapes = plan.peak_breakdown.get("shapes")
         if shapes is None:
             return True
@@ -202,7 +204,7 @@ def _combined(
     the trial's peak: the kernel model locates a chunked plan's walked peak elsewhere."""
     still = []
     for c in passed:
-        for chunks, trial in missed:
+        for chunks, _ in missed:
             if any(FAMILY[kind] == FAMILY[c.kind] for kind in chunks):
                 continue
             both = {**chunks, c.kind: c.chunks}

@@ -1,8 +1,8 @@
 """The save/recompute ILP, solved with PuLP: HiGHS by default (highspy; 10x faster than CBC on a
 Llama layer's 11-level ladder), or the CBC that PuLP bundles.
 
-Data (from :class:`recompile_opt.planner.problem.Problem`): values v with inputs in(v), storage S(v), recompute
-time c_v, and the flags needed / can_save / can_recompute / random; storages S with bytes b_S and
+Data (from :class:`recompile_opt.planner.problem.Problem`): values v with inputs in(v), storage S(v),
+recompute time c_v, and the flags needed / can_save / can_recompute / random; storages S with bytes b_S and
 save time w_S (write + read); B the byte budget.
 
 Variables

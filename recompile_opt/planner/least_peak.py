@@ -255,8 +255,9 @@ def _verified(
         if peak is not None and _worth_its_peak(problem, (peak, c.recompute_s), (least, best.recompute_s)):
             return c._replace(peak=peak), (
                 f"then checked in Inductor's generated code: the search's choice ({_ms(best)} of recompute, "
-                f"est.) peaks at {fmt_bytes(least)}, this plan at {fmt_bytes(peak)} ({peak / least - 1:+.1%}, "
-                f"within the {EXACT_TIE:.0%} tie) for {_ms(c)}{_share_saved(problem, best, c)}"
+                f"est.) peaks at {fmt_bytes(least)}, this plan at {fmt_bytes(peak)} "
+                f"({peak / least - 1:+.1%}, within the {EXACT_TIE:.0%} tie) for {_ms(c)}"
+                f"{_share_saved(problem, best, c)}"
             )
     n = min(len(rivals), VERIFY_MAX)
     return best._replace(peak=least), (
