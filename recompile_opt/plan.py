@@ -340,7 +340,8 @@ class Plan:
                             fmt_bytes(o["bytes"]),
                             o["op"],
                             o["value"],
-                            f"windows {o['forward_window_s'] * 1e3:.3f}/{o['backward_window_s'] * 1e3:.3f} ms",
+                            f"windows {o['forward_window_s'] * 1e3:.3f}"
+                            f"/{o['backward_window_s'] * 1e3:.3f} ms",
                             o.get("module", ""),
                             o.get("source", ""),
                         )

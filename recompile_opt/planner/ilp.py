@@ -127,8 +127,9 @@ def solve(
 
 def plan_seconds(problem: Problem, saved: set[str], recomputed: set[str]) -> float:
     """The objective's time terms for a plan: its recompute, the saving (write + read) of the
-    storages it keeps and the copy time its offloads do not hide, summed in the problem's order (a set's order varies with the string hash seed,
-    and ranks that round a limit differently plan differently: ``parallel/agreement.py``)."""
+    storages it keeps and the copy time its offloads do not hide, summed in the problem's order (a
+    set's order varies with the string hash seed, and ranks that round a limit differently plan
+    differently: ``parallel/agreement.py``)."""
     storages = {problem.values[n].storage for n in saved}
     return (
         problem.recompute_seconds(recomputed)
@@ -192,7 +193,9 @@ class _Model:
         self.z = {s: binary(f"z_{i}") for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
         self.a = {site.choice: binary(f"a_{i}") for i, site in enumerate(problem.sites)}
         offloadable = set(problem.offloadable())
-        self.o = {n: binary(f"o_{i}") for i, n in enumerate(problem.values) if n in offloadable and n in self.s}
+        self.o = {
+            n: binary(f"o_{i}") for i, n in enumerate(problem.values) if n in offloadable and n in self.s
+        }
         exposed = functools.partial(self.lp.add_variable, lowBound=0, cat="Continuous")
         self.x = [exposed("x_down"), exposed("x_up")] if self.o else []
         self.penalties = []

@@ -46,11 +46,7 @@ def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
 
 def tagged_offloads(problem: Problem) -> set[str]:
     """A fixed policy's offloads: the values a user tagged MUST_CPU_OFFLOAD, where offload is offered."""
-    return {
-        offload_choice(n)
-        for n in problem.offloadable()
-        if problem.values[n].tag == "must_cpu_offload"
-    }
+    return {offload_choice(n) for n in problem.offloadable() if problem.values[n].tag == "must_cpu_offload"}
 
 
 def offloaded_entries(problem: Problem, saved: set[str], recomputed: set[str]) -> list[dict]:

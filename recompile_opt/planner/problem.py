@@ -116,13 +116,21 @@ class Problem:
         (earliest-deadline-first meets every other deadline). The ILP's window rows are the same
         formula (``ilp.add_offload``)."""
         off = sorted(offloaded_values(recomputed) & saved)
-        out = {"values": len(off), "bytes_to_host": 0, "bytes_to_device": 0, "hidden_s": 0.0, "exposed_s": 0.0}
+        out = {
+            "values": len(off),
+            "bytes_to_host": 0,
+            "bytes_to_device": 0,
+            "hidden_s": 0.0,
+            "exposed_s": 0.0,
+        }
         if not off or self.host_bytes_per_s <= 0:
             return out
         moved = {n: self.storage_bytes[self.values[n].storage] for n in off}
         total = sum(moved.values())
         exposed = sum(
-            exposed_seconds([(self.values[n].offload_windows[d], moved[n]) for n in off], self.host_bytes_per_s)
+            exposed_seconds(
+                [(self.values[n].offload_windows[d], moved[n]) for n in off], self.host_bytes_per_s
+            )
             for d in (0, 1)
         )
         out.update(
@@ -185,8 +193,10 @@ class Problem:
         then, unless another kept value (a view) holds it on the device."""
         offloaded = offloaded_values(recomputed) & saved
         on_device = {self.values[n].storage for n in saved - offloaded}
-        storages = {self.values[n].storage for n in saved} - {""} - (
-            {self.values[n].storage for n in offloaded} - on_device
+        storages = (
+            {self.values[n].storage for n in saved}
+            - {""}
+            - ({self.values[n].storage for n in offloaded} - on_device)
         )
         rng = sum(
             self.values[n].copies
