@@ -7,17 +7,18 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
 from recompile_opt.options import Options
-from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
-from recompile_opt.planner import ilp
+from recompile_opt.plan import KEEP, OFFLOAD, RECOMPUTE, Plan, PlanEntry, fmt_bytes
+from recompile_opt.planner import ilp, offload
 from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
 from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
-from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.problem import Problem, offloaded_values
 from recompile_opt.planner.solving import (
     InfeasibleBudget,
     Simulate,
@@ -54,7 +55,7 @@ def make_plan(
     from nothing."""
     memory = PlanningMemory() if memory is None else memory
     baseline = problem.kept_bytes(*problem.needed_closure(POLICIES["save-all"](problem)))  # memory_budget 1.0
-    notes: list[str] = []
+    problem, notes = offload.offer(problem, options)
     keep: set[str] = set()
     if options.policy == "auto":
         solves = ilp.SolveLog()
@@ -68,7 +69,7 @@ def make_plan(
             t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")
         }
         own = POLICIES[options.policy](problem)
-        recompute = (own | tagged["must_recompute"]) - tagged["must_save"]
+        recompute = (own | tagged["must_recompute"]) - tagged["must_save"] | offload.tagged_offloads(problem)
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         acts = problem.kept_bytes(*problem.needed_closure(own)) < baseline
@@ -88,6 +89,8 @@ def make_plan(
         notes=notes,
     )
     plan.approximated = _approximated(problem, recomputed)
+    plan.offloaded = offload.offloaded_entries(problem, saved, recomputed)
+    plan.offload = problem.offload_figures(saved, recomputed) if plan.offloaded else {}
     log.info(
         "recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
         graph,
@@ -179,8 +182,9 @@ def _leanest_as_fast(
     saved, recomputed = problem.needed_closure(fastest.recompute, fastest.keep)
     step = problem.step_s + problem.recompute_seconds(recomputed)
     cap = ilp.plan_seconds(problem, saved, recomputed) + options.mip_gap * step
-    if problem.sites:  # approximations only where a budget asks for bytes (ilp.APPROXIMATION_PRICE)
-        problem = problem.with_sites_fixed(False)
+    if problem.sites or problem.offloadable():  # approximations and offloads only where a budget asks
+        # for bytes (ilp.APPROXIMATION_PRICE, OFFLOAD_PRICE); a user's offload tags still hold
+        problem = dataclasses.replace(problem.with_sites_fixed(False), offload_only_tagged=True)
         reduction = reduce_blocks(problem)
     lean = solve_reduced(problem, reduction, None, kw, [], minimize_memory=True, time_cap_s=cap)
     if lean.status not in ("optimal", "feasible"):
@@ -343,8 +347,11 @@ def _describe(
 ) -> Plan:
     kept_entries, rec_entries, charged = [], [], set()
     kept_storages = {problem.values[n].storage for n in saved}
+    offloaded = offloaded_values(recomputed) & saved
     for name, v in problem.values.items():
-        if name in saved:
+        if name in offloaded:  # handed to the backward through the host: no device bytes kept
+            kept_entries.append(_entry(v, OFFLOAD, _reason(v, OFFLOAD, options.policy, False), 0))
+        elif name in saved:
             b = 0 if v.storage in charged else problem.storage_bytes.get(v.storage, 0)
             charged.add(v.storage)
             free = problem.storage_bytes.get(v.storage, 0) == 0
