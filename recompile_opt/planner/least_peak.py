@@ -445,20 +445,22 @@ def _range_search(
     min_bytes: int | None = None,
     *,
     verify: bool = True,
-    searched: dict | None = None,
+    known_ranges: dict | None = None,
 ) -> _RangeEnds:
     """The range's ends from the least-peak search, searched once per graph and options (the byte
     and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
     any plan keeps, when the caller has solved for it already. ``verify=False``: the least simulated
     peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares.
-    ``searched``: the ends found by earlier searches, by fingerprint (``PlanningMemory.range_ends``:
+    ``known_ranges``: the ends found by earlier searches, by fingerprint (``PlanningMemory.range_ends``:
     fractions of one graph, a frontier sweep, and peak limits on it, a peak sweep, search once); this
     search's ends are added."""
-    searched = {} if searched is None else searched
+    known_ranges = {} if known_ranges is None else known_ranges
     key = _fingerprint(problem, options) + ("" if verify else ":unverified")
-    if key in searched:
-        simulate.mark_asked(searched[key].walked_keys)  # as if searched again: its walks are this compile's
-        return searched[key]
+    if key in known_ranges:
+        simulate.mark_asked(
+            known_ranges[key].walked_keys
+        )  # as if searched again: its walks are this compile's
+        return known_ranges[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
@@ -470,15 +472,15 @@ def _range_search(
         min_bytes, floor, least_peak, notes[-1] if notes else None, found, simulate.walked_keys(since)
     )
     if least_peak is not None:
-        searched[key] = ends
+        known_ranges[key] = ends
     return ends
 
 
-def range_walked(problem: Problem, options: Options, searched: dict) -> bool:
+def range_walked(problem: Problem, options: Options, known_ranges: dict) -> bool:
     """Whether this graph's least-peak search (a fraction's range, searched once per graph and options)
     checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
     finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
-    ends = searched.get(_fingerprint(problem, options))
+    ends = known_ranges.get(_fingerprint(problem, options))
     return ends is not None and bool(ends.walked_keys)
 
 
@@ -517,7 +519,7 @@ def _fit_peak(
     kw: dict,
     notes: list[str],
     simulate: Simulate,
-    searched: dict | None = None,
+    known_ranges: dict | None = None,
 ):
     """``peak_memory``: a hard limit on the step's peak. Walk kept-byte levels from the byte budget down
     to the first plan whose simulated peak fits, probe between it and the level above (the peak is
@@ -596,7 +598,7 @@ def _fit_peak(
             options,
             min_bytes if p is problem else None,
             verify=p is problem,
-            searched=searched,
+            known_ranges=known_ranges,
         ).found
         if budget is None or c.kept <= budget
     ]

@@ -109,7 +109,7 @@ def _solve_auto(
     notes: list[str],
     simulate: Simulate | None = None,
     solves: ilp.SolveLog | None = None,
-    searched: dict | None = None,
+    known_ranges: dict | None = None,
 ):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap, log=solves)
     if problem.collectives:  # every rank must reach the same plan (a different one hangs the collectives)
@@ -128,10 +128,12 @@ def _solve_auto(
     if isinstance(budget, float):
         # the range's ends know no peak limit: a limit is applied below, by _fit_peak
         if simulate is not None and budget < 1.0:
-            ends = _range_search(problem, reduction, kw, baseline, simulate, options, searched=searched)
+            ends = _range_search(
+                problem, reduction, kw, baseline, simulate, options, known_ranges=known_ranges
+            )
             if problem.sites and budget == 0.0 and not fit_peak:
                 ends = _least_peak_approximating(
-                    problem, reduction, kw, baseline, simulate, options, ends, searched
+                    problem, reduction, kw, baseline, simulate, options, ends, known_ranges
                 )
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
         else:
@@ -149,7 +151,7 @@ def _solve_auto(
             )
     if fit_peak:
         return _fit_peak(
-            problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate, searched
+            problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate, known_ranges
         )
     sol = solve_reduced(problem, reduction, budget, kw, notes)
     if budget is None and sol.status in ("optimal", "feasible"):
@@ -204,7 +206,7 @@ def _least_peak_approximating(
     simulate: Simulate,
     options: Options,
     ends,
-    searched: dict,
+    known_ranges: dict,
 ):
     """The least-peak search again with every site approximated and with none, and the ends of the
     lowest peak of the three. Why: the ILP prices an approximation by the recompute it saves, and the
@@ -219,7 +221,7 @@ def _least_peak_approximating(
         variant = problem.with_sites_fixed(fixed)
         # not verified: its least simulated peak is walked below, against the others'
         found = _range_search(
-            variant, reduction, kw, baseline, simulate, options, verify=False, searched=searched
+            variant, reduction, kw, baseline, simulate, options, verify=False, known_ranges=known_ranges
         )
         if found.least_peak is not None:
             searches.append(found)
