@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import tiny_gpt
+from helpers import tiny_mlp
 
 from recompile_opt.compile_paths import compile_eager
 from recompile_opt.costs import simulator
@@ -19,7 +19,7 @@ from recompile_opt.planning import Request
 
 def _planned(options: dict, memory: PlanningMemory) -> RecompilePartitioner:
     """One training step's graph planned on the eager path by a partitioner with ``memory``."""
-    model, inputs = tiny_gpt()
+    model, inputs = tiny_mlp()
     part = RecompilePartitioner(parse_options({**options, "compiler": "eager"}), memory)
     torch._dynamo.reset()
     torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, part))(*inputs).backward()
