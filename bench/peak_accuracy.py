@@ -146,9 +146,9 @@ def simulators(model_names) -> dict:
 
     built, make_plan = {}, planning.make_plan
 
-    def capture(problem, opts, *, graph="", simulate=None):
-        built.update(problem=problem, simulate=simulate)
-        return make_plan(problem, opts, graph=graph, simulate=simulate)
+    def capture(problem, opts, **kw):
+        built.update(problem=problem, simulate=kw.get("simulate"))
+        return make_plan(problem, opts, **kw)
 
     out = {}
     planning.make_plan = capture

@@ -17,6 +17,7 @@ from recompile_opt.costs.measure import peak_memory
 from recompile_opt.options import parse_options
 from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner import least_peak, search
+from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.search import InfeasibleBudget
 from recompile_opt.planner.solving import SimulateOnly
 
@@ -315,7 +316,7 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
         c.values["c"].info["op"] = last_op
         return c
 
-    sim = _FakeSimulator()
+    sim, memory = _FakeSimulator(), PlanningMemory()  # what the process remembers, passed in
     for opts in (
         {"memory_budget": 0.0},
         {"memory_budget": 0.5},
@@ -323,11 +324,11 @@ def test_the_least_peak_search_runs_once_per_graph_across_limits_and_compilers(m
         {"peak_memory": 7 * MiB, "compiler": "eager"},
         {"memory_budget": 0.3, "compiler": "eager"},
     ):
-        plan = search.make_plan(chain(), parse_options(opts), simulate=sim)
+        plan = search.make_plan(chain(), parse_options(opts), simulate=sim, memory=memory)
         if "peak_memory" in opts:
             assert "b" in plan.saved_names() and any("least-peak search" in n for n in plan.notes), plan
     assert len(searches) == 1
-    search.make_plan(chain("add"), parse_options({"memory_budget": 0.0}), simulate=sim)
+    search.make_plan(chain("add"), parse_options({"memory_budget": 0.0}), simulate=sim, memory=memory)
     assert len(searches) == 2
 
 

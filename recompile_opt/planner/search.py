@@ -133,7 +133,7 @@ def _solve_auto(
             )
             if problem.sites and budget == 0.0 and not fit_peak:
                 ends = _least_peak_approximating(
-                    problem, reduction, kw, baseline, simulate, options, ends, known_ranges
+                    problem, reduction, kw, baseline, simulate, options, ends, known_ranges=known_ranges
                 )
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
         else:
@@ -206,6 +206,7 @@ def _least_peak_approximating(
     simulate: Simulate,
     options: Options,
     ends,
+    *,
     known_ranges: dict,
 ):
     """The least-peak search again with every site approximated and with none, and the ends of the
