@@ -410,12 +410,7 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
         leaves = pytree.tree_leaves((args, kwargs))
         got = [_signature(x) for x in leaves]
         if got != captured or self.training != training:
-            raise ValueError(
-                f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
-                f"{'training' if training else 'eval'} mode; called with {got} in "
-                f"{'training' if self.training else 'eval'} mode. Parallelize a fresh model with "
-                "example inputs of these shapes and this mode"
-            )
+            _refuse(captured, training, got, self.training)
         user = iter(leaves)
         inputs = []
         for spec in specs:
@@ -435,6 +430,22 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
         return pytree.tree_unflatten(mine, out_tree)
 
     model.forward = types.MethodType(forward, model)
+
+
+@torch.compiler.disable
+def _refuse(captured: list, training: bool, got: list, now_training: bool) -> None:
+    """The error of a call the layout does not fit, raised outside Dynamo's trace. Why: an exception
+    Dynamo traces to the top of a compiled frame makes it skip that frame's code for good (torch 2.13:
+    ``Module._wrapped_call_impl``, every module's), so a compiled model that caught this error ran
+    afterwards as pieces (the ``to_local`` calls, then the rank's graph with its shards as inputs) that the
+    partitioner failed on (issue 49). A disabled function is a graph break Dynamo resumes from instead;
+    only a refused call reaches it (the check is constant while tracing)."""
+    raise ValueError(
+        f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
+        f"{'training' if training else 'eval'} mode; called with {got} in "
+        f"{'training' if now_training else 'eval'} mode. Parallelize a fresh model with "
+        "example inputs of these shapes and this mode"
+    )
 
 
 def _signature(x):
