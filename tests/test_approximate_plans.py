@@ -131,7 +131,7 @@ def _every_site_approximated():
     that search's plan (not the lowest of it, every site approximated, and none)."""
     with (
         mock.patch.object(ilp, "APPROXIMATION_PRICE", -1e3),
-        mock.patch.object(search, "_least_peak_approximating", lambda *args: args[-1]),
+        mock.patch.object(search, "_least_peak_approximating", lambda *args, **kwargs: args[-1]),
     ):
         yield
 
