@@ -104,26 +104,14 @@ def _least_peak(
     """The plan with the least predicted peak over a ladder of kept-byte budgets, its kept bytes, and
     every plan the search met (``peak_memory`` takes the least recompute among those that fit).
 
-    Below some budget, keeping fewer bytes only raises the peak: a recomputed value lives from its
-    first to its last use in the backward, so recomputing the whole forward holds all of it at once
-    (PyTorch's knapsack at 0.05 keeps 2 MiB yet peaks higher than at 0.5). A fraction's 0.0 end is
-    therefore the least-peak plan, not the least-kept one; an int budget can still go lower.
+    Two ladders (kept bytes, lifetime-weighted bytes), probes beside the lowest peaks, ties within
+    ``PEAK_TIE`` won by the least recompute, the refinement (:func:`_keep_moves`), uniform plans for
+    identical blocks (:func:`_mirrored`) and the check in Inductor's code (:func:`_verified`); what each
+    step found on the benchmark models is in docs/design.md, "Budgets, and the least-peak search". A
+    search, not a proof of the least peak.
 
-    The peak along a ladder is not monotone, nor smooth: a 4 KiB norm statistic kept or recomputed
-    moves it by 3 MiB, so the levels next to the lowest-peak ones are probed too (on a 2-layer GPT
-    the plain ladder's best plan measured 28.6 MiB; the probe a quarter step beside its second best
-    found one that measured 24.8 MiB). This is a search, not a proof of the least peak;
-    ``Plan.peak_breakdown`` shows what is alive at the peak of the plan chosen. Peaks within
-    ``PEAK_TIE`` of the least are ties, and a tie goes to the plan that recomputes least. The best
-    plan is then refined by keeping, one at a time, recomputed values alive at its peak
-    (:func:`_keep_moves`), for up to ``REFINE_ROUNDS`` rounds while a move lowers the peak or cuts
-    the recompute by ``REFINE_MIN_GAIN``. Last, for a stack of identical blocks solved in full, every
-    plan within ``MIRROR_RANGE`` of the least peak is tried with each block's decisions given to all
-    blocks (:func:`_mirrored`), and such a uniform plan replaces the best when it is as good on both
-    counts: a peak within ``PEAK_TIE`` of the least and no more recompute. Inductor builds a uniform plan's
-    block kernels once (the GPT's least-peak plan: 23 kernel modules, the asymmetric one 34). Why not
-    a lower peak alone: on the Llama a uniform plan predicted 4% below the best (25.99 MiB) for twice
-    its recompute measured 27.99 MiB, against the best's 25.11."""
+    Why: below some budget keeping fewer bytes only raises the peak (a recomputed value lives from its
+    first to its last use in the backward), so a fraction's 0.0 end is the least-peak plan."""
     # solves on threads (HiGHS releases the GIL: 11 ladder solves of a 2-layer GPT took 1.80 s in turn,
     # 0.93 s on 2 threads), each result simulated here as soon as it is in
     kw = {**kw, "max_nodes": SEARCH_MAX_NODES}
@@ -521,23 +509,15 @@ def _fit_peak(
     simulate: Simulate,
     known_ranges: dict | None = None,
 ):
-    """``peak_memory``: a hard limit on the step's peak. Walk kept-byte levels from the byte budget down
-    to the first plan whose simulated peak fits, probe between it and the level above (the peak is
-    spiky in the level), and take the least recompute that fits; then check it in Inductor's own code
-    (:class:`_PeakCheck`) and take the next if it does not. When no level fits, the least-peak search
-    (the 0.0 end of a fractional budget; where approximations are offered, also with every site
-    approximated) is the last try: the least recompute among all the plans it met that fit. Why all:
-    on the benchmark's GPT, ``peak_memory="26MiB"`` got the least-peak plan (23.79 MiB, 32.1 ms est.)
-    where the search had met one at 25.81 MiB for 27.5 ms. Where none of the plans walked for the
-    limit fits, the walk toward the least peak (:meth:`_PeakCheck.least_walked`) decides: the least
-    recompute among the plans walked that fit, and only where none does, "cannot be met". Why: a plan
-    simulated beyond ``SIM_SLACK`` over the limit is never walked for it, yet may walk under it (a
-    ResNet-style CNN's least-peak plan: 4.58 MiB simulated, 3.70 walked; "3.80 MiB" was called
-    unmeetable with "the least peak found is 3.70 MiB").
+    """``peak_memory``: a hard limit on the step's peak. Kept-byte levels from the byte budget down to the
+    first plan that may fit, probes between it and the level above, and the least recompute that fits,
+    judged in Inductor's code (:class:`_PeakCheck`); where no level fits, the least recompute among every
+    plan the least-peak search met that fits; where none walked fits, more are walked toward the least
+    peak (:meth:`_PeakCheck.least_walked`), and only then "cannot be met".
 
-    Why the check: the simulated peak alone (the ILP has no peak rows) is off by -10%..+9%, so a plan
-    that fits by it may not: the stored ``peak=26MiB`` plan of the benchmark's GPT was simulated at
-    25.85 MiB and measured 28.58 (``bench/measured_peaks.json``); its walk gives 28.58."""
+    Why walked: the simulated peak is off by -10%..+9%, so a plan that fits by it may not (the benchmark
+    GPT's stored ``peak=26MiB`` plan: simulated 25.85 MiB, measured and walked 28.58); the steps'
+    figures are in docs/design.md, "Budgets, and the least-peak search"."""
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     if budget is not None and min_bytes is not None and budget < min_bytes:  # the byte limit first
