@@ -24,7 +24,7 @@ from recompile_opt.parallel.agreement import check_same_plan
 from recompile_opt.plan import Plan
 from recompile_opt.planner import budget_split
 from recompile_opt.planner.memory import PlanningMemory
-from recompile_opt.planning import Planned, Request, plan_joint_graph, random_fuses, replay_random
+from recompile_opt.planning import Planned, Request, plan_joint_graph
 from recompile_opt.provenance import code_hash
 
 # What planning remembers in this process (the least-peak searches, a whole-model budget's shares, the
@@ -89,12 +89,6 @@ class RecompilePartitioner(ti.CustomPartitionerFn):
         peak a user reads, and a limit is held to, is the code's: the kernel model alone was 14-58% off
         on models the tests had not seen)."""
         return self.options.compiler == "inductor"
-
-    def replay_random(self) -> bool:
-        return replay_random(self.options)
-
-    def random_fuses(self) -> bool:
-        return random_fuses(self.options)
 
     def uuid(self) -> str:
         """Our code, the options and the budget shares they read: the compile caches' key."""

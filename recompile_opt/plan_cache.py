@@ -20,6 +20,7 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.options import Options
 from recompile_opt.partitioner import RecompilePartitioner
 from recompile_opt.plan import Plan
+from recompile_opt.planning import replay_random
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def plan_key(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartition
         gm.code
         + repr(meta)
         + partitioner.uuid()
-        + f"replay_random={partitioner.replay_random()}"
+        + f"replay_random={replay_random(partitioner.options)}"
         + ti.graph_changing_state()
         + ti.layout_settings()
     )
