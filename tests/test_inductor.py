@@ -34,7 +34,10 @@ def test_dropout_is_kept_not_replayed_under_fallback_random_and_gradients_equal_
 
 @pytest.mark.parametrize(
     "options",
-    [{"memory_budget": 0.0}, pytest.param({"policy": "megatron-selective"}, marks=pytest.mark.slow)],
+    # a byte budget far below what the masks take (least possible: 572 B): every block's mask is then
+    # recomputed. At 0.0 the tiny GPT's peak is its gradients at the backward's end, which no kept mask
+    # reaches, so the least-peak plan keeps them (the least recompute among ties)
+    [{"memory_budget": "1KiB"}, pytest.param({"policy": "megatron-selective"}, marks=pytest.mark.slow)],
     ids=str,
 )
 def test_dropout_replayed_by_inductors_rng_equals_the_same_model_at_save_all(options):

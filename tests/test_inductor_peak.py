@@ -474,12 +474,17 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
 # -- Inductor's buffer pool ----------------------------------------------------------------------------
 
 
-def test_the_pool_is_off_where_the_goal_is_the_peak():
+def test_the_pool_is_off_where_the_plan_answers_a_memory_request():
     from recompile_opt.planning import pools_dead_buffers
 
-    for opts in ({"memory_budget": 0.0}, {"memory_budget": 0}, {"peak_memory": "1MiB"}):
+    for opts in (
+        {"memory_budget": 0.0},
+        {"memory_budget": 0.5},
+        {"memory_budget": "1MiB"},
+        {"peak_memory": "1MiB"},
+    ):
         assert not pools_dead_buffers(parse_options(opts)), opts
-    for opts in ({}, {"memory_budget": 0.5}, {"memory_budget": "1MiB"}, {"policy": "full"}):
+    for opts in ({}, {"policy": "full"}, {"policy": "save-all"}):
         assert pools_dead_buffers(parse_options(opts)), opts
 
 
@@ -519,7 +524,7 @@ def test_a_least_peak_compile_frees_dead_buffers_and_says_what_holds_its_peak(bu
         step()
     (plan,) = recompile_opt.last_plans()
     compiled_graphs = pool_settings[-2:]  # the planner's own lowerings come first
-    if budget is None:  # no peak goal: Inductor's own setting
+    if budget is None:  # no memory request: Inductor's own setting
         assert compiled_graphs == [True, True] and plan.solver["buffer_pool"] is True
         return
     assert compiled_graphs == [False, False] and plan.solver["buffer_pool"] is False
