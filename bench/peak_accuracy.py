@@ -5,6 +5,7 @@ Usage::
 
     python bench/peak_accuracy.py --check bench/measured_peaks.json   # re-simulate the stored plans (seconds)
     python bench/peak_accuracy.py --check bench/measured_peaks.json --exact # and walk Inductor's code (~30 s)
+    python bench/peak_accuracy.py --check bench/measured_peaks.json --pool-off  # the code without the pool
     python bench/peak_accuracy.py --measure peaks.json                # 16 settings through Inductor (~6 min)
     python bench/peak_accuracy.py --measure p.json --models gpt --settings none,0.0
 
@@ -60,6 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="with --check: also each plan's peak walked in the code Inductor generates for it "
         "(recompile_opt.costs.inductor_peak, what the planner checks the least-peak plan with)",
+    )
+    p.add_argument(
+        "--pool-off",
+        action="store_true",
+        help="with --check: the plans' code with Inductor's buffer pool off (the least-peak plans' setting, "
+        "planning.pools_dead_buffers): the kernel model without a pool ('now') and with the fitted span "
+        "('span') against the walk of that code ('exact', the reference)",
     )
     p.add_argument(
         "--compiler",
@@ -187,9 +195,33 @@ def check(rows: list[dict], exact: bool = False) -> list[dict]:
     return out
 
 
-def report(rows: list[dict]) -> str:
-    keys = ["stored", "now"] + (["exact"] if rows and "exact" in rows[0] else [])
-    lines = [f"{'model':6s} {'setting':20s} {'measured':>9s}" + "".join(f" {k:>16s}" for k in keys)]
+def check_pool_off(rows: list[dict]) -> list[dict]:
+    """:func:`check` of the stored plans compiled with Inductor's buffer pool off: each plan's walked
+    peak in that code (``exact``, the reference) against the kernel model without a pool (``now``) and
+    with the fitted span of the pool it no longer has (``span``)."""
+    from recompile_opt import _torch_internals as ti
+
+    with ti.buffer_pool(False):
+        sims = simulators(sorted({r["model"] for r in rows}))
+        out = []
+        for r in rows:
+            problem, simulate = sims[r["model"]]
+            saved, recomputed = problem.needed_closure(
+                set(r["recomputed"]), set(r["saved"]) & problem.values.keys()
+            )
+            simulate.results, simulate.pooled = {}, True
+            span = simulate(saved, recomputed)
+            simulate.results, simulate.pooled = {}, False
+            now = simulate(saved, recomputed)
+            walked = simulate.exact(saved, recomputed)
+            row = {"model": r["model"], "setting": r["setting"], "measured": walked / MiB}
+            out.append({**row, "now": now / MiB, "span": span / MiB})
+    return out
+
+
+def report(rows: list[dict], reference: str = "measured") -> str:
+    keys = [k for k in ("stored", "now", "span", "exact") if rows and k in rows[0]]
+    lines = [f"{'model':6s} {'setting':20s} {reference:>9s}" + "".join(f" {k:>16s}" for k in keys)]
     for r in rows:
         m = r["measured"]
         lines.append(
@@ -212,6 +244,9 @@ def main(argv=None) -> None:
         rows = measure_all(args)
         with open(args.measure, "w") as f:
             json.dump(rows, f, indent=1)
+    elif args.pool_off:
+        with open(args.check) as f:
+            print(report(check_pool_off(json.load(f)), reference="walked"))
     else:
         with open(args.check) as f:
             print(report(check(json.load(f), exact=args.exact)))

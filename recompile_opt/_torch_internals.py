@@ -228,6 +228,8 @@ __all__ = [
     "lower_backward_eagerly",
     "bw_donated_inputs",
     "codegen_settings",
+    "buffer_pool",
+    "buffer_pool_patch",
     "CPU_OFFLOAD_PREFIX",
     "offload_ops_available",
     "offload_activations",
@@ -509,6 +511,8 @@ class WrapperCode(NamedTuple):
     # Inductor lays them out: channels-last where it chose so)
     externs: dict[str, tuple[list, list | None]]
     output_strides: list[tuple | None]  # each graph output's strides (None: not a tensor)
+    origins: dict[str, str]  # buffer -> the name of the FX node whose value it holds, where one does
+    pooled: frozenset[str]  # dead buffers the wrapper held for a later allocation (not in place)
 
 
 def inductor_wrapper_code(
@@ -569,8 +573,11 @@ def inductor_wrapper_code(
 
 def _wrapper_code_of(graph: GraphLowering, code: str) -> WrapperCode:
     """What a lowered graph's buffers say, beside its wrapper ``code`` (:class:`WrapperCode`)."""
-    sizes, outputs, externs = {}, {}, {}
+    sizes, outputs, externs, origins = {}, {}, {}, {}
     for name, buf in graph.name_to_buffer.items():
+        node = getattr(buf, "origin_node", None) or next(iter(getattr(buf, "origins", ()) or ()), None)
+        if node is not None:
+            origins[name] = node.name
         if isinstance(buf, inductor_ir.ExternKernel) and not isinstance(buf, inductor_ir.MultiOutput):
             externs[name] = (list(buf.origins), _input_layouts(buf, graph))
         layout = getattr(buf, "layout", None)
@@ -580,7 +587,19 @@ def _wrapper_code_of(graph: GraphLowering, code: str) -> WrapperCode:
         if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
             outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
     strides = [_output_stride(graph, out) for out in graph.graph_outputs]
-    return WrapperCode(code, sizes, outputs, externs, strides)
+    return WrapperCode(code, sizes, outputs, externs, strides, origins, _pool_reuses(graph))
+
+
+def _pool_reuses(graph: GraphLowering) -> frozenset[str]:
+    """The dead buffers the wrapper's memory planning handed to a later allocation: their free line
+    (``FreeIfNotReusedLine``) marked reused. A buffer written over in place by the kernel that reads
+    it last (``inplace_buffers``) has no such line: the same ``# reuse`` in the code is no pool's."""
+    lines = getattr(getattr(graph, "wrapper_code", None), "lines", ())
+    return frozenset(
+        line.node.get_name()
+        for line in lines
+        if type(line).__name__ == "FreeIfNotReusedLine" and getattr(line, "is_reused", False)
+    )
 
 
 # Graphs Inductor generates code for while :func:`compiled_wrapper_code` records on this thread.
@@ -748,6 +767,22 @@ def layout_optimization(enabled: bool):
     """Inductor's channels-last layout for convolutions (``config.layout_optimization``) switched on or
     off while the block runs (a plan's graphs walked in either layout)."""
     with inductor_config.patch(layout_optimization=enabled):
+        yield
+
+
+def buffer_pool_patch(enabled: bool) -> dict:
+    """Inductor's config setting under which its wrapper may (``enabled``) or may not hand a dead buffer
+    to a later allocation of the same size (``allow_buffer_reuse``; the wrapper's memory planning,
+    ``FreeIfNotReusedLine`` / ``AllocateLine.should_reuse_buffer``), as ``compile_fx``'s
+    ``config_patches`` take it: they hold for the backward compiled at the first backward as well.
+    Writing an output in place over a dying input (``inplace_buffers``) is another setting, kept."""
+    return {"allow_buffer_reuse": enabled}
+
+
+@contextlib.contextmanager
+def buffer_pool(enabled: bool):
+    """:func:`buffer_pool_patch` while the block runs (a plan's graphs walked as they will compile)."""
+    with inductor_config.patch(buffer_pool_patch(enabled)):
         yield
 
 

@@ -18,6 +18,7 @@ from recompile_opt.parallel.sequence_pass import add_sequence_parallel
 from recompile_opt.partitioner import RecompilePartitioner
 from recompile_opt.passes.approximate import offer_approximations
 from recompile_opt.passes.meta_attention import fuse_attention_for
+from recompile_opt.planning import pools_dead_buffers
 
 
 def compile_inductor(gm: fx.GraphModule, example_inputs, partitioner: RecompilePartitioner):
@@ -42,7 +43,10 @@ def _compile_inductor_once(
         ti.lower_backward_eagerly() if defer else contextlib.nullcontext(),
         partitioner.asked(chunked=chunked.chunked, compiling=defer),
     ):
-        compiled = ti.compile_fx(gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner})
+        pool = ti.buffer_pool_patch(pools_dead_buffers(partitioner.options))
+        compiled = ti.compile_fx(
+            gm, example_inputs, config_patches={"custom_partitioner_fn": partitioner, **pool}
+        )
     partitioner.finish_peak(lowered)
     note(partitioner, chunked)
     note(partitioner, offered)

@@ -49,6 +49,9 @@ class Plan:
     outputs_bytes: int = 0
     # where the predicted peak lies and what is alive there, by kind (recompile_opt.costs.peak.peak_breakdown)
     peak_breakdown: dict = field(default_factory=dict)
+    # the same, read off the walk of Inductor's code where the predicted peak is walked (what the
+    # step holds there: recompile_opt.costs.inductor_peak.WalkedPeak)
+    walked_breakdown: dict = field(default_factory=dict)
     # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
     # the graph (cost model, every solve and simulation of the search, partition), when compiled;
     # solves / solves_s: every ILP solve of the planning and their summed time (on a pool: they
@@ -268,17 +271,18 @@ class Plan:
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
         budget could still remove: kept and recomputed; the rest is the floor any plan pays there)."""
-        bd = self.peak_breakdown
+        bd = self.walked_breakdown or self.peak_breakdown
         if not bd.get("bytes"):
             return []
-        kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in bd["bytes"].items())
+        kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in bd["bytes"].items() if n)
         ops = "+".join(bd.get("kernel_ops", [])[:4]) or "-"
         where = (
             f"{bd['phase']} kernel {bd['kernel'] + 1}/{bd['kernels']} ({ops})"
             if bd.get("kernel", -1) >= 0
             else f"start of the {bd['phase']}"
         )
-        return [f"  at the peak       : {where}: {kinds}"]
+        source = "walked" if self.walked_breakdown else "kernel model"
+        return [f"  at the peak       : {where}, {source}: {kinds}"]
 
     def table(self) -> str:
         """One line per kept or recomputed value (parameters counted, not listed): dtype[shape], bytes

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.inductor_peak import output_names
-from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown
+from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown, pool_rule
 from recompile_opt.costs.simulator import PeakSimulator, simulator_for
 from recompile_opt.options import Options
 from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
@@ -37,6 +37,11 @@ from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.problem import Problem
 from recompile_opt.planner.search import make_plan
 from recompile_opt.planner.solving import one_tensor_per_storage
+
+POOL_OFF_NOTE = (
+    "Inductor's buffer pool off for this peak goal (allow_buffer_reuse=False): each dead buffer is "
+    "freed where it dies, not held for a later allocation of its size, which only adds to the peak"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,11 +119,19 @@ def plan_joint_graph(
 ) -> Planned:
     """Plan the joint graph ``gm`` (``kwargs``: AOTAutograd's partitioner keywords) as ``request``
     asks, and partition it to match. The plan's predicted peak is its walk in Inductor's code where
-    one was made (now, or for ``deferred`` once the compile's code exists), else the kernel model's."""
+    one was made (now, or for ``deferred`` once the compile's code exists), else the kernel model's;
+    its code is walked with Inductor's buffer pool as the compile will set it (:func:`pools_dead_buffers`)."""
+    with ti.buffer_pool(pools_dead_buffers(options)):
+        return _plan_joint_graph(gm, kwargs, options, request, memory)
+
+
+def _plan_joint_graph(
+    gm: fx.GraphModule, kwargs: dict, options: Options, request: Request, memory: PlanningMemory
+) -> Planned:
     start = time.perf_counter()
     joint = read_joint_graph(gm, kwargs, options, memory)
     simulate, problem = joint.simulate, joint.problem
-    simulate.chunked = request.chunked
+    simulate.chunked, simulate.pooled = request.chunked, pools_dead_buffers(options)
     used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
     graph_options, split_note = budget_split.options_for_graph(memory, options, joint.gid)
     known = request.known.get(joint.gid)
@@ -129,6 +142,7 @@ def plan_joint_graph(
         plan, release = _new_plan(joint, graph_options, request, memory)
         plan.notes[:0] = [split_note] if split_note else []
         plan.notes += [layout_note] if layout_note else []
+        plan.notes += [] if simulate.pooled else [POOL_OFF_NOTE]
         if not replay_random(options) and any(v.random for v in problem.values.values()):
             plan.notes.append(
                 "random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
@@ -144,7 +158,8 @@ def plan_joint_graph(
         num_fwd_outputs=joint.num_fwd_outputs,
         static_lifetime_input_indices=joint.static,
     )
-    plan.peak_breakdown = peak_breakdown(fw, bw, recomputed, inductor_rule=request.chunked)
+    plan.peak_breakdown = peak_breakdown(fw, bw, recomputed, pool=pool_rule(simulate.pooled, request.chunked))
+    plan.solver["buffer_pool"] = simulate.pooled
     plan.outputs_bytes = caller_outputs_bytes(fw, joint.num_fwd_outputs)
     exact = simulate.known_exact(saved, recomputed)
     if exact is None and known is not None and known.solver.get("peak_from") == "inductor-code":
@@ -166,13 +181,13 @@ def plan_joint_graph(
     if (wants_chunks and exact is None) or (walk and not request.compiling):
         exact = simulate.exact(saved, recomputed)  # candidates are compared by walked peaks
     if wants_chunks:
-        set_peak(plan, exact, simulate, used, time.perf_counter() - start)
+        set_peak(plan, exact, simulate, used, time.perf_counter() - start, (fw, bw))
         return Planned(plan, fw, bw, wants_chunks=True)
     deferred = None
     if walk and request.compiling:
         deferred = DeferredWalk(plan, fw, bw, output_names(fw), saved, simulate, used, options)
     choice_s = known.solver.get("chunk_choice_s", 0.0) if known is not None else 0.0
-    set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start)
+    set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start, (fw, bw))
     if deferred is None:  # its figures are final now
         check_limit(plan, options, _why_unwalked(exact, walk, simulate, saved, recomputed, options))
     return Planned(plan, fw, bw, deferred=deferred)
@@ -283,9 +298,10 @@ class DeferredWalk:
         recomputed = self.plan.recomputed_names()
         codes = {backward: code for backward, code in reversed(compiled)}  # the first of each
         walked = (self.fw, self.bw, (codes[False], codes[True], self.outputs)) if len(codes) == 2 else None
-        exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
+        with ti.buffer_pool(pools_dead_buffers(self.options)):  # a lowering of its own as compiled
+            exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
         seconds = self.plan.solver["plan_s"] + time.perf_counter() - start
-        set_peak(self.plan, exact, self.simulate, self.used, seconds)
+        set_peak(self.plan, exact, self.simulate, self.used, seconds, (self.fw, self.bw))
         why = None if exact is not None else self.simulate.why_unwalked(self.saved, recomputed)
         check_limit(self.plan, self.options, why)
 
@@ -317,12 +333,18 @@ def check_limit(plan: Plan, options: Options, unwalked: str | None) -> None:
         plan.notes.append(msg)
 
 
-def set_peak(plan: Plan, exact, simulate, used, seconds: float) -> None:
+def set_peak(plan: Plan, exact, simulate, used, seconds: float, graphs: tuple = (None, None)) -> None:
     """The plan's predicted peak (walked where ``exact`` is known, else the kernel model's) and what
     its planning cost: ``seconds`` (cost model, search, partition, walks) and the oracle's calls since
-    ``used``."""
+    ``used``. ``graphs``: the plan's forward and backward, which name the values alive at a walked peak."""
     plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
     plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
+    recomputed = plan.recomputed_names()
+    trace = simulate.walked_peak({e.name for e in plan.saved if e.op != "rng_state"}, recomputed)
+    if exact is None:
+        plan.walked_breakdown = {}
+    elif trace is not None:  # else a plan made earlier keeps its own (the chunk choice's)
+        plan.walked_breakdown = trace.breakdown(recomputed, graphs[trace.phase == "backward"])
     plan.solver["plan_s"] = round(seconds, 3)
     simulate.store()
     simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
@@ -350,6 +372,18 @@ def walks_plan(options: Options, request: Request) -> bool:
         or (isinstance(budget, float) and budget < 1.0)
     ) and options.policy == "auto"
     return options.compiler == "inductor" and asks_memory
+
+
+def pools_dead_buffers(options: Options) -> bool:
+    """Whether Inductor's wrapper may hold a dead buffer for a later allocation of its size
+    (``allow_buffer_reuse``) in the graphs planned under ``options``: not where the goal is the step's
+    peak (``memory_budget`` 0, ``peak_memory``). Why: a held buffer never lowers the peak (the
+    allocation it serves takes its bytes either way) and Inductor decides it against its own estimate
+    of one graph's peak, which counts views of the parameters as activations and knows nothing of the
+    other graph: on the demo GPT's unchunked least-peak plan it held 3.8 MiB at the step's peak
+    (docs/design.md, "Inductor's buffer pool"). Elsewhere the pool saves allocations, and stays."""
+    budget = options.memory_budget
+    return options.peak_memory is None and not (budget is not None and budget == 0)
 
 
 def replay_random(options: Options) -> bool:

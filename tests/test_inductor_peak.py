@@ -60,6 +60,63 @@ def test_the_walk_counts_storages_reuse_and_multi_output_calls():
     assert walk(other=MiB // 2) == 6 * MiB + MiB // 2
 
 
+# A backward whose first buffer dies at its second kernel and is held (Inductor's pool) for the
+# allocation of its size after the third; ``HELD`` with ``{free}`` = "del buf0" frees it instead.
+HELD = """
+def call(self, args):
+    saved_a, tangents_1 = args
+    args.clear()
+    buf0 = empty_strided_cpu((256, 1024), (1024, 1), torch.float32)
+    cpp_fused_0(saved_a, buf0)
+    del saved_a
+    buf1 = empty_strided_cpu((512, 1024), (1024, 1), torch.float32)
+    cpp_fused_1(buf0, buf1)
+    {free}
+    buf2 = empty_strided_cpu((512, 1024), (1024, 1), torch.float32)
+    cpp_fused_2(buf1, buf2)
+    del buf1
+    buf3 = {buf3}
+    cpp_fused_3(buf2, buf3)
+    return (buf2, buf3, )
+"""
+
+
+def _guarded(code: str) -> str:
+    """``code`` with the statements after ``args.clear()`` inside ``with torch.cuda._DeviceGuard(0):``."""
+    head, body = code.split("    args.clear()\n")
+    body = "".join("    " + line for line in body.splitlines(keepends=True))
+    return head + "    args.clear()\n    with torch.cuda._DeviceGuard(0):\n" + body
+
+
+@pytest.mark.parametrize("device_guard", [False, True], ids=["cpu", "cuda-guarded"])
+def test_the_walk_says_what_is_alive_at_its_peak_and_which_of_it_is_dead(device_guard):
+    held = HELD.format(free="pass", buf3="buf0; del buf0  # reuse")
+    freed = HELD.format(free="del buf0", buf3="empty_strided_cpu((256, 1024), (1024, 1), torch.float32)")
+    if device_guard:  # CUDA's wrapper runs its body under the device guard
+        held, freed = (_guarded(code) for code in (held, freed))
+    kw = dict(inputs={"saved_a": "a"}, storage_bytes={"a": MiB}, sizes={}, other=MiB // 2)
+    trace = inductor_peak.WalkedPeak("backward")
+    origins = {"buf1": "mul_3", "buf2": "mm_1"}
+    assert inductor_peak.walk(held, trace=trace, origins=origins, pooled={"buf0"}, **kw) == 5.5 * MiB
+    bd = trace.breakdown(recomputed={"mul_3"})
+    # at buf2's allocation, before cpp_fused_2 (the third of four kernels): buf0 is read by no later
+    # kernel (dead, held by the pool for buf3), buf1 holds a recomputed value, buf2 is returned
+    assert (bd["kernel"], bd["kernels"], bd["kernel_ops"]) == (2, 4, ["cpp_fused_2"])
+    assert bd["bytes"] == {"gradients": 2 * MiB, "recomputed": 2 * MiB, "pooled": MiB, "tangents": MiB // 2}
+    # the same hand-over as a kernel's write in place over its input (no pool's): buf0 is read, and
+    # its storage becomes the returned buf3
+    trace = inductor_peak.WalkedPeak("backward")
+    inductor_peak.walk(held, trace=trace, origins=origins, **kw)
+    assert trace.breakdown(recomputed={"mul_3"})["bytes"] == {
+        "gradients": 3 * MiB,
+        "recomputed": 2 * MiB,
+        "tangents": MiB // 2,
+    }
+    trace = inductor_peak.WalkedPeak("backward")
+    assert inductor_peak.walk(freed, trace=trace, **kw) == 4.5 * MiB
+    assert "pooled" not in trace.breakdown(recomputed=set())["bytes"]
+
+
 def test_an_input_not_named_is_the_baseline():
     # no input holds a storage of ours: nothing counted for them, nothing freed when they go
     sizes = {"buf3": MiB, "buf4": MiB, "buf5": MiB}
@@ -412,3 +469,63 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
         torch._dynamo.reset()
     assert recorded[0] == [False, True] and True not in recorded[1], recorded
     assert not recompile_opt.last_plans()
+
+
+# -- Inductor's buffer pool ----------------------------------------------------------------------------
+
+
+def test_the_pool_is_off_where_the_goal_is_the_peak():
+    from recompile_opt.planning import pools_dead_buffers
+
+    for opts in ({"memory_budget": 0.0}, {"memory_budget": 0}, {"peak_memory": "1MiB"}):
+        assert not pools_dead_buffers(parse_options(opts)), opts
+    for opts in ({}, {"memory_budget": 0.5}, {"memory_budget": "1MiB"}, {"policy": "full"}):
+        assert pools_dead_buffers(parse_options(opts)), opts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.0, None])
+def test_a_least_peak_compile_frees_dead_buffers_and_says_what_holds_its_peak(budget):
+    """Through Inductor: the setting every graph's code is generated under (the backward's too), the
+    plan's note, and its figures at the peak read off the walk of that code, which the step measures."""
+    import torch
+    from torch._inductor.graph import GraphLowering
+
+    import recompile_opt
+    from recompile_opt.costs.measure import peak_memory
+    from recompile_opt.planning import POOL_OFF_NOTE
+
+    torch._dynamo.reset()
+    recompile_opt.reset_plans()
+    model, inputs = _small_gpt()
+    pool_settings, codegen = [], GraphLowering.codegen
+
+    def recording(self):
+        pool_settings.append(torch._inductor.config.allow_buffer_reuse)
+        return codegen(self)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        compiled(*inputs).backward()
+
+    options = {} if budget is None else {"memory_budget": budget}
+    compiled = torch.compile(model, backend="recompile_opt", options=options)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        mp.setattr(GraphLowering, "codegen", recording)
+        step()
+    (plan,) = recompile_opt.last_plans()
+    compiled_graphs = pool_settings[-2:]  # the planner's own lowerings come first
+    if budget is None:  # no peak goal: Inductor's own setting
+        assert compiled_graphs == [True, True] and plan.solver["buffer_pool"] is True
+        return
+    assert compiled_graphs == [False, False] and plan.solver["buffer_pool"] is False
+    assert POOL_OFF_NOTE in plan.notes
+    walked = plan.walked_breakdown
+    assert walked["total"] == plan.predicted_peak_bytes and "pooled" not in walked["bytes"]
+    assert sum(walked["bytes"].values()) == walked["total"]
+    assert "walked:" in plan.summary()
+    assert peak_memory(step) == pytest.approx(plan.predicted_peak_bytes, rel=0.01)

@@ -25,6 +25,7 @@ and free the ones never unpacked when the tuple is dropped.
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,7 @@ def exact_peak(
     *,
     num_fwd_outputs: int,
     compiled: tuple[ti.WrapperCode, ti.WrapperCode, list] | None = None,
+    traces: list | None = None,
 ) -> int:
     """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
     ``bw`` walked, after the forward as :mod:`recompile_opt.costs.peak` simulates it (its peak and the
@@ -62,14 +64,16 @@ def exact_peak(
     ``compiled``: the forward's and the backward's code as Inductor's compile of ``fw`` and ``bw``
     generated them (``_torch_internals.compiled_wrapper_code``), and the names of ``fw``'s outputs as
     partitioned (that compile's post-grad passes rewrote ``fw`` in place): both codes are walked,
-    nothing is lowered."""
+    nothing is lowered.
+
+    ``traces``: receives a :class:`WalkedPeak` for each graph walked (what is alive at its peak)."""
     if compiled is not None:
         fw_code, bw_code, fw_outputs = compiled
-        fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs)
-        return max(fw_peak, _walked_backward(bw_code, bw, fw_end, kept, owner))
+        fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs, traces)
+        return max(fw_peak, _walked_backward(bw_code, bw, fw_end, kept, owner, traces))
     strides = None  # the saved tensors' strides where Inductor's forward chose them
     if ti.layout_optimized(fw):
-        fw_peak, fw_end, kept, owner, strides = _walked_forward(fw)
+        fw_peak, fw_end, kept, owner, strides = _walked_forward(fw, traces=traces)
     else:
         fw_peak, fw_end, kept, owner = forward_state(fw)
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
@@ -79,39 +83,60 @@ def exact_peak(
         fw_end,
         kept,
         owner,
+        traces,
     )
     if fw_peak <= bw_peak or strides is not None:
         return max(fw_peak, bw_peak)
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
-    return max(_walked_forward(fw)[0], bw_peak)
+    return max(_walked_forward(fw, traces=traces)[0], bw_peak)
 
 
 def _walked_backward(
-    wrapper: ti.WrapperCode, bw: fx.GraphModule, fw_end: int, kept: dict, owner: dict
+    wrapper: ti.WrapperCode,
+    bw: fx.GraphModule,
+    fw_end: int,
+    kept: dict,
+    owner: dict,
+    traces: list | None = None,
 ) -> int:
     """The backward's peak from its code: it starts with the forward's kept storages and what else the
     forward left alive (the loss) and the tangent."""
-    code, sizes, multi, externs, _ = wrapper
     tangents = sum(nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents"))
-    return walk(
-        code,
+    trace = WalkedPeak("backward") if traces is not None else None
+    peak = walk(
+        wrapper.code,
         inputs=owner,
         storage_bytes=kept,
-        sizes=sizes,
-        multi=multi,
-        scratch=_scratch(externs),
-        other=fw_end - sum(kept.values()) + tangents,
-    )  # the loss, the tangent
+        sizes=wrapper.sizes,
+        multi=wrapper.multi,
+        scratch=_scratch(wrapper.externs),
+        other=fw_end - sum(kept.values()) + tangents,  # the loss, the tangent
+        trace=trace,
+        origins=wrapper.origins,
+        pooled=wrapper.pooled,
+    )
+    if trace is not None:
+        traces.append(trace)
+    return peak
 
 
-def _walked_forward(fw: fx.GraphModule, wrapper: ti.WrapperCode | None = None, outputs: list | None = None):
+def _walked_forward(
+    fw: fx.GraphModule,
+    wrapper: ti.WrapperCode | None = None,
+    outputs: list | None = None,
+    traces: list | None = None,
+):
     """:func:`recompile_opt.costs.peak.forward_state` read off the forward's code (``wrapper``, or
     lowered here): its peak, the live bytes at its end, the bytes of each storage it returns, each
     output name's storage; and each output name's strides (the backward receives them so).
     ``outputs``: the names of ``fw``'s outputs (None for a non-tensor), where not read off ``fw``."""
-    code, sizes, multi, externs, out_strides = wrapper or ti.inductor_wrapper_code(fw, backward=False)
+    wrapper = wrapper or ti.inductor_wrapper_code(fw, backward=False)
+    code, sizes, multi, externs, out_strides = wrapper[:5]
     live = _Storages()
-    returned = _run(_call(code), live, {}, sizes, multi, _scratch(externs))
+    call = _call(code)
+    returned = _run(call, live, {}, sizes, multi, _scratch(externs))
+    if traces is not None:
+        traces.append(_peak_trace("forward", call, live, returned, set(), wrapper.origins, wrapper.pooled))
     kept, owner, strides = {}, {}, {}
     for output, name, stride in zip(outputs or output_names(fw), returned, out_strides):
         if output is None:
@@ -153,6 +178,9 @@ def walk(
     multi: dict[str, list[str]] | None = None,
     scratch: dict[str, int] | None = None,
     other: int = 0,
+    trace: WalkedPeak | None = None,
+    origins: dict[str, str] | None = None,
+    pooled: frozenset[str] = frozenset(),
 ) -> int:
     """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
     -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
@@ -160,12 +188,14 @@ def walk(
     input of ``call`` holds is freed at the start); ``sizes``:
     bytes of buffers allocated by a kernel rather than ``empty_strided``; ``multi``: a multi-output
     call's output buffers; ``scratch``: an extern kernel's workspace, alive while it runs, above
-    its outputs; ``other``: bytes alive throughout."""
+    its outputs; ``other``: bytes alive throughout. ``trace``: filled with what is alive at the peak
+    (``origins``: buffer -> the FX node it holds; ``pooled``: the dead buffers the wrapper handed on,
+    :class:`_torch_internals.WrapperCode`)."""
     call, inputs = _call(code), inputs or {}
     live = _Storages()
     storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
     live.live += other
-    _run(
+    returned = _run(
         call,
         live,
         {name: storage[key] for name, key in inputs.items() if key in storage},
@@ -174,6 +204,11 @@ def walk(
         scratch or {},
         release=["#" + key for key in storage],
     )
+    if trace is not None:
+        found = _peak_trace(
+            trace.phase, call, live, returned, set(storage.values()), origins or {}, pooled, other
+        )
+        trace.__dict__.update(found.__dict__)
     return live.peak
 
 
@@ -207,6 +242,16 @@ class _Storages:
     live: int = 0
     peak: int = 0
     next_id: int = 0
+    stmt: int = 0  # the statement running (an index into the flattened ``call``)
+    at_peak: dict[int, tuple[frozenset, int]] = field(default_factory=dict)  # storage -> (names, bytes)
+    peak_stmt: int = 0
+    peak_workspace: tuple[str, int] | None = None  # an extern kernel's workspace, at the peak
+
+    def raise_to(self, level: int, workspace: tuple[str, int] | None = None) -> None:
+        """``level`` live bytes now: a new peak is remembered with what is alive at it."""
+        if level > self.peak:
+            self.peak, self.peak_stmt, self.peak_workspace = level, self.stmt, workspace
+            self.at_peak = {sid: (frozenset(self.refs[sid]), self.size[sid]) for sid in self.refs}
 
     def new(self, name: str, nbytes: int, holder: str | None = None) -> int:
         """A storage allocated now, referred to by ``name`` (or, unnamed yet, held by ``holder``)."""
@@ -216,7 +261,7 @@ class _Storages:
         if holder is None:
             self.names[name] = sid
         self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        self.raise_to(self.live)
         return sid
 
     def alias(self, name: str, other: str | None) -> None:
@@ -261,6 +306,122 @@ class _Storages:
             del self.refs[sid]
 
 
+@dataclass
+class WalkedPeak:
+    """What is alive at the peak of one graph's walked code. ``alive``: (buffer, bytes, role, the FX
+    node it holds or None), ``role`` one of ``kept`` (the forward's outputs the backward reads; in the
+    forward, what it returns), ``tangents`` (the loss and tangents, what else the forward left),
+    ``gradients`` (what the backward returns), ``pooled`` (dead: no later statement reads it, Inductor's
+    wrapper holds it for a later allocation), ``scratch`` (an extern kernel's workspace) and ``working``
+    (the rest). ``kernel``: the kernels run before the peak, of ``kernels``; ``at``: the one running."""
+
+    phase: str
+    peak: int = 0
+    kernel: int = 0
+    kernels: int = 0
+    at: str = ""
+    alive: list = field(default_factory=list)
+
+    def breakdown(self, recomputed: set[str], graph: fx.GraphModule | None = None) -> dict:
+        """:func:`recompile_opt.costs.peak.peak_breakdown`'s figures for this peak: a working buffer
+        holding a value the plan recomputes is ``recomputed``, any other ``temporaries``; with the
+        walked ``graph`` (its nodes name the buffers' values), the shapes alive there."""
+        kinds: dict[str, int] = {}
+        largest = []
+        vals = {n.name: n.meta.get("val") for n in graph.graph.nodes} if graph is not None else {}
+        shapes = {
+            tuple(vals[name].shape)
+            for buf, _, _, origin in self.alive
+            if isinstance(vals.get(name := origin or buf), torch.Tensor)
+            and all(isinstance(d, int) for d in vals[name].shape)
+        }
+        for buf, size, role, origin in self.alive:
+            kind = role if role != "working" else "recomputed" if origin in recomputed else "temporaries"
+            kinds[kind] = kinds.get(kind, 0) + size
+            largest.append((size, origin or buf, kind))
+        return {
+            "phase": self.phase,
+            "kernel": self.kernel,
+            "kernels": self.kernels,
+            "kernel_ops": [self.at] if self.at else [],
+            "bytes": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "total": self.peak,
+            "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
+            "from": "inductor-code",
+            **(
+                {"shapes": [list(s) for s in sorted(shapes, key=lambda s: (-math.prod(s), s))]}
+                if graph
+                else {}
+            ),
+        }
+
+
+def _peak_trace(
+    phase: str,
+    call: ast.FunctionDef,
+    live: _Storages,
+    returned: list,
+    inputs: set,
+    origins: dict,
+    pooled: frozenset,
+    other: int = 0,
+) -> WalkedPeak:
+    """What :class:`_Storages` saw alive at its peak, each storage given its role (:class:`WalkedPeak`)."""
+    statements = _statements(call)
+    later = _names_read(statements[live.peak_stmt :], pooled)
+    kernels = [i for i, stmt in enumerate(statements) if _kernel_name(stmt)]
+    running = next((i for i in kernels if i >= live.peak_stmt), None)
+    out_sids = {live.names.get(name) for name in returned if name}
+    trace = WalkedPeak(phase, live.peak, sum(i < live.peak_stmt for i in kernels), len(kernels))
+    trace.at = _kernel_name(statements[running]) if running is not None else ""
+    trace.alive = [("loss and tangents", other, "tangents", None)] if other else []
+    for sid, (names, size) in live.at_peak.items():
+        name = min((n for n in names if not n.startswith("#")), default=next(iter(names)))
+        if not {n.lstrip("#") for n in names} & later:
+            role = "pooled"
+        elif sid in inputs:
+            role = "kept"
+        elif sid in out_sids:
+            role = "kept" if phase == "forward" else "gradients"
+        else:
+            role = "working"
+        trace.alive.append((name, size, role, origins.get(name)))
+    if live.peak_workspace:
+        trace.alive.append((f"{live.peak_workspace[0]} (workspace)", live.peak_workspace[1], "scratch", None))
+    return trace
+
+
+def _names_read(statements: list[ast.stmt], pooled: frozenset) -> set[str]:
+    """The names ``statements`` read, less the frees (``del buf3``) and the pool's hand-overs of a
+    ``pooled`` buffer (``buf7 = buf3``, ``reinterpret_tensor(buf3, ...)``): a buffer only these name
+    is dead."""
+    read = set()
+    for stmt in statements:
+        handed_on = isinstance(stmt, ast.Assign) and _root(stmt.value) in pooled
+        if isinstance(stmt, ast.Delete) or handed_on:
+            continue
+        read |= {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return read
+
+
+def _kernel_name(stmt: ast.stmt) -> str | None:
+    """The kernel a statement runs (a generated kernel's call, an extern kernel's), else None."""
+    value = getattr(stmt, "value", None)
+    if not isinstance(stmt, (ast.Expr, ast.Assign)) or not isinstance(value, ast.Call):
+        return None
+    func = value.func
+    while isinstance(func, ast.Attribute) and func.attr == "run":  # a Triton kernel: name.run(...)
+        func = func.value
+    name = ast.unparse(func)
+    if (
+        name in _ALLOCATORS
+        or name in _ALIASES
+        or name.startswith(("args.", "assert_", "empty_", "torch.cuda"))
+    ):
+        return None
+    return name
+
+
 def _call(code: str) -> ast.FunctionDef:
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.FunctionDef) and node.name == "call":
@@ -295,13 +456,27 @@ def _run(
             live.refs[inputs[name]].add(name)
     for name in release:
         live.drop(name)
-    live.peak = live.live
-    for stmt in call.body:
+    live.peak = -1
+    live.raise_to(live.live)
+    for live.stmt, stmt in enumerate(_statements(call)):
         if isinstance(stmt, ast.Return):
             values = stmt.value.elts if isinstance(stmt.value, (ast.Tuple, ast.List)) else [stmt.value]
             return [_root(v) for v in values]
         _step(stmt, live, sizes, multi, scratch)
     return []
+
+
+def _statements(call: ast.FunctionDef) -> list[ast.stmt]:
+    """``call``'s statements in the order they run, the bodies of its ``with`` blocks (CUDA's device
+    guard) and ``if`` blocks inlined."""
+    out, todo = [], list(reversed(call.body))
+    while todo:
+        stmt = todo.pop()
+        if isinstance(stmt, (ast.If, ast.With)):
+            todo.extend(reversed(stmt.body))
+        else:
+            out.append(stmt)
+    return out
 
 
 def _step(
@@ -329,7 +504,8 @@ def _step(
                 live.hold(name, [(out, sizes.get(out, 0)) for out in multi[name]])
             else:
                 live.new(name, sizes.get(name, 0))
-            live.peak = max(live.peak, live.live + scratch.get(name, 0))  # its workspace, while it runs
+            if scratch.get(name):  # its workspace, while it runs
+                live.raise_to(live.live + scratch[name], workspace=(name, scratch[name]))
     elif isinstance(stmt, (ast.If, ast.With)):
         for inner in stmt.body:
             _step(inner, live, sizes, multi, scratch)

@@ -58,7 +58,7 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
 
 
 def peak_breakdown(
-    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset(), *, inductor_rule: bool = False
+    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset(), *, pool: str = "span"
 ) -> dict:
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
@@ -66,9 +66,9 @@ def peak_breakdown(
     backward's other buffers; in the forward, everything not kept) and ``pooled`` (dead buffers
     Inductor's pool holds for a later allocation). Why: it tells a user what a lower budget can still
     remove (kept, recomputed) and what it cannot
-    (gradients, the backward's own working set), i.e. the floor of the peak. ``inductor_rule``: the
-    pool simulated by Inductor's own rule (:func:`_inductor_reuse`), not the fitted span."""
-    peak, phase, gm, trace = _simulate(fw, bw, traced=True, inductor_rule=inductor_rule)
+    (gradients, the backward's own working set), i.e. the floor of the peak. ``pool``: as
+    :func:`sweep_kernels` takes it."""
+    peak, phase, gm, trace = _simulate(fw, bw, traced=True, pool=pool)
     outs = {base_of(a) for a in next(iter(reversed(gm.graph.nodes))).all_input_nodes}
     kinds: dict[str, int] = {}
     largest = []
@@ -103,13 +103,13 @@ def _alive_shapes(trace: PeakTrace, most: int = 32) -> list[list[int]]:
 
 
 def peak_and_recomputed_at_peak(
-    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str], *, inductor_rule: bool = False
+    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str], *, pool: str = "span"
 ) -> tuple[int, list[str]]:
     """The predicted peak, and the names of the recomputed values alive where it lies, largest first.
     Why: a value recomputed early, only because a value needed before the peak is recomputed from it,
     sits under the peak; keeping one of these instead moves its inputs' recomputation past the peak
     (the planner's least-peak refinement tries that)."""
-    peak, phase, _, trace = _simulate(fw, bw, traced=True, inductor_rule=inductor_rule)
+    peak, phase, _, trace = _simulate(fw, bw, traced=True, pool=pool)
     if phase != "backward":
         return peak, []
     alive = [
@@ -144,23 +144,23 @@ def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int
     ]
 
 
-def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False, inductor_rule: bool = False):
+def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False, pool: str = "span"):
     """(peak, phase of the peak, that phase's graph, its PeakTrace or None)."""
-    fw_peak, fw_trace, bw_peak, bw_trace = _run_step(fw, bw, traced, inductor_rule)
+    fw_peak, fw_trace, bw_peak, bw_trace = _run_step(fw, bw, traced, pool)
     if fw_peak > bw_peak:
         return fw_peak, "forward", fw, fw_trace
     return bw_peak, "backward", bw, bw_trace
 
 
-def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool, inductor_rule: bool = False):
+def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool, pool: str = "span"):
     """The forward's peak and PeakTrace (None unless ``traced``), then the backward's."""
     fw_trace = PeakTrace() if traced else None
-    live, peak, buffers, owner = _run_forward(fw, fw_trace, inductor_rule)
+    live, peak, buffers, owner = _run_forward(fw, fw_trace, pool)
     keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
     used = set(keys.values())
     live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
     bw_trace = PeakTrace(start={k: buffers[k] for k in used}) if traced else None
-    return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace, inductor_rule), bw_trace
+    return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace, pool), bw_trace
 
 
 def caller_outputs_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -188,11 +188,11 @@ def forward_state(fw: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[st
 
 
 def _run_forward(
-    gm: fx.GraphModule, trace: PeakTrace | None = None, inductor_rule: bool = False
+    gm: fx.GraphModule, trace: PeakTrace | None = None, pool: str = "span"
 ) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     order, sizes, outs = schedule(gm)
-    live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace, inductor_rule=inductor_rule)
+    live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace, pool=pool)
     output = next(iter(reversed(gm.graph.nodes)))
     buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
     owner = {a.name: base_of(a).name for a in output.all_input_nodes if base_of(a).name in buffers}
@@ -205,7 +205,7 @@ def _run_backward(
     keys: dict[fx.Node, str],
     buffers: dict[str, int],
     trace: PeakTrace | None = None,
-    inductor_rule: bool = False,
+    pool: str = "span",
 ) -> int:
     order, sizes, outs = schedule(gm)
     tangents = {n: nbytes(n) for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
@@ -219,7 +219,7 @@ def _run_backward(
         live=live + sum(tangents.values()),
         shared=(keys, buffers),
         trace=trace,
-        inductor_rule=inductor_rule,
+        pool=pool,
     )
     return peak
 
@@ -232,7 +232,7 @@ def sweep_kernels(
     live: int,
     shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None,
     trace: PeakTrace | None = None,
-    inductor_rule: bool = False,
+    pool: str = "span",
 ) -> tuple[int, int]:
     """Run the kernels as Inductor's wrapper code does: allocate a kernel's output buffers before it,
     free the buffers it was the last to read after it (unless kept). ``shared`` maps graph inputs to
@@ -247,14 +247,16 @@ def sweep_kernels(
       allocated until the first layer's backward takes them over.
 
     ``trace``: filled with what is alive at the peak (its ``start`` must hold what ``live`` counts).
-    ``inductor_rule``: the pool by Inductor's own rule (:func:`_inductor_reuse`), else the fitted span."""
+    ``pool``: how Inductor's wrapper hands dead buffers to later allocations: ``"span"`` the fitted
+    span (:func:`_span_reuse`), ``"inductor"`` its own rule (:func:`_inductor_reuse`), ``"none"`` not at
+    all (``allow_buffer_reuse`` off: :func:`_in_place_only`)."""
     keys, buffers = shared or ({}, {})
     last: dict = {}
     for i, k in enumerate(order):
         for r in k.reads:
             last[keys.get(r, r)] = i
     size = {**{n: sizes.get(n, 0) for n in sizes}, **buffers}
-    reuse = _inductor_reuse if inductor_rule else _span_reuse
+    reuse = REUSE_RULES[pool]
     free_after, taken = reuse(order, size, last, keep, keys)
     peak = live
     alive = dict(trace.start) if trace is not None else None
@@ -323,7 +325,7 @@ def _span_reuse(
     return free_after, taken
 
 
-# Inductor's own pool rule is used only where asked (``inductor_rule``): on the 16 stored plans of
+# Inductor's own pool rule is used only where asked (``pool="inductor"``): on the 16 stored plans of
 # ``bench/peak_accuracy.py`` it is closer on the mean (|error| 2.7% against 3.5%; the GPT's plans within 1%
 # but its 0.0 plan, +7.1%) and farther on the Llama's least-peak plan (+11.9% against +7.9%); on graphs
 # chunked along the sequence, where the span is far off, it ranks the least-peak search's plans
@@ -359,6 +361,28 @@ def _inductor_reuse(
         _release(_dying(k, i, last, keep, keys, size, inplace), i, size, pool, free_after)
     _free_unclaimed(pool, last, order, free_after)
     return free_after, taken
+
+
+def _in_place_only(
+    order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
+) -> tuple[dict[int, list], dict]:
+    """No pool: every dead buffer freed where it dies; only a fused kernel's output written in place
+    over its dying input (``inplace_buffers``, a setting apart from the pool)."""
+    inplace = _inplace_takes(order, size, last, keep, keys)
+    free_after: dict[int, list] = {}
+    for i, k in enumerate(order):
+        free_after.setdefault(i, []).extend(_dying(k, i, last, keep, keys, size, inplace))
+    return free_after, dict(inplace)
+
+
+REUSE_RULES = {"span": _span_reuse, "inductor": _inductor_reuse, "none": _in_place_only}
+
+
+def pool_rule(pooled: bool, chunked: bool) -> str:
+    """The :func:`sweep_kernels` ``pool`` of a plan's code: none where Inductor's pool is off
+    (``pooled`` False), else Inductor's own rule on a graph chunked along the sequence (where the
+    fitted span is far off) and the span elsewhere (see :func:`_inductor_reuse`)."""
+    return "none" if not pooled else "inductor" if chunked else "span"
 
 
 def _release(dying: list, i: int, size: dict, pool: dict, free_after: dict) -> None:

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
-from recompile_opt.costs.peak import peak_and_recomputed_at_peak
+from recompile_opt.costs.peak import peak_and_recomputed_at_peak, pool_rule
 from recompile_opt.ops import is_random_op
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
@@ -68,10 +68,10 @@ def simulator_for(
     found = OrderedDict() if found is None else found
     if key is not None:
         figures = found.pop(key, None) or _load(key)
-        if figures is not None:
-            simulate.results, simulate.exact_results = figures
+        if figures is not None:  # what is alive at each walked peak is this process's alone
+            simulate.results, simulate.exact_results, simulate.walk_traces = (*figures, {})[:3]
         simulate.disk_key, simulate.stored = key, len(simulate.results) + len(simulate.exact_results)
-        found[key] = simulate.results, simulate.exact_results  # the most recently used last
+        found[key] = simulate.results, simulate.exact_results, simulate.walk_traces  # most recently used last
         while len(found) > GRAPHS_KEPT:
             found.popitem(last=False)
     return simulate
@@ -125,6 +125,7 @@ class PeakSimulator:
         self.results: dict[tuple, tuple[int, list[str]]] = {}
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
         self.exact_results: dict[tuple, int | None] = {}
+        self.walk_traces: dict[tuple, object] = {}  # what is alive at each walked peak (this process's)
         self.unwalkable: str | None = None  # why the last walk gave no peak
         self.unwalked_why: dict[tuple, str] = {}  # why exact() gave a plan no peak
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
@@ -145,8 +146,11 @@ class PeakSimulator:
         self.has_markers = bool(approximate.markers(gm))
         self.choices: dict[str, str] = {}  # a site's choice -> its marker (set by the partitioner)
         # a graph chunked along the sequence (set by the partitioner): Inductor's own pool rule is
-        # simulated (costs.peak's ``inductor_rule``), and the least-peak search walks more of its plans
+        # simulated (costs.peak's ``pool``), and the least-peak search walks more of its plans
         self.chunked = False
+        # whether Inductor's wrapper may hold dead buffers for later allocations in the code these plans
+        # compile to (set by the partitioner: planning.pools_dead_buffers)
+        self.pooled = True
         self._settled: dict[frozenset, tuple] = {}
 
     def offer(self, sites) -> None:
@@ -188,7 +192,9 @@ class PeakSimulator:
                 info=info,
                 for_simulation=True,
             )
-            self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed, inductor_rule=self.chunked)
+            self.results[key] = peak_and_recomputed_at_peak(
+                *graphs, recomputed, pool=pool_rule(self.pooled, self.chunked)
+            )
             self.seconds += time.perf_counter() - start
         return self.results[key]
 
@@ -204,9 +210,16 @@ class PeakSimulator:
         self.asked_log.append(key)
         if key not in self.exact_results or (compiled and self.exact_results[key] is None):
             start = time.perf_counter()
-            result = self._walked(*compiled) if compiled else None
+            traces = []
+            result = self._walked(*compiled, traces=traces) if compiled else None
             if result is None:
-                result = self._lowered_and_walked(saved, recomputed, plain_layout=self.plain_layout)
+                traces = []
+                result = self._lowered_and_walked(
+                    saved, recomputed, plain_layout=self.plain_layout, traces=traces
+                )
+            at_peak = [t for t in traces if t.peak == result]
+            if at_peak:
+                self.walk_traces[key] = at_peak[-1]
             if result is None:
                 self.unwalked_why[key] = self.unwalkable or "not walked"
             self.exact_results[key] = result
@@ -229,7 +242,14 @@ class PeakSimulator:
             self.exact_seconds += time.perf_counter() - start
         return self.plain_layout_results[key]
 
-    def _lowered_and_walked(self, saved: set, recomputed: set, *, plain_layout: bool) -> int | None:
+    def walked_peak(self, saved: set, recomputed: set):
+        """What is alive at the walked peak of this plan (:class:`~recompile_opt.costs.inductor_peak.
+        WalkedPeak`), where this process walked it; else None."""
+        return self.walk_traces.get(self._exact_key(saved, recomputed))
+
+    def _lowered_and_walked(
+        self, saved: set, recomputed: set, *, plain_layout: bool, traces: list | None = None
+    ) -> int | None:
         """The plan partitioned, lowered by Inductor (its channels-last layout off with ``plain_layout``)
         and walked."""
         gm, info = self.graph_for(recomputed)
@@ -242,7 +262,8 @@ class PeakSimulator:
                     info=info,
                     num_fwd_outputs=self.num_fwd_outputs,
                     static_lifetime_input_indices=self.static,
-                )
+                ),
+                traces=traces,
             )
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
@@ -251,13 +272,15 @@ class PeakSimulator:
         # a figure from the disk keeps no reason: the joint graph's inputs tell symbolic shapes and devices
         return why or why_not_walkable(self.gm, self.gm) or "its walk failed (an earlier compile's record)"
 
-    def _walked(self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None) -> int | None:
+    def _walked(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None, traces: list | None = None
+    ) -> int | None:
         """The walked peak, or None with the reason in ``unwalkable`` (the plan's figures say it)."""
         self.unwalkable = why_not_walkable(fw, bw)
         if self.unwalkable:
             return None
         try:
-            return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes)
+            return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes, traces=traces)
         except Exception as e:  # noqa: BLE001 - a refinement: any failure leaves the simulated peak
             log.info("recompile_opt: Inductor's code for a plan could not be walked: %r", e)
             self.unwalkable = f"walking its code failed: {type(e).__name__}"

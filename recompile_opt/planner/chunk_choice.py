@@ -72,12 +72,12 @@ class Candidate:
     width: int = 0  # full-length tensors have tokens x width elements (logits, hidden, probabilities, ...)
 
     def alive_at_peak(self, plan: Plan) -> bool:
-        """Whether one of the region's full-length tensors is alive at ``plan``'s simulated peak: a
-        buffer with the region's width among its dims and tokens x width elements (exactly: attention's
-        ``[b, heads, s, s]`` has a width among its dims where the sequence equals it). Where
-        none is, chunking the region cannot lower that peak (so it is not planned). A plan without the
-        shapes at its peak: unknown, so yes."""
-        shapes = plan.peak_breakdown.get("shapes")
+        """Whether one of the region's full-length tensors is alive at ``plan``'s peak (walked where it
+        was, else simulated): a buffer with the region's width among its dims and tokens x width
+        elements (exactly: attention's ``[b, heads, s, s]`` has a width among its dims where the
+        sequence equals it). Where none is, chunking the region cannot lower that peak (so it is not
+        planned). A plan without the shapes at its peak: unknown, so yes."""
+        shapes = (getattr(plan, "walked_breakdown", None) or plan.peak_breakdown).get("shapes")
         if shapes is None:
             return True
         return any(self.width in shape and math.prod(shape) == self.tokens * self.width for shape in shapes)
