@@ -35,11 +35,18 @@ def fuse_attention_for(gm: fx.GraphModule, target: str) -> int:
     return len(calls)
 
 
+def runs_math_path(query, key, value, dropout_p: float, device: str | None = None) -> bool:
+    """Whether SDPA runs torch's math path for these operands on ``device`` (default: theirs), which
+    materialises the probabilities ``[b, heads, L, S]``: on the CPU with dropout (the CPU flash kernel
+    has none) or head dims that differ; on CUDA (as planned here) a fused kernel."""
+    same_dims = query.shape[-1] == key.shape[-1] == value.shape[-1]
+    return (device or query.device.type) == "cpu" and (dropout_p > 0 or not same_dims)
+
+
 def _sdpa_on_cpu(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    same_dims = query.shape[-1] == key.shape[-1] == value.shape[-1]
-    if dropout_p > 0 or not same_dims:  # the CPU flash kernel has no dropout: torch takes the math path
+    if runs_math_path(query, key, value, dropout_p, "cpu"):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )

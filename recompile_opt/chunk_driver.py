@@ -20,6 +20,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.options import OptionError, Options
 from recompile_opt.partitioner import ChunkingWanted, RecompilePartitioner
+from recompile_opt.passes.chunk_attention import chunk_attention, find_attention_regions
 from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.plan import Plan
@@ -31,6 +32,7 @@ CHUNKERS = {
     "loss": (find_loss_regions, chunk_loss, {}),
     "loss_recompute": (find_loss_regions, chunk_loss, {"recompute": True}),
     "mlp": (find_mlp_regions, chunk_mlp, {}),
+    "attention": (find_attention_regions, chunk_attention, {}),
 }
 
 
@@ -79,7 +81,9 @@ def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None
         return []
     device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
     roofline = options.roofline_for(options.target_device if device == "meta" else device)
-    every = chunk_choice.candidates(find_loss_regions(gm), find_mlp_regions(gm), roofline)
+    every = chunk_choice.candidates(
+        find_loss_regions(gm), find_mlp_regions(gm), roofline, attention_regions=find_attention_regions(gm)
+    )
     return chunk_choice.for_goal(every, options.peak_memory)
 
 
@@ -97,8 +101,9 @@ def _symbolic(example_inputs) -> bool:
 
 def chunk_regions(gm: fx.GraphModule, options: Options, chosen: dict | None) -> Chunked:
     """Mini-sequence chunking of the Dynamo graph before AOTAutograd (:mod:`recompile_opt.passes.chunking`,
-    :mod:`recompile_opt.passes.chunk_mlp`): forced by ``chunks={"loss": k, "mlp": k}``, or ``chosen``
-    by :func:`_choose_chunks` (``{"chunks": {...}, "notes": [...], "saved": bytes}``).
+    :mod:`~recompile_opt.passes.chunk_mlp`, :mod:`~recompile_opt.passes.chunk_attention`): forced by
+    ``chunks={"loss": k, "mlp": k, "attention": k}``, or ``chosen`` by :func:`_choose_chunks`
+    (``{"chunks": {...}, "notes": [...], "saved": bytes}``).
     A forced region that cannot be chunked raises, naming it and why."""
     chunks, notes, saved = options.chunks, [], None
     if chosen is not None:

@@ -16,8 +16,10 @@ pointwise                 ``torch.Tag.pointwise``                         joint_
 fusible pointwise         pointwise, not random                           cost_model, joint_graph
 random (seeded)           ``torch.Tag.nondeterministic_seeded``           joint_graph, partition, simulator
 generated random          :data:`GENERATED_RANDOM` (no tag says it)       cost_model, joint_graph
-random, by name           :data:`RANDOM`                                  chunk_mlp
+random, by name           :data:`RANDOM`                                  chunk_mlp, chunk_attention
 elementwise, by name      :data:`ELEMENTWISE`, :data:`ACTIVATIONS`        chunk_mlp, layout
+attention, by name        :data:`MATMULS`, :data:`SOFTMAX`, :data:`SDPA`  chunk_attention
+cast, by name             :data:`CASTS`                                   chunk_attention
 per-token, by name        :data:`PER_TOKEN`                               sequence_pass, rewrite
 scratch                   :data:`SCRATCH` (packets; no tag says it)       scratch, peak, least_peak
 collective                ``_torch_internals.is_collective_op``           cost_model, joint_graph
@@ -227,6 +229,16 @@ ELEMENTWISE = ACTIVATIONS | {
     "logical_not",
     "bitwise_not",
 }
+
+# casts, as torch functions and tensor methods name them (``x.type(dtype)``: Hugging Face's GPT-2)
+CASTS = frozenset({"float", "half", "bfloat16", "to", "type", "type_as", "_to_copy"})
+
+# matrix products of batched operands (``q @ k.transpose(-2, -1)``: ``operator.matmul``)
+MATMULS = frozenset({"matmul", "bmm"})
+# the softmax as torch functions and tensor methods name it
+SOFTMAX = frozenset({"softmax"})
+# fused attention (its math path materialises the probabilities where no fused kernel runs)
+SDPA = frozenset({"scaled_dot_product_attention"})
 
 # normalisations over the last dimensions (``normalized_shape``)
 NORMS = frozenset({"layer_norm", "native_layer_norm", "rms_norm"})

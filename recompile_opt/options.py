@@ -84,10 +84,10 @@ class Options:
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
-    # mini-sequence chunking (passes/chunking.py, chunk_mlp.py): {"loss": k, "mlp": k} forces k chunks on
-    # every LM head + loss / MLP ("loss_recompute": the head recomputed in the backward instead of its
-    # gradients made in the forward); "auto" (the default): the planner chooses where the goal is memory
-    # (planner/chunk_choice.py); False: none
+    # mini-sequence chunking (passes/chunking.py, chunk_mlp.py, chunk_attention.py): {"loss": k, "mlp": k,
+    # "attention": k} forces k chunks on every LM head + loss / MLP / attention's queries ("loss_recompute":
+    # the head recomputed in the backward instead of its gradients made in the forward); "auto" (the
+    # default): the planner chooses where the goal is memory (planner/chunk_choice.py); False: none
     chunks: dict | str | bool = "auto"
     # approximate backward (passes/approximate.py), off by default: {"activations": bits (1-4) allowed for
     # GELU/SiLU codes, "linear": ratio in (0, 1] allowed for randomized linear backward}; the ILP chooses
@@ -286,7 +286,8 @@ def _parse_approximate(value) -> dict | None:
     return out or None
 
 
-CHUNK_REGIONS = ("loss", "loss_recompute", "mlp")  # loss_recompute: the head recomputed in the backward
+# loss_recompute: the head recomputed in the backward; attention: the query chunks (passes/chunk_attention.py)
+CHUNK_REGIONS = ("loss", "loss_recompute", "mlp", "attention")
 
 
 def _parse_chunks(value) -> dict:

@@ -62,9 +62,10 @@ class Plan:
     # the step's collectives (tensor/sequence parallelism): name, op, shape, dtype, phase, bytes one rank
     # sends, regathered (a forward all-gather run again in the backward from the kept shard)
     collectives: list[dict] = field(default_factory=list)
-    # mini-sequence chunking: region, kind (loss, loss_recompute, mlp), chunks, tokens, width (vocabulary,
-    # hidden), recompute_flops (the region's recompute in the backward), peak_saved_bytes (against the
-    # unchunked plan, where the planner chose the chunks; None where forced)
+    # mini-sequence chunking: region, kind (loss, loss_recompute, mlp, attention), chunks, tokens, width
+    # (vocabulary, hidden, keys), recompute_flops (the region's recompute in the backward), peak_saved_bytes
+    # (against the unchunked plan, where the planner chose the chunks; None where forced); attention's
+    # dropout_mask_bytes (its bool keep-mask, drawn whole in the forward: kept, or replayed by the plan)
     chunks: list[dict] = field(default_factory=list)
     # approximate backward (option ``approximate``): one entry per value the backward reads approximately:
     # value, kind (few-bit, randomized), bits and activation or ratio, shape, dtype, bytes (the exact
@@ -216,7 +217,7 @@ class Plan:
         if not self.chunks:
             return []
         parts = []
-        for kind in ("loss", "loss_recompute", "mlp"):
+        for kind in ("loss", "loss_recompute", "mlp", "attention"):
             regions = [c for c in self.chunks if c["kind"] == kind]
             if regions:
                 ks = "/".join(str(k) for k in sorted({c["chunks"] for c in regions}))

@@ -329,12 +329,11 @@ class WalkedPeak:
         kinds: dict[str, int] = {}
         largest = []
         vals = {n.name: n.meta.get("val") for n in graph.graph.nodes} if graph is not None else {}
-        shapes = {
-            tuple(vals[name].shape)
-            for buf, _, _, origin in self.alive
-            if isinstance(vals.get(name := origin or buf), torch.Tensor)
-            and all(isinstance(d, int) for d in vals[name].shape)
-        }
+        shapes: dict[tuple, int] = {}  # shape -> the bytes of the buffers of that shape
+        for buf, size, _, origin in self.alive:
+            val = vals.get(origin or buf)
+            if isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape):
+                shapes[tuple(val.shape)] = shapes.get(tuple(val.shape), 0) + size
         for buf, size, role, origin in self.alive:
             kind = role if role != "working" else "recomputed" if origin in recomputed else "temporaries"
             kinds[kind] = kinds.get(kind, 0) + size
@@ -348,12 +347,14 @@ class WalkedPeak:
             "total": self.peak,
             "largest": [[name, size, kind] for size, name, kind in sorted(largest, reverse=True)[:6]],
             "from": "inductor-code",
-            **(
-                {"shapes": [list(s) for s in sorted(shapes, key=lambda s: (-math.prod(s), s))]}
-                if graph
-                else {}
-            ),
+            **(_shape_figures(shapes) if graph is not None else {}),
         }
+
+
+def _shape_figures(shapes: dict[tuple, int]) -> dict:
+    """The shapes alive at a walked peak, largest first, and the bytes held in each."""
+    ordered = sorted(shapes, key=lambda s: (-math.prod(s), s))
+    return {"shapes": [list(s) for s in ordered], "shape_bytes": [[list(s), shapes[s]] for s in ordered]}
 
 
 def _peak_trace(

@@ -22,10 +22,11 @@ gradients made in the forward (Liger's, kind ``loss``) or its head recomputed in
 ``loss_recompute``), whose forward does a third of the head's work and holds no gradient.
 
 The number of chunks follows Liger's rule (the chunk's logits no larger than the head's input: k = V / h,
-to a power of two; the MLP's hidden the same way: k = hidden / h), with a floor on the rows of a chunk
-from the roofline (:func:`min_rows`): each chunk passes over the region's weights whatever its rows, so
-chunks of a few rows are memory-bound (measured, ``bench/chunk_rows.py``: the LM head's loss in 128
-chunks of 4 rows took about 9x its unchunked time; at 128 rows, about 1.1x). Where the floor lowers Liger's k,
+to a power of two; the MLP's hidden the same way: k = hidden / h; attention's keys: k = s / head dim),
+with a floor on the rows of a chunk from the roofline (:func:`min_rows`): each chunk passes over the
+region's weights whatever its rows, so chunks of a few rows are memory-bound (measured,
+``bench/chunk_rows.py``: the LM head's loss in 128 chunks of 4 rows took about 9x its unchunked time; at
+128 rows, about 1.1x). Where the floor lowers Liger's k,
 a kind is tried at the floor first and at Liger's k after every kind's first try: the least-peak plan takes it
 where it peaks at least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met
 yet (fitting first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
@@ -47,9 +48,19 @@ from recompile_opt.planner.least_peak import EXACT_TIE
 GAIN = EXACT_TIE
 # the MLP's chunks are unrolled in the joint graph, a few dozen nodes each, and the planning time grows
 # with them; the loss is one op whatever k (passes/chunking.py), so only the matmuls' size bounds it
-MAX_CHUNKS = {"loss": 256, "mlp": 8}
+MAX_CHUNKS = {"loss": 256, "mlp": 8, "attention": 8}  # attention's chunks are unrolled too
 # the region each kind chunks: the loss's two ways exclude each other
-FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp"}
+FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp", "attention": "attention"}
+# kinds tried only after the others are settled, against the plan they made. Why: on the benchmark GPT
+# (s=256, h=256) attention tried among the first was taken (25.58 -> 23.80 MiB), then dropped by the MLP
+# + loss plan (21.80 MiB) that the choice reaches without it: two plannings (2.3x the planning) for nothing
+LAST = frozenset({"attention"})
+# kinds planned only where their full-length tensors hold at least this share of the walked peak. Why:
+# Inductor runs the unrolled attention chunks' softmax backward side by side (their temporaries alive
+# together), so the chunks lower a peak only where the [b, heads, s, s] buffers dominate it: the demo GPT
+# (s=256), 8 of 21.78 MiB, chunked walked 23.29 MiB (not taken, one planning lost); a GPT with s=512,
+# 24 of 26.04 MiB, chunked 12.44 (docs/design.md, attention chunking)
+SHARE_FLOOR = {"attention": 0.5}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
 # at the least peak, a chunked plan whose peak is the fraction g below the unchunked plan's may take
@@ -60,11 +71,11 @@ STEP_SLACK = 0.15
 
 @dataclass(frozen=True)
 class Candidate:
-    kind: str  # "loss" or "mlp"
+    kind: str  # "loss", "loss_recompute", "mlp" or "attention"
     chunks: int
     below_floor: bool = False  # chunks of fewer rows than min_rows: which goals try them, see for_goal
-    tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden): its full-length
-    width: int = 0  # tensors have tokens x width elements (logits, log-softmax, hidden, their gradients)
+    tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden, attention's keys): its
+    width: int = 0  # full-length tensors have tokens x width elements (logits, hidden, probabilities, ...)
 
     def alive_at_peak(self, plan: Plan) -> bool:
         """Whether one of the region's full-length tensors is alive at ``plan``'s peak, simulated or
@@ -72,12 +83,18 @@ class Candidate:
         with the region's width among its dims and tokens x width elements (exactly: attention's
         ``[b, heads, s, s]`` has a width among its dims where the sequence equals it). Where none is,
         chunking the region cannot lower that peak (so it is not planned). A plan without the shapes
-        at its peak: unknown, so yes."""
+        at its peak: unknown, so yes. Attention: where the walk knows, only at :data:`SHARE_FLOOR`."""
+        walked = getattr(plan, "walked_breakdown", None) or {}
+        if FAMILY[self.kind] in SHARE_FLOOR and walked.get("shape_bytes"):
+            share = sum(n for shape, n in walked["shape_bytes"] if self._full_length(shape)) / walked["total"]
+            return share >= SHARE_FLOOR[FAMILY[self.kind]]
         simulated = plan.peak_breakdown.get("shapes")
         if simulated is None:
             return True
-        shapes = simulated + (getattr(plan, "walked_breakdown", None) or {}).get("shapes", [])
-        return any(self.width in shape and math.prod(shape) == self.tokens * self.width for shape in shapes)
+        return any(self._full_length(shape) for shape in simulated + walked.get("shapes", []))
+
+    def _full_length(self, shape) -> bool:
+        return self.width in shape and math.prod(shape) == self.tokens * self.width
 
 
 def min_rows(itemsize: int, roofline: dict) -> int:
@@ -96,23 +113,28 @@ def chunks_for(kind: str, width: int, model_width: int, tokens: int) -> int:
     return max(2, min(k, MAX_CHUNKS[kind], tokens))
 
 
-def candidates(loss_regions: list, mlp_regions: list, roofline: dict) -> list[Candidate]:
+def candidates(
+    loss_regions: list, mlp_regions: list, roofline: dict, *, attention_regions: list = ()
+) -> list[Candidate]:
     """Per region kind whose regions can all be chunked (the loss first; both its ways where the forward
-    goes on after it), Liger's k for its widest
+    goes on after it; attention last), Liger's k for its widest
     region, capped by the floor on rows; where the floor lowered it, Liger's k as a second candidate
-    below the floor, after every kind's first."""
+    below the floor, after every kind's first. Attention's rows are its queries (each chunk passes over
+    a head's K and V as the MLP's over its weights) and its k is keys / head dim (a chunk's scores no
+    larger than the queries)."""
     out = []
-    for kind, regions, width in (
-        ("loss", loss_regions, lambda r: r.vocab),
-        ("mlp", mlp_regions, lambda r: r.hidden),
+    for kind, regions, width, model_width, rows in (
+        ("loss", loss_regions, lambda r: r.vocab, lambda r: r.width, lambda r: r.tokens),
+        ("mlp", mlp_regions, lambda r: r.hidden, lambda r: r.width, lambda r: r.tokens),
+        ("attention", attention_regions, lambda r: r.keys, lambda r: r.head_dim, lambda r: r.queries),
     ):
         if regions and all(r.why_not is None for r in regions):
             r = max(regions, key=width)
-            liger = chunks_for(kind, width(r), r.width, r.tokens)
-            floored = min(liger, 2 ** int(math.log2(max(r.tokens // min_rows(r.itemsize, roofline), 1))))
+            liger = chunks_for(kind, width(r), model_width(r), rows(r))
+            floored = min(liger, 2 ** int(math.log2(max(rows(r) // min_rows(r.itemsize, roofline), 1))))
             # where more of the forward runs after the loss, its gradients made in the forward wait
             # through it: the head recomputed in the backward is costed too
-            kinds = [kind] if kind == "mlp" or all(r.last for r in regions) else [kind, "loss_recompute"]
+            kinds = [kind] if kind != "loss" or all(r.last for r in regions) else [kind, "loss_recompute"]
             for way in kinds:
                 if floored >= 2:
                     out.append(Candidate(way, floored, tokens=r.tokens, width=width(r)))
@@ -158,13 +180,42 @@ def choose(
     the chunks taken, the unchunked plan (``unchunked`` where it is made already), the plan taken, and
     one note line per candidate tried. A kind not chunked yet is planned only where its full-length
     tensors are alive at the best plan's peak so far (:meth:`Candidate.alive_at_peak`); one passed
-    over is tried again with the chunks of a trial not taken (:func:`_combined`)."""
+    over is tried again with the chunks of a trial not taken (:func:`_combined`). Attention comes
+    after the loss and the MLP are settled (:data:`LAST`)."""
     taken: dict = {}
     unchunked = best = unchunked or plan_with({})
-    notes, passed, missed = [], [], []
-    for c in candidates:
+    notes, passed = [], []
+    for late in (False, True):
+        stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
+        taken, best, missed = _greedy(
+            stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, floor_first=late
+        )
+        if not late:
+            passed, (taken, best) = _combined(
+                passed, missed, plan_with, peak_limit, taken, best, notes, unchunked
+            )
+    if passed:
+        notes.append(
+            f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
+            "of their full-length tensors is alive at the peak"
+        )
+    return taken, unchunked, best, notes
+
+
+def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, floor_first=False):
+    """:func:`choose`'s loop over one stage's candidates; returns the chunks taken, the best plan and the
+    trials not taken (``notes`` and ``passed`` grow). ``floor_first``: at the least peak, a kind's chunks
+    below the floor are tried only where its chunks at the floor were taken (each try is a planning)."""
+    missed = []
+    for c in stage:
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
+        if floor_first and peak_limit is None and c.below_floor and c.kind not in taken:
+            notes.append(
+                f"chunks (auto): {c.kind} in {c.chunks} chunks not tried: fewer chunks (at the floor "
+                "of rows) were not taken"
+            )
+            continue
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
         chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
@@ -180,13 +231,7 @@ def choose(
             taken, best = chunks, trial
         else:
             missed.append((chunks, trial))
-    passed, (taken, best) = _combined(passed, missed, plan_with, peak_limit, taken, best, notes, unchunked)
-    if passed:
-        notes.append(
-            f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
-            "of their full-length tensors is alive at the peak"
-        )
-    return taken, unchunked, best, notes
+    return taken, best, missed
 
 
 def _combined(
