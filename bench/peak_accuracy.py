@@ -170,6 +170,11 @@ def simulators(model_names) -> dict:
     return out
 
 
+def _stored_plan(problem, row: dict) -> tuple[set, set]:
+    """A stored plan's kept and recomputed sets, closed over what its recomputation needs."""
+    return problem.needed_closure(set(row["recomputed"]), set(row["saved"]) & problem.values.keys())
+
+
 def check(rows: list[dict], exact: bool = False) -> list[dict]:
     """The stored plans predicted again; one row per plan with the peaks in MiB (``exact``: walked in
     Inductor's generated code too)."""
@@ -177,9 +182,7 @@ def check(rows: list[dict], exact: bool = False) -> list[dict]:
     out = []
     for r in rows:
         problem, simulate = sims[r["model"]]
-        saved, recomputed = problem.needed_closure(
-            set(r["recomputed"]), set(r["saved"]) & problem.values.keys()
-        )
+        saved, recomputed = _stored_plan(problem, r)
         now = simulate(saved, recomputed)
         out.append(
             {
@@ -206,9 +209,7 @@ def check_pool_off(rows: list[dict]) -> list[dict]:
         out = []
         for r in rows:
             problem, simulate = sims[r["model"]]
-            saved, recomputed = problem.needed_closure(
-                set(r["recomputed"]), set(r["saved"]) & problem.values.keys()
-            )
+            saved, recomputed = _stored_plan(problem, r)
             simulate.results, simulate.pooled = {}, True
             span = simulate(saved, recomputed)
             simulate.results, simulate.pooled = {}, False

@@ -14,7 +14,6 @@ from helpers import tiny_gpt, tiny_llama, train_side_by_side
 from recompile_opt.passes.chunk_attention import chunk_attention, chunked_attention, find_attention_regions
 from test_chunking import EAGER, _dynamo_graph
 
-import recompile_opt
 from recompile_opt import models
 from recompile_opt.compile_paths import compile_eager
 from recompile_opt.options import OptionError, parse_options
@@ -230,24 +229,9 @@ def test_through_inductor_the_planner_chunks_attention_and_the_measured_peak_fal
     0.25 MiB of hidden states): the least-peak plan without chunks peaks in the attention's backward.
     With ``chunks="auto"`` the planner chunks the attention by itself; the measured peak falls below
     0.8x and the gradients are eager's."""
-    from helpers import max_grad_diff
-
-    from recompile_opt.costs.measure import peak_memory
+    from helpers import least_peaks_without_and_with_auto_chunks
 
     cfg = models.GPTConfig(n_layer=1, n_head=4, n_embd=64, block_size=512, vocab_size=128)
-    torch.manual_seed(0)
-    base, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
-    ref = copy.deepcopy(base)
-    ref(*inputs).backward()
-    peaks = {}
-    for chunks in (False, "auto"):
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        step = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0, "chunks": chunks})
-        step(*inputs).backward()
-        assert max_grad_diff(model, ref) < 1e-5
-        model.zero_grad(set_to_none=True)
-        peaks[chunks] = peak_memory(lambda: step(*inputs).backward())
-    plan = recompile_opt.last_plans()[-1]
+    peaks, plan = least_peaks_without_and_with_auto_chunks(cfg, 2)
     assert any(c["kind"] == "attention" for c in plan.chunks), plan.summary()
     assert peaks["auto"] < 0.8 * peaks[False], peaks

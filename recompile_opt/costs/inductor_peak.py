@@ -507,9 +507,6 @@ def _step(
                 live.new(name, sizes.get(name, 0))
             if scratch.get(name):  # its workspace, while it runs
                 live.raise_to(live.live + scratch[name], workspace=(name, scratch[name]))
-    elif isinstance(stmt, (ast.If, ast.With)):
-        for inner in stmt.body:
-            _step(inner, live, sizes, multi, scratch)
 
 
 def _root(expr: ast.expr) -> str | None:
