@@ -169,7 +169,7 @@ def _plan_joint_graph(
     searched = (
         fraction
         and graph_options.peak_memory is None
-        and range_walked(problem, graph_options, memory.range_ends)
+        and range_walked(problem, graph_options, memory.range_ends, simulate.walk_setting)
     )
     # walked: every plan Inductor compiles (its own code, once it exists: DeferredWalk), a plan made
     # without a compile that answers a memory request (walks_plan), one whose search walked this

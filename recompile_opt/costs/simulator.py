@@ -226,6 +226,12 @@ class PeakSimulator:
             self.exact_seconds += time.perf_counter() - start
         return self.exact_results[key]
 
+    @property
+    def walk_setting(self) -> str:
+        """What :meth:`exact` walks under besides the graph (the convolutions' layout, the buffer pool,
+        the chunked pool rule): a search's walked ends are only reused under the same."""
+        return repr((self.plain_layout, self.pooled, self.chunked))
+
     def walk_in_plain_layout(self) -> None:
         """From now on :meth:`exact` walks plans compiled with Inductor's channels-last layout off (the
         backend's choice for this graph): the walks made so far are dropped, and none is stored on the

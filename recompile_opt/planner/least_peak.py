@@ -443,7 +443,7 @@ def _range_search(
     fractions of one graph, a frontier sweep, and peak limits on it, a peak sweep, search once); this
     search's ends are added."""
     known_ranges = {} if known_ranges is None else known_ranges
-    key = _fingerprint(problem, options) + ("" if verify else ":unverified")
+    key = _fingerprint(problem, options, simulate.walk_setting) + ("" if verify else ":unverified")
     if key in known_ranges:
         simulate.mark_asked(
             known_ranges[key].walked_keys
@@ -464,19 +464,21 @@ def _range_search(
     return ends
 
 
-def range_walked(problem: Problem, options: Options, known_ranges: dict) -> bool:
+def range_walked(problem: Problem, options: Options, known_ranges: dict, walk_setting: str) -> bool:
     """Whether this graph's least-peak search (a fraction's range, searched once per graph and options)
     checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
     finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
-    ends = known_ranges.get(_fingerprint(problem, options))
+    ends = known_ranges.get(_fingerprint(problem, options, walk_setting))
     return ends is not None and bool(ends.walked_keys)
 
 
-def _fingerprint(problem: Problem, options: Options) -> str:
+def _fingerprint(problem: Problem, options: Options, walk_setting: str) -> str:
     """Everything the range ends depend on: the problem's data and the options but the limits (the
     search runs without a peak limit: it is applied to the plans the search meets) and the compiler
     (the eager path plans the graph Inductor would get; where the two differ, e.g. random ops kept
-    rather than replayed, the problem's data differs)."""
+    rather than replayed, the problem's data differs); and what the oracle walks under
+    (``Simulate.walk_setting``: an eager-compiler search walked a ViT's convolutions channels-last, and
+    Inductor's compile, walking them in their own layout, took its ends: 3.5% above its least peak)."""
     rest = dataclasses.replace(
         options, memory_budget=None, peak_memory=None, plan_dir=None, strict=False, compiler="inductor"
     )
@@ -492,6 +494,7 @@ def _fingerprint(problem: Problem, options: Options) -> str:
             ],
             problem.sites,
             rest.key(),
+            walk_setting,
         )
     )
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -39,6 +39,7 @@ class Simulate(Protocol):
     can_walk: bool  # exact() may answer: plans can be checked in Inductor's generated code
     chunked: bool  # the graph is chunked along the sequence: simulated peaks cannot rank its plans
     asked_log: list  # each question to exact(), in order (what a search walked: walked_keys)
+    walk_setting: str  # what its walks are made under (layout, buffer pool): keys what a search found
 
     def __call__(self, saved: set, recomputed: set) -> int: ...  # predicted peak bytes
 
@@ -62,7 +63,7 @@ class SimulateOnly:
     """A :class:`Simulate` that only simulates (subclasses give ``__call__`` and
     ``recomputed_at_peak``): no plan is walked, the simulated peaks decide."""
 
-    can_walk, chunked = False, False
+    can_walk, chunked, walk_setting = False, False, ""
 
     def __init__(self):
         self.asked_log: list = []
