@@ -23,19 +23,19 @@ def test_every_task_is_answered_in_its_place():
 
 
 def test_a_fork_that_raises_or_hangs_answers_nothing(monkeypatch):
-    monkeypatch.setattr(walk_pool, "WAIT_MIN_S", 2.0)
+    monkeypatch.setattr(walk_pool, "WAIT_MIN_S", 15.0)  # a fork answers within it on a busy machine
 
     def copy(t):
         if t == 1:
             raise RuntimeError("no walk here")
         if t == 2:
-            time.sleep(60)
+            time.sleep(300)
         return t
 
     start = time.perf_counter()
     found = walk_pool.map_forked(lambda t: t, copy, [0, 1, 2, 3], 4)
     assert found == {0: 0, 3: 3}
-    assert time.perf_counter() - start < 30  # the hanging fork was killed
+    assert time.perf_counter() - start < 120  # the hanging fork was killed
 
 
 def test_the_number_of_processes_follows_the_variable(monkeypatch):
@@ -69,6 +69,7 @@ def test_a_chunked_graphs_wide_walks_give_the_plan_walked_one_by_one(monkeypatch
     assert spread == _chunked_plan(monkeypatch, "1")
 
 
+@pytest.mark.slow
 def test_walks_a_fork_could_not_make_are_made_here(monkeypatch):
     from recompile_opt.costs.simulator import PeakSimulator
 

@@ -21,6 +21,7 @@ import os
 import pickle
 import select
 import time
+import warnings
 from typing import Callable, TypeVar
 
 from recompile_opt import _torch_internals as ti
@@ -58,23 +59,29 @@ def map_forked(
     answer in time answers none of its share (the caller walks them); ``walk_here`` is not guarded."""
     n = min(n or workers(), len(tasks))
     shares = [list(range(i, len(tasks), n)) for i in range(n)]
-    children = [_fork(walk_copy, tasks, share) for share in shares[1:]] if n > 1 else []
-    start = time.perf_counter()
-    found = {i: walk_here(tasks[i]) for i in shares[0]}
-    patience = max(WAIT_MIN_S, WAIT_FACTOR * (time.perf_counter() - start))
-    for child in children:
-        if child is not None:
-            found.update(_collect(*child, deadline=time.monotonic() + patience))
+    children = [child for share in shares[1:] if (child := _fork(walk_copy, tasks, share)) is not None]
+    found, deadline = {}, None
+    try:
+        start = time.perf_counter()
+        found = {i: walk_here(tasks[i]) for i in shares[0]}
+        deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * (time.perf_counter() - start))
+    finally:  # where this process's share raised, the forks are ended at once
+        for pid, read in children:
+            found.update(_collect(pid, read, deadline=deadline or 0.0))
     return found
 
 
 def _fork(walk_copy, tasks: list, share: list[int]) -> tuple[int, int] | None:
     """A fork walking ``share``: (its pid, the read end of its pipe); None where none could be made."""
+    read, write = os.pipe()
     try:
-        read, write = os.pipe()
-        pid = os.fork()
+        with warnings.catch_warnings():  # Python 3.12 warns of a fork with threads (HiGHS's are idle)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
     except OSError as e:
         log.debug("recompile_opt: no fork for walks: %s", e)
+        os.close(read)
+        os.close(write)
         return None
     if pid == 0:  # the copy: walk, write the answers, exit without running anything of the parent's
         code = 1
@@ -97,8 +104,8 @@ def _collect(pid: int, read: int, *, deadline: float) -> dict:
     chunks, answers = [], {}
     try:
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read], [], [], left)[0]:
+            # past the deadline, what a fork has written already is still read
+            if not select.select([read], [], [], max(deadline - time.monotonic(), 0.0))[0]:
                 log.info("recompile_opt: a walk's fork did not answer in time; walking here")
                 os.kill(pid, 9)
                 break

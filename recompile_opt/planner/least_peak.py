@@ -247,7 +247,9 @@ def _verified(
             rivals.setdefault(_as_compiled(problem, c), c)
     if not rivals:
         return best, None
-    simulate.walk_ahead([_as_compiled(problem, best), *list(rivals)[:VERIFY_MAX]])  # in parallel
+    # the choice and its first rival are walked whenever there is a rival (the second only where the
+    # first is not taken): both at once
+    simulate.walk_ahead([_as_compiled(problem, best), next(iter(rivals))])
     least = exact(*_as_compiled(problem, best))
     if least is None:
         return best, None
