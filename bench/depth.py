@@ -51,7 +51,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 import recompile_opt  # noqa: E402
-from recompile_opt import backend  # noqa: E402
+from recompile_opt import planning  # noqa: E402
 from recompile_opt.models import GPT, GPTConfig, example_batch  # noqa: E402
 from recompile_opt.options import parse_options  # noqa: E402
 from recompile_opt.planner import ilp, search  # noqa: E402
@@ -72,19 +72,19 @@ def gpt(n_layer: int):
 
 @contextlib.contextmanager
 def grab_problems():
-    """Record the Problem every graph's partitioner builds (``backend.make_plan`` is the hook)."""
+    """Record the Problem every graph's partitioner builds (``planning.make_plan`` is the hook)."""
     problems: list[Problem] = []
-    original = backend.make_plan
+    original = planning.make_plan
 
     def recording(problem, options, **kw):
         problems.append(problem)
         return original(problem, options, **kw)
 
-    backend.make_plan = recording
+    planning.make_plan = recording
     try:
         yield problems
     finally:
-        backend.make_plan = original
+        planning.make_plan = original
 
 
 def capture(n_layer: int, problem_dir: Path | None = None) -> tuple[Problem, float]:

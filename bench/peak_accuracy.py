@@ -141,24 +141,24 @@ def measure_all(args) -> list[dict]:
 def simulators(model_names) -> dict:
     """Each model's problem and peak simulator, as the backend builds them for a plan."""
     import recompile_opt
-    import recompile_opt.backend as backend
+    import recompile_opt.planning as planning
     from recompile_opt import models
 
-    built, make_plan = {}, backend.make_plan
+    built, make_plan = {}, planning.make_plan
 
     def capture(problem, opts, *, graph="", simulate=None):
         built.update(problem=problem, simulate=simulate)
         return make_plan(problem, opts, graph=graph, simulate=simulate)
 
     out = {}
-    backend.make_plan = capture
+    planning.make_plan = capture
     try:
         for name in model_names:
             model, inputs = getattr(models, f"demo_{name}")()
             recompile_opt.plan(model, inputs, policy="save-all")
             out[name] = (built["problem"], built["simulate"])
     finally:
-        backend.make_plan = make_plan
+        planning.make_plan = make_plan
     return out
 
 

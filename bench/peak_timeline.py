@@ -53,10 +53,10 @@ def main(argv=None) -> None:
 
     from recompile_opt import _torch_internals as ti
     from recompile_opt import models
-    from recompile_opt.backend import RecompilePartitioner
     from recompile_opt.costs import peak
     from recompile_opt.costs.measure import allocation_timeline
     from recompile_opt.options import parse_options
+    from recompile_opt.partitioner import RecompilePartitioner
 
     torch.set_num_threads(1)
     model, inputs = (models.demo_gpt if args.model == "gpt" else models.demo_llama)()

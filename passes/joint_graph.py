@@ -282,6 +282,7 @@ def build_problem(
         if value.random and not replay_random:
             value.can_recompute = False
     _inherit_modules(jg, values)
+    _offload_windows(jg, values, storage_bytes_, roofline)
     _propagate_last_use(jg, values, first_use)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
@@ -297,6 +298,7 @@ def build_problem(
         device=device.type,
         collectives=_collectives(jg),
         sites=sites,
+        offload_ops=ti.offload_ops_available(),
     )
 
 
@@ -554,6 +556,50 @@ def _inherit_modules(jg: JointGraph, values: dict[str, Value]) -> None:
                 ),
                 "",
             )
+
+
+def _offload_windows(jg: JointGraph, values: dict[str, Value], storage_bytes_: dict, roofline: dict) -> None:
+    """Each offloadable value's windows (``Value.offload_windows``): the forward's compute after its last
+    forward use, and the backward's before its first use, each through its views, as torch's offloading
+    places the copies. Offloadable: what that pass accepts (``activation_offloading.can_offload``: a
+    contiguous buffer of its own, no getitem, not returned to the caller, not a graph input)."""
+    fwd_s = [node_cost(n, roofline).seconds for n in jg.fwd_nodes]
+    total_fwd = sum(fwd_s)
+    done_at, elapsed = {}, 0.0  # forward node -> compute done once it has run
+    for n, t in zip(jg.fwd_nodes, fwd_s):
+        elapsed += t
+        done_at[n] = elapsed
+    before, elapsed = {}, 0.0  # backward node -> compute before it starts
+    for n in jg.bwd_nodes:
+        before[n] = elapsed
+        elapsed += node_cost(n, roofline).seconds
+    output = next(n for n in reversed(jg.gm.graph.nodes) if n.op == "output")
+    returned = {a for a in output.args[0][: jg.num_fwd_outputs] if isinstance(a, fx.Node)}
+    for name, v in values.items():
+        node = jg.name_to_node[name]
+        val = node.meta.get("val")
+        if not (
+            node.op == "call_function"
+            and node.target is not operator.getitem
+            and isinstance(val, torch.Tensor)
+            and all(isinstance(d, int) for d in val.shape)  # (is_contiguous on symbols would guard)
+            and v.storage == name
+            and v.in_forward
+            and storage_bytes_.get(name, 0) > 0
+            and node not in returned
+            and val.is_contiguous()
+        ):
+            continue
+        users, todo = set(), list(node.users)
+        while todo:  # through views, as torch's pass finds a value's last use
+            u = todo.pop()
+            if u.op != "output" and u not in users:
+                users.add(u)
+                todo.extend(u.users if is_view_node(u) else ())
+        fwd = [done_at[u] for u in users if u in done_at] + [done_at.get(node, 0.0)]
+        bwd = [before[u] for u in users if u in before]
+        if bwd:
+            v.offload_windows = (total_fwd - max(fwd), min(bwd))
 
 
 def _propagate_last_use(jg: JointGraph, values: dict[str, Value], first_use: dict[str, int]) -> None:

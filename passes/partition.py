@@ -6,7 +6,9 @@ that the backward recomputes are replayed from an RNG state the forward saves (t
 ``functionalize_rng_ops``: ``run_and_save_rng_state`` / ``run_with_rng_state``, which have CPU
 implementations), so the recomputed dropout mask is this step's mask, not a fresh one. Finally the
 backward is reordered as the autograd engine would run it, so each recomputation happens just before
-its first use instead of all at the start (what the peak model assumes).
+its first use instead of all at the start (what the peak model assumes). Values the plan offloads
+(``offload:<value>`` in its recomputed set) go through torch's own activation offloading, called where
+torch's partitioners call it (``_torch_internals.offload_activations``).
 
 The planner's searches partition one graph 20-30 times only to read the graphs
 (``for_simulation``); that path builds the same graphs with a third of the node copies.
@@ -15,12 +17,16 @@ The planner's searches partition one graph 20-30 times only to read the graphs
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.ops import is_random_op
+from recompile_opt.planner.problem import offloaded_values
+
+log = logging.getLogger(__name__)
 
 
 def partition(
@@ -73,7 +79,29 @@ def partition(
         if replayed:
             fw, bw = _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes, saved_opaque)
         bw = _reorder_in_place(bw) if for_simulation else ti.reordering_to_mimic_autograd_engine(bw)
+        offloaded = offloaded_values(recomputed)
+        if offloaded:  # torch's own offloading, where torch's partitioners call it
+            _offload(fw, bw, offloaded, num_fwd_outputs, info)
         return ti.raise_getitems(fw), ti.raise_getitems(bw)
+
+
+def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info) -> None:
+    """The plan's offloaded values copied to the host after their last forward use and back before their
+    first backward use (``ti.offload_activations``), on a stream of their own where the device has one.
+    A value torch refuses (the planner offers only what it accepts) is kept on the device instead."""
+    device = next(
+        (v.device for n in fw.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), None
+    )
+    done = ti.offload_activations(
+        fw,
+        bw,
+        names,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_nodes=info.static_lifetime_input_nodes,
+        separate_stream=device is not None and device.type == "cuda",
+    )
+    if names - done:
+        log.warning("recompile_opt: torch did not offload %s; kept on the device", sorted(names - done))
 
 
 def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list):

@@ -229,6 +229,10 @@ __all__ = [
     "lower_backward_eagerly",
     "bw_donated_inputs",
     "codegen_settings",
+    "CPU_OFFLOAD_PREFIX",
+    "offload_ops_available",
+    "offload_activations",
+    "is_offload_wait",
     "real_tensors",
     "WrapperCode",
     "strided_shard",
@@ -834,3 +838,69 @@ def in_forked_walker() -> int:
             inductor_config.cpp.threads = threads
         torch.set_num_threads(1)
     return threads
+
+
+# -- torch._functorch._activation_offloading: offloaded activations (issue 50) --------------------------
+# torch 2.11-2.15 all have ``enable_activation_offloading(fw, bw, num_fwd_outputs, static_lifetime_inputs)``,
+# which offloads the forward outputs whose node carries ``meta["should_offload"]``. Its forms differ: 2.11
+# and 2.12 copy with ``prims.device_put`` and, on a separate stream, wrap each copy in ``torch.ops.streams``
+# events; 2.13 on copies with its own ``ao::offload`` / ``ao::reload`` ops and an ``ao::wait_tensor`` that
+# frees the source once the copy is done. Without a separate stream both copy with ``device_put`` (the
+# only form a CPU runs: the async ops need pinned memory). Names: the forward's copy is
+# ``cpu_offload_<value>``, the backward's input keeps that name and its reload is ``gpu_reload_<value>``.
+try:
+    from torch._functorch._activation_offloading import activation_offloading as _offloading
+except ImportError:  # a torch without it: the plan's notes say offload does not apply
+    _offloading = None
+
+CPU_OFFLOAD_PREFIX = "cpu_offload_"
+
+
+def offload_ops_available() -> bool:
+    """Whether this torch has the activation-offloading pass the partition emits offload through."""
+    return _offloading is not None and hasattr(_offloading, "enable_activation_offloading")
+
+
+def offload_activations(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    names: set[str],
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_nodes,
+    separate_stream: bool,
+) -> set[str]:
+    """Offload the forward outputs named ``names`` through torch's pass, marked as it expects; returns the
+    names it offloaded (it refuses views, getitems, non-contiguous tensors and the caller's outputs).
+
+    ``separate_stream`` (CUDA): copies on a stream of their own, the forward's waits sunk to its end
+    (``activation_offload_sink_wait``) and, where torch has it, reloads prefetched
+    (``activation_reload_prefetch``); without it each copy runs where it stands (the CPU). Every node that
+    holds a host copy gets ``meta["host_resident"]``: the peak model counts it off the device."""
+    for n in fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]:
+        if isinstance(n, torch.fx.Node) and n.name in names:
+            n.meta["should_offload"] = True
+    patches = {
+        "activation_offload_separate_stream": separate_stream,
+        "activation_offload_sink_wait": separate_stream,
+    }
+    if hasattr(functorch_config, "activation_reload_prefetch"):  # 2.11 on; its bandwidth stays torch's
+        patches["activation_reload_prefetch"] = separate_stream
+    with functorch_config.patch(patches):
+        _offloading.enable_activation_offloading(fw, bw, num_fwd_outputs, static_lifetime_input_nodes)
+    done = set()
+    for n in fw.graph.nodes:
+        n.meta.pop("should_offload", None)
+        if n.op == "call_function" and CPU_OFFLOAD_PREFIX in n.name:  # the copy and, 2.13 on, its wait
+            n.meta["host_resident"] = True
+            if n.name.startswith(CPU_OFFLOAD_PREFIX):
+                done.add(n.name[len(CPU_OFFLOAD_PREFIX) :])
+    for n in bw.graph.find_nodes(op="placeholder"):
+        if n.meta.get("saved_for_offloading"):
+            n.meta["host_resident"] = True
+    return done
+
+
+def is_offload_wait(target) -> bool:
+    """torch 2.13's ``ao::wait_tensor``: returns its input once its copy is done (an alias)."""
+    return isinstance(target, torch._ops.OpOverload) and str(target) == "ao.wait_tensor.default"

@@ -16,9 +16,11 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.backend import _PLANS, RecompilePartitioner, compile_eager, note, sequence_parallel_of
+from recompile_opt.compile_paths import compile_eager, note, sequence_parallel_of
 from recompile_opt.options import OptionError, Options, parse_options
+from recompile_opt.partitioner import MEMORY, RecompilePartitioner
 from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.plan_cache import publish
 from recompile_opt.planner import budget_split
 from recompile_opt.planner.search import InfeasibleBudget
 
@@ -50,7 +52,7 @@ def plan(
         if len(learned) > 1:
             _split_budget(opts, learned)
     plans = _capture(module, inputs, opts, aten_random)
-    _PLANS.extend(plans)
+    publish(plans)
     return plans[0] if len(plans) == 1 else plans
 
 
@@ -109,7 +111,7 @@ def _split_budget(opts: Options, learned: list[Plan]) -> None:
         if opts.strict:
             raise InfeasibleBudget(msg + " (strict=True)")
         warnings.warn(msg + "; each graph gets its least-memory plan")
-    budget_split.register(budget, budget_split.split(budget, graphs))
+    budget_split.register(MEMORY, budget, budget_split.split(budget, graphs))
 
 
 def _empty_outputs(gm: fx.GraphModule):

@@ -52,13 +52,14 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.api import _empty_outputs
-from recompile_opt.backend import compile_eager, graph_id
+from recompile_opt.compile_paths import compile_eager
 from recompile_opt.costs.peak import predict_peak
-from recompile_opt.costs.simulator import PeakSimulator
 from recompile_opt.options import Options, parse_options
-from recompile_opt.passes.joint_graph import JointGraph, build_problem
+from recompile_opt.partitioner import MEMORY
+from recompile_opt.passes.joint_graph import JointGraph
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import make_plan
+from recompile_opt.planning import read_joint_graph
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -150,16 +151,14 @@ class FrontierPartitioner:
         self.graphs: list[dict[tuple, _Figures]] = []  # per graph: (kind, fraction or policy) -> figures
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
-        nfo, static = kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices")
         pristine = _copy(gm.graph)  # our partitions tag random ops; torch's rewrite the graph
-        jg = JointGraph(gm, num_fwd_outputs=nfo, static_lifetime_input_indices=static)
-        problem = build_problem(jg, self.options.roofline_for(jg.device().type))
-        simulate = PeakSimulator(gm, num_fwd_outputs=nfo, static_lifetime_input_indices=static, info=jg.info)
+        joint = read_joint_graph(gm, kwargs, self.options, MEMORY)  # as RecompilePartitioner
+        jg, problem, simulate = joint.graph, joint.problem, joint.simulate
+        nfo, static = joint.num_fwd_outputs, kwargs.get("static_lifetime_input_indices")  # torch's own
 
         def ours(**changes) -> tuple[_Figures, Plan]:
-            plan = make_plan(
-                problem, dataclasses.replace(self.options, **changes), graph=graph_id(gm), simulate=simulate
-            )
+            opts = dataclasses.replace(self.options, **changes)
+            plan = make_plan(problem, opts, graph=joint.gid, simulate=simulate, memory=MEMORY)
             saved = {e.name for e in plan.saved if e.op != "rng_state"}  # as RecompilePartitioner
             figures = _Figures(
                 (frozenset(saved), frozenset(plan.recomputed_names())),

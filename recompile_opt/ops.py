@@ -69,7 +69,8 @@ def op_name(node: fx.Node, *, qualified: bool = False) -> str | None:
 
 def is_view_node(node: fx.Node) -> bool:
     """True when the node's output aliases its first tensor input (views, and getitem of views; a
-    collective's ``wait_tensor``, which returns the collective's buffer once it is filled)."""
+    collective's ``wait_tensor``, which returns the collective's buffer once it is filled, and an
+    offload copy's)."""
     if node.op != "call_function":
         return False
     target = node.target
@@ -83,7 +84,9 @@ def is_view_node(node: fx.Node) -> bool:
 def _aliasing_op(target) -> bool:
     """Whether an op's output aliases its first input, once per op: the peak model asks it of every
     node of every plan it simulates (150k times in a 2-layer GPT's planning)."""
-    return isinstance(target, torch._ops.OpOverload) and (target.is_view or ti.is_wait_tensor(target))
+    return isinstance(target, torch._ops.OpOverload) and (
+        target.is_view or ti.is_wait_tensor(target) or ti.is_offload_wait(target)
+    )
 
 
 def is_pointwise(node: fx.Node) -> bool:

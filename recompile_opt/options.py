@@ -33,24 +33,31 @@ _UNITS = {
 # gloo over loopback TCP; CUDA ranks of a tensor-parallel group sit on one NVLink island (H100: 450 GB/s
 # per direction, ~0.3 of it reached by a ring all-gather of a few MiB). Only the ratio to the compute
 # constants matters to a plan: it prices a re-gather in the backward against keeping the gathered value.
+# host_bytes_per_s: the device-host link, each direction, for offloaded activations (option ``offload``):
+# an H100/H200 on PCIe Gen5 x16 (64 GB/s raw) copies pinned memory at ~50 GB/s; half of it is assumed,
+# as the copies share the link with the input pipeline and small copies reach less. A CPU device has no
+# such link (host memory is its memory); its figure serves only the tests' ``offload_on_cpu``.
 DEFAULT_ROOFLINE = {
     "cpu": {
         "flops_per_s": 1.0e11,
         "bytes_per_s": 2.0e10,
         "link_bytes_per_s": 2.0e9,
         "collective_latency_s": 5e-5,
+        "host_bytes_per_s": 1.0e10,
     },
     "cuda": {
         "flops_per_s": 3.0e14,
         "bytes_per_s": 2.0e12,
         "link_bytes_per_s": 1.5e11,
         "collective_latency_s": 1e-5,
+        "host_bytes_per_s": 2.5e10,
     },
     "meta": {
         "flops_per_s": 3.0e14,
         "bytes_per_s": 2.0e12,
         "link_bytes_per_s": 1.5e11,
         "collective_latency_s": 1e-5,
+        "host_bytes_per_s": 2.5e10,
     },
 }
 
@@ -73,7 +80,7 @@ class Options:
     plan_dir: str | None = None
     roofline: dict = field(
         default_factory=dict
-    )  # flops_per_s, bytes_per_s, link_bytes_per_s, collective_latency_s
+    )  # flops_per_s, bytes_per_s, link_bytes_per_s, collective_latency_s, host_bytes_per_s
     compiler: str = "inductor"  # "inductor" or "eager" (same joint passes and partition, no codegen)
     # planning on the meta device: the device whose attention kernels the plan assumes (meta has none)
     target_device: str = "cuda"
@@ -89,6 +96,14 @@ class Options:
     # a model laid out by hand as tensor parallel (parallelize_module's Colwise/RowwiseParallel) made
     # tensor + sequence parallel in its graph (parallel/sequence_pass.py)
     sequence_parallel: bool = False
+    # offload kept activations to host memory (planner/ilp.py, passes/partition.py): False (the default);
+    # True: the ILP may offload over the roofline's host link (``host_bytes_per_s``); a number: that link
+    # bandwidth in bytes/s. A CPU device has no separate memory to relieve: there the plan notes it and
+    # plans without offload
+    offload: bool | float = False
+    # testing only: offload on a CPU device anyway (host to host: saves no memory, but the rewritten
+    # graphs run, so the tests compare their gradients with eager)
+    offload_on_cpu: bool = False
 
     def key(self) -> str:
         """Stable hash of every option: enters the partitioner's ``uuid()`` and the plan cache."""
@@ -185,7 +200,7 @@ def parse_options(raw: dict | Options | None) -> Options:
             f"option 'policy': {out['policy']!r} is a fixed baseline and takes no "
             f"{' or '.join(limits)}; accepted with a limit: 'auto' (the default, the ILP)"
         )
-    for name in ("strict", "sequence_parallel"):
+    for name in ("strict", "sequence_parallel", "offload_on_cpu"):
         if name in raw:
             if not isinstance(raw[name], bool):
                 raise OptionError(f"option {name!r}: got {raw[name]!r}; accepted values: True, False")
@@ -209,7 +224,37 @@ def parse_options(raw: dict | Options | None) -> Options:
         out["chunks"] = c if c is False or c == "auto" else _parse_chunks(c)
     if raw.get("approximate") not in (None, False):
         out["approximate"] = _parse_approximate(raw["approximate"])
+    if "offload" in raw:
+        out["offload"] = parse_offload(raw["offload"])
+    if out.get("offload_on_cpu") and not out.get("offload"):
+        raise OptionError(
+            "option 'offload_on_cpu': True needs option 'offload' (True or a link bandwidth) to offload"
+        )
     return Options(**out)
+
+
+_BANDWIDTH = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*/\s*s\s*")
+
+
+def parse_offload(value) -> bool | float:
+    """``offload``: False, True (the roofline's host link), or the link's bandwidth in bytes/s: a
+    positive number, or a string with units per second ("25GB/s", "24GiB/s")."""
+    accepted = (
+        "accepted values: False (the default), True (the roofline's host_bytes_per_s), or the host "
+        "link's bandwidth per direction: a positive number of bytes/s or a string such as '25GB/s'"
+    )
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, (int, float)):
+        if not value > 0 or value == float("inf"):
+            raise OptionError(f"option 'offload': got {value!r}; {accepted}")
+        return float(value)
+    if isinstance(value, str):
+        m = _BANDWIDTH.fullmatch(value)
+        unit = m.group(2).lower() if m else ""
+        if m and (unit in _UNITS or unit == "") and float(m.group(1)) > 0:
+            return float(Fraction(m.group(1)) * _UNITS.get(unit, 1))
+    raise OptionError(f"option 'offload': got {value!r}; {accepted}")
 
 
 APPROXIMATE_KEYS = ("activations", "linear")
@@ -261,7 +306,7 @@ def _parse_chunks(value) -> dict:
 
 
 def _parse_roofline(value) -> dict:
-    keys = ("flops_per_s", "bytes_per_s", "link_bytes_per_s", "collective_latency_s")
+    keys = ("flops_per_s", "bytes_per_s", "link_bytes_per_s", "collective_latency_s", "host_bytes_per_s")
     if not isinstance(value, dict) or set(value) - set(keys):
         raise OptionError(f"option 'roofline': got {value!r}; expected a dict with keys from {list(keys)}")
     for k, v in value.items():

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-# Actions a plan can take on a value. Only keep/recompute exist today; shard, chunk and offload are
-# meant to arrive as further actions on the same entries.
-KEEP, RECOMPUTE = "keep", "recompute"
+# Actions a plan can take on a value: keep it on the device, recompute it, or offload it (kept on the
+# host between forward and backward: an entry of ``Plan.saved``, as the backward reads it; its device bytes
+# are 0). Chunks and approximations are described in lists of their own.
+KEEP, RECOMPUTE, OFFLOAD = "keep", "recompute", "offload"
 
 
 @dataclass
@@ -67,6 +68,13 @@ class Plan:
     # value's), kept_as (the values read instead) and kept_as_bytes, choice (its name in the plan's
     # recomputed set), marker, cost_s (the time it adds), module, source
     approximated: list[dict] = field(default_factory=list)
+    # offload (option ``offload``, user CPU_OFFLOAD tags): one entry per offloaded value: value, op, shape,
+    # dtype, bytes (moved each way), forward_window_s / backward_window_s (the compute its copies may
+    # overlap: after its last forward use, before its first backward use), module, source
+    offloaded: list[dict] = field(default_factory=list)
+    # the step's copies: values, bytes_to_host, bytes_to_device, host_bytes_per_s, hidden_s and exposed_s
+    # (the estimated copy time compute hides and the stall it adds; planner/problem.offload_figures)
+    offload: dict = field(default_factory=dict)
 
     @property
     def recompute_share(self) -> float:
@@ -79,7 +87,11 @@ class Plan:
     def recomputed_names(self) -> set[str]:
         """The recomputed values, and the choice of each approximated site (its name, as the planner's
         sets hold it: :class:`recompile_opt.planner.problem.Site`)."""
-        return {e.name for e in self.recomputed} | {a["choice"] for a in self.approximated}
+        return (
+            {e.name for e in self.recomputed}
+            | {a["choice"] for a in self.approximated}
+            | {"offload:" + e.name for e in self.saved if e.action == OFFLOAD}
+        )
 
     # -- JSON -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -139,6 +151,7 @@ class Plan:
             *self._communication_lines(),
             *self._chunk_lines(),
             *self._approximation_lines(),
+            *self._offload_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"
             f" in {self.solver.get('solve_s', 0.0):.2f} s"
             + (f", gap <= {gap:.2%}" if isinstance(gap, float) and gap > 0 else "")
@@ -238,6 +251,19 @@ class Plan:
             f"{fmt_bytes(exact)} (est. +{cost * 1e3:.3f} ms)"
         ]
 
+    def _offload_lines(self) -> list[str]:
+        """One line: the values offloaded, the bytes moved each way and the copy time hidden and exposed."""
+        o = self.offload
+        if not o.get("values"):
+            return []
+        link = o.get("host_bytes_per_s", 0.0)
+        return [
+            f"  offloaded         : {o['values']} value{'s' * (o['values'] != 1)}, "
+            f"{fmt_bytes(o['bytes_to_host'])} to the host and {fmt_bytes(o['bytes_to_device'])} back per "
+            f"step over {link / 1e9:g} GB/s; copies est. {o['hidden_s'] * 1e3:.3f} ms hidden, "
+            f"{o['exposed_s'] * 1e3:.3f} ms exposed"
+        ]
+
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
         budget could still remove: kept and recomputed; the rest is the floor any plan pays there)."""
@@ -259,6 +285,7 @@ class Plan:
         across both sections."""
         sections = []
         for title, entries, show in (("kept", self.saved, "bytes"), ("recomputed", self.recomputed, "flops")):
+            entries = [e for e in entries if e.action != OFFLOAD]
             params = [e for e in entries if e.reason == "param"]
             header = (
                 f"{title} ({len(entries)}"
@@ -300,6 +327,25 @@ class Plan:
                             a.get("source", ""),
                         )
                         for a in self.approximated
+                    ],
+                )
+            )
+        if self.offloaded:
+            sections.append(
+                (
+                    f"offloaded ({len(self.offloaded)}; bytes: moved to the host and back each step):",
+                    [
+                        (
+                            fmt_type(o["dtype"], o["shape"]),
+                            fmt_bytes(o["bytes"]),
+                            o["op"],
+                            o["value"],
+                            f"windows {o['forward_window_s'] * 1e3:.3f}"
+                            f"/{o['backward_window_s'] * 1e3:.3f} ms",
+                            o.get("module", ""),
+                            o.get("source", ""),
+                        )
+                        for o in self.offloaded
                     ],
                 )
             )

@@ -111,8 +111,9 @@ def partitioned(model, inputs, options: dict):
 
 def partitioned_and_compiled(model, inputs, options: dict):
     """:func:`partitioned`, and the compiled model it ran (to run or measure more steps of)."""
-    from recompile_opt.backend import RecompilePartitioner, compile_eager
+    from recompile_opt.compile_paths import compile_eager
     from recompile_opt.options import parse_options
+    from recompile_opt.partitioner import RecompilePartitioner
 
     parts = []
 
@@ -132,8 +133,8 @@ def forget_searches(monkeypatch) -> None:
     from collections import OrderedDict
 
     from recompile_opt.costs import simulator
-    from recompile_opt.planner import least_peak
+    from recompile_opt.partitioner import MEMORY
 
-    monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
-    monkeypatch.setattr(simulator, "_FOUND", OrderedDict())
+    monkeypatch.setattr(MEMORY, "range_ends", {})
+    monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
     monkeypatch.setattr(simulator, "_load", lambda key: None)  # nor what an earlier test left on disk

@@ -17,8 +17,9 @@ from test_chunking import EAGER, _assert_runs_alike, _dynamo_graph
 
 import recompile_opt
 from recompile_opt import models
-from recompile_opt.backend import RecompilePartitioner, compile_eager
+from recompile_opt.compile_paths import compile_eager
 from recompile_opt.options import parse_options
+from recompile_opt.partitioner import RecompilePartitioner
 
 TOKENS, WIDTH = 2 * 16, 32  # tiny_gpt / tiny_llama: batch 2, block 16, n_embd 32
 

@@ -16,8 +16,9 @@ from recompile_opt.passes.chunking import chunk_loss, chunked_linear_cross_entro
 
 import recompile_opt
 from recompile_opt import models
-from recompile_opt.backend import RecompilePartitioner, compile_eager
+from recompile_opt.compile_paths import compile_eager
 from recompile_opt.options import parse_options
+from recompile_opt.partitioner import RecompilePartitioner
 
 EAGER = {"compiler": "eager"}
 
@@ -571,11 +572,11 @@ def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(
     """``chunks="auto"`` is the default and lazy: 16 heads over 512 tokens of width 64 and a vocabulary
     of 128 peak in attention, so the compile plans its graph once and says why nothing was tried; a
     logits-dominated GPT is chunked by the same default (and planned more than once)."""
-    from recompile_opt import backend
+    from recompile_opt import planning
 
     calls = []
-    real = backend.make_plan
-    monkeypatch.setattr(backend, "make_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = planning.make_plan
+    monkeypatch.setattr(planning, "make_plan", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     cfg = models.GPTConfig(n_layer=1, n_head=16, n_embd=64, block_size=256, vocab_size=128)
     torch.manual_seed(0)
     plan = train_side_by_side(

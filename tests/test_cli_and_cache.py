@@ -16,8 +16,8 @@ from test_graph_breaks import TwoHalves, _inputs
 import recompile_opt
 from recompile_opt import frontier
 from recompile_opt.cli import build_parser, main, parse_budget_arg
+from recompile_opt.partitioner import MEMORY
 from recompile_opt.plan import Plan
-from recompile_opt.planner import budget_split
 
 
 def test_plan_show_and_diff(tmp_path, capsys):
@@ -294,9 +294,9 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, message):
 
 @pytest.fixture
 def fresh_split():
-    budget_split.clear()
+    MEMORY.forget_budget_shares()
     yield
-    budget_split.clear()
+    MEMORY.forget_budget_shares()
 
 
 def test_plan_and_show_a_model_of_several_graphs(tmp_path, capsys, fresh_split):
@@ -439,11 +439,11 @@ def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeyp
     from collections import OrderedDict
 
     from recompile_opt.costs import simulator
-    from recompile_opt.planner import least_peak
+    from recompile_opt.partitioner import MEMORY
 
     def new_process():  # what a process keeps in memory, forgotten
-        monkeypatch.setattr(least_peak, "_RANGE_ENDS", {})
-        monkeypatch.setattr(simulator, "_FOUND", OrderedDict())
+        monkeypatch.setattr(MEMORY, "range_ends", {})
+        monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     new_process()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import recompile_opt
-from recompile_opt import backend
+from recompile_opt import planning
 from recompile_opt.models import GPT, GPTConfig, example_batch
 from recompile_opt.options import parse_options
 from recompile_opt.planner import search
@@ -41,17 +41,17 @@ def small_gpt(n_layer: int):
 @contextlib.contextmanager
 def grab_problems():
     """Record the Problem the partitioner builds for each graph."""
-    problems, original = [], backend.make_plan
+    problems, original = [], planning.make_plan
 
     def recording(problem, options, **kw):
         problems.append(problem)
         return original(problem, options, **kw)
 
-    backend.make_plan = recording
+    planning.make_plan = recording
     try:
         yield problems
     finally:
-        backend.make_plan = original
+        planning.make_plan = original
 
 
 def capture(n_layer: int):

@@ -8,6 +8,7 @@ import torch
 from helpers import train_side_by_side
 
 import recompile_opt
+from recompile_opt.partitioner import MEMORY
 from recompile_opt.planner import budget_split
 from recompile_opt.planner.search import InfeasibleBudget
 
@@ -35,9 +36,9 @@ class TwoHalves(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def fresh_split():
-    budget_split.clear()
+    MEMORY.forget_budget_shares()
     yield
-    budget_split.clear()
+    MEMORY.forget_budget_shares()
 
 
 def _inputs():

@@ -256,8 +256,8 @@ def test_the_walk_gives_the_peak_measured_in_the_step_inductor_compiles():
     import torch
 
     from recompile_opt import _torch_internals as ti
-    from recompile_opt.backend import RecompilePartitioner
     from recompile_opt.costs.measure import peak_memory
+    from recompile_opt.partitioner import RecompilePartitioner
 
     model, inputs = _small_gpt()
     parts = []
@@ -333,7 +333,7 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
     from helpers import tiny_gpt
 
     import recompile_opt
-    from recompile_opt import backend
+    from recompile_opt import _torch_internals as ti
     from recompile_opt.costs import measure, simulator
 
     walked, real = [], simulator.exact_peak
@@ -366,7 +366,7 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         assert plan.solver["peak_from"] == "inductor-code", plan.notes
         assert abs(plan.predicted_peak_bytes / measured - 1) <= 0.005, (plan.predicted_peak_bytes, measured)
 
-        monkeypatch.setattr(backend.ti, "compiled_wrapper_code", lambda: contextlib.nullcontext([]))
+        monkeypatch.setattr(ti, "compiled_wrapper_code", lambda: contextlib.nullcontext([]))
         _, again = compiled_step()
         assert walked and not any(walked) and again.solver["peak_from"] == "inductor-code", (
             walked,
@@ -385,9 +385,9 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
     from helpers import tiny_gpt
 
     import recompile_opt
-    from recompile_opt import backend
+    from recompile_opt import _torch_internals as ti
 
-    recorded, real = [], backend.ti.compiled_wrapper_code
+    recorded, real = [], ti.compiled_wrapper_code
 
     @contextlib.contextmanager
     def recording():
@@ -395,7 +395,7 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
             yield records
         recorded.append([backward for backward, _ in records])
 
-    monkeypatch.setattr(backend.ti, "compiled_wrapper_code", recording)
+    monkeypatch.setattr(ti, "compiled_wrapper_code", recording)
     model, inputs = tiny_gpt()
     with (
         torch._functorch.config.patch(enable_autograd_cache=False),

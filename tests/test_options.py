@@ -46,7 +46,7 @@ from recompile_opt.planner import ilp
         (
             {"roofline": 1e12},
             r"'roofline'.*expected a dict with keys from \['flops_per_s', 'bytes_per_s', "
-            r"'link_bytes_per_s', 'collective_latency_s'\]",
+            r"'link_bytes_per_s', 'collective_latency_s', 'host_bytes_per_s'\]",
         ),
         ({"roofline": {"flops": 1e12}}, r"'roofline'.*'flops'.*keys from \['flops_per_s', 'bytes_per_s', "),
         ({"roofline": {"flops_per_s": 0}}, r"'roofline': flops_per_s=0 must be a positive number"),

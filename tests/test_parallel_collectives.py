@@ -14,9 +14,10 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from multiprocess import gloo_rank, progress, run_ranks
 
-from recompile_opt.backend import RecompilePartitioner, compile_eager
+from recompile_opt.compile_paths import compile_eager
 from recompile_opt.options import parse_options
 from recompile_opt.parallel import collectives as C
+from recompile_opt.partitioner import RecompilePartitioner
 
 WORLD, B, S, H, FF = 2, 2, 8, 8, 16
 

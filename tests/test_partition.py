@@ -7,9 +7,10 @@ from helpers import forget_searches, partitioned, tiny_gpt, tiny_llama
 from recompile_opt.passes.partition import backward_saved_inputs, partition
 
 import recompile_opt
-from recompile_opt.backend import RecompilePartitioner, compile_eager
+from recompile_opt.compile_paths import compile_eager
 from recompile_opt.costs.measure import saved_report
 from recompile_opt.options import parse_options
+from recompile_opt.partitioner import RecompilePartitioner
 
 SETTINGS = [
     {},
@@ -101,10 +102,10 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
     import threading
 
     from recompile_opt import _torch_internals as ti
-    from recompile_opt import backend
+    from recompile_opt import planning
 
     seen, in_compile = [], []
-    make_plan, on_fresh_stack = backend.make_plan, ti.on_fresh_stack
+    make_plan, on_fresh_stack = planning.make_plan, ti.on_fresh_stack
 
     def spy(*args, **kwargs):
         seen.append(
@@ -116,7 +117,7 @@ def test_planning_runs_on_a_fresh_stack_under_the_compiles_tracing_context(monke
         in_compile.append(ti.dce_impure_random())
         return on_fresh_stack(fn, *args, **kwargs)
 
-    monkeypatch.setattr(backend, "make_plan", spy)
+    monkeypatch.setattr(planning, "make_plan", spy)
     monkeypatch.setattr(ti, "on_fresh_stack", caller)
     model, inputs = tiny_gpt(dropout=0.1)
     with torch._inductor.config.patch(fallback_random=False):

@@ -62,6 +62,10 @@ def is_extern(node: fx.Node) -> bool:
 
 
 def nbytes(node: fx.Node) -> int:
+    """Device bytes of a node's output: none for a copy on the host (an offloaded value, its backward
+    input: ``_torch_internals.offload_activations`` marks them)."""
+    if node.meta.get("host_resident"):
+        return 0
     val = node.meta.get("val")
     return tensor_bytes(val) if isinstance(val, torch.Tensor) else 0
 

@@ -18,8 +18,6 @@ as held for a later allocation only within ``POOL_SPAN`` kernels.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import operator
 from dataclasses import dataclass, field
@@ -59,15 +57,18 @@ def predict_peak(fw: fx.GraphModule, bw: fx.GraphModule) -> int:
     return _simulate(fw, bw)[0]
 
 
-def peak_breakdown(fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset()) -> dict:
+def peak_breakdown(
+    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str] = frozenset(), *, inductor_rule: bool = False
+) -> dict:
     """Where the predicted peak lies and what is alive there, by kind: ``kept`` (forward buffers kept
     for backward), ``tangents``, ``gradients`` (what the backward returns), ``recomputed`` (values
     the plan recomputes), ``scratch`` (an extern kernel's own workspace), ``temporaries`` (the
     backward's other buffers; in the forward, everything not kept) and ``pooled`` (dead buffers
     Inductor's pool holds for a later allocation). Why: it tells a user what a lower budget can still
     remove (kept, recomputed) and what it cannot
-    (gradients, the backward's own working set), i.e. the floor of the peak."""
-    peak, phase, gm, trace = _simulate(fw, bw, traced=True)
+    (gradients, the backward's own working set), i.e. the floor of the peak. ``inductor_rule``: the
+    pool simulated by Inductor's own rule (:func:`_inductor_reuse`), not the fitted span."""
+    peak, phase, gm, trace = _simulate(fw, bw, traced=True, inductor_rule=inductor_rule)
     outs = {base_of(a) for a in next(iter(reversed(gm.graph.nodes))).all_input_nodes}
     kinds: dict[str, int] = {}
     largest = []
@@ -102,13 +103,13 @@ def _alive_shapes(trace: PeakTrace, most: int = 32) -> list[list[int]]:
 
 
 def peak_and_recomputed_at_peak(
-    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str]
+    fw: fx.GraphModule, bw: fx.GraphModule, recomputed: set[str], *, inductor_rule: bool = False
 ) -> tuple[int, list[str]]:
     """The predicted peak, and the names of the recomputed values alive where it lies, largest first.
     Why: a value recomputed early, only because a value needed before the peak is recomputed from it,
     sits under the peak; keeping one of these instead moves its inputs' recomputation past the peak
     (the planner's least-peak refinement tries that)."""
-    peak, phase, _, trace = _simulate(fw, bw, traced=True)
+    peak, phase, _, trace = _simulate(fw, bw, traced=True, inductor_rule=inductor_rule)
     if phase != "backward":
         return peak, []
     alive = [
@@ -143,23 +144,23 @@ def timeline(fw: fx.GraphModule, bw: fx.GraphModule) -> list[tuple[str, int, int
     ]
 
 
-def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False):
+def _simulate(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool = False, inductor_rule: bool = False):
     """(peak, phase of the peak, that phase's graph, its PeakTrace or None)."""
-    fw_peak, fw_trace, bw_peak, bw_trace = _run_step(fw, bw, traced)
+    fw_peak, fw_trace, bw_peak, bw_trace = _run_step(fw, bw, traced, inductor_rule)
     if fw_peak > bw_peak:
         return fw_peak, "forward", fw, fw_trace
     return bw_peak, "backward", bw, bw_trace
 
 
-def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool):
+def _run_step(fw: fx.GraphModule, bw: fx.GraphModule, traced: bool, inductor_rule: bool = False):
     """The forward's peak and PeakTrace (None unless ``traced``), then the backward's."""
     fw_trace = PeakTrace() if traced else None
-    live, peak, buffers, owner = _run_forward(fw, fw_trace)
+    live, peak, buffers, owner = _run_forward(fw, fw_trace, inductor_rule)
     keys = {n: owner[n.name] for n in bw.graph.find_nodes(op="placeholder") if n.name in owner}
     used = set(keys.values())
     live -= sum(size for key, size in buffers.items() if key not in used)  # kept but never read
     bw_trace = PeakTrace(start={k: buffers[k] for k in used}) if traced else None
-    return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace), bw_trace
+    return peak, fw_trace, _run_backward(bw, live, keys, buffers, bw_trace, inductor_rule), bw_trace
 
 
 def caller_outputs_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
@@ -187,11 +188,11 @@ def forward_state(fw: fx.GraphModule) -> tuple[int, int, dict[str, int], dict[st
 
 
 def _run_forward(
-    gm: fx.GraphModule, trace: PeakTrace | None = None
+    gm: fx.GraphModule, trace: PeakTrace | None = None, inductor_rule: bool = False
 ) -> tuple[int, int, dict[str, int], dict[str, str]]:
     """Live bytes at the end, the peak, kept buffers by base name, and output name -> base name."""
     order, sizes, outs = schedule(gm)
-    live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace)
+    live, peak = sweep_kernels(order, sizes, keep=outs, live=0, trace=trace, inductor_rule=inductor_rule)
     output = next(iter(reversed(gm.graph.nodes)))
     buffers = {n.name: sizes.get(n, 0) for n in outs if n.op != "placeholder"}
     owner = {a.name: base_of(a).name for a in output.all_input_nodes if base_of(a).name in buffers}
@@ -204,6 +205,7 @@ def _run_backward(
     keys: dict[fx.Node, str],
     buffers: dict[str, int],
     trace: PeakTrace | None = None,
+    inductor_rule: bool = False,
 ) -> int:
     order, sizes, outs = schedule(gm)
     tangents = {n: nbytes(n) for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
@@ -211,7 +213,13 @@ def _run_backward(
     if trace is not None:
         trace.start.update(tangents)
     _, peak = sweep_kernels(
-        order, sizes, keep=outs, live=live + sum(tangents.values()), shared=(keys, buffers), trace=trace
+        order,
+        sizes,
+        keep=outs,
+        live=live + sum(tangents.values()),
+        shared=(keys, buffers),
+        trace=trace,
+        inductor_rule=inductor_rule,
     )
     return peak
 
@@ -224,6 +232,7 @@ def sweep_kernels(
     live: int,
     shared: tuple[dict[fx.Node, str], dict[str, int]] | None = None,
     trace: PeakTrace | None = None,
+    inductor_rule: bool = False,
 ) -> tuple[int, int]:
     """Run the kernels as Inductor's wrapper code does: allocate a kernel's output buffers before it,
     free the buffers it was the last to read after it (unless kept). ``shared`` maps graph inputs to
@@ -237,14 +246,16 @@ def sweep_kernels(
       first taken). Measured on a 2-layer Llama: the last layer's 2.75 MiB SwiGLU buffers stay
       allocated until the first layer's backward takes them over.
 
-    ``trace``: filled with what is alive at the peak (its ``start`` must hold what ``live`` counts)."""
+    ``trace``: filled with what is alive at the peak (its ``start`` must hold what ``live`` counts).
+    ``inductor_rule``: the pool by Inductor's own rule (:func:`_inductor_reuse`), else the fitted span."""
     keys, buffers = shared or ({}, {})
     last: dict = {}
     for i, k in enumerate(order):
         for r in k.reads:
             last[keys.get(r, r)] = i
     size = {**{n: sizes.get(n, 0) for n in sizes}, **buffers}
-    free_after, taken = _plan_reuse(order, size, last, keep, keys)
+    reuse = _inductor_reuse if inductor_rule else _span_reuse
+    free_after, taken = reuse(order, size, last, keep, keys)
     peak = live
     alive = dict(trace.start) if trace is not None else None
     if trace is not None:
@@ -283,32 +294,6 @@ def _log(trace: PeakTrace, kernel: int, changes: list, live: int) -> None:
             trace.events.append((kernel, n_bytes, live, buf if isinstance(buf, str) else buf.name))
 
 
-def _plan_reuse(
-    order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
-) -> tuple[dict[int, list], dict]:
-    """Which kernel frees each buffer, and which outputs take over which buffer instead of allocating
-    (:func:`_span_reuse`, or under :func:`inductor_pool` :func:`_inductor_reuse`)."""
-    return (_inductor_reuse if _INDUCTOR_POOL.get() else _span_reuse)(order, size, last, keep, keys)
-
-
-@contextlib.contextmanager
-def inductor_pool(on: bool = True):
-    """Simulate Inductor's buffer pool by its own rule (:func:`_inductor_reuse`) rather than the fitted
-    span. Why only where asked: on the 16 stored plans of ``bench/peak_accuracy.py`` it is closer on
-    the mean (|error| 2.7% against 3.5%; the GPT's plans within 1% but its 0.0 plan, +7.1%) and
-    farther on the Llama's least-peak plan (+11.9% against +7.9%); on graphs chunked along the sequence,
-    where the span is far off (below), it ranks the least-peak search's plans
-    (:mod:`recompile_opt.costs.simulator`)."""
-    token = _INDUCTOR_POOL.set(on)
-    try:
-        yield
-    finally:
-        _INDUCTOR_POOL.reset(token)
-
-
-_INDUCTOR_POOL: contextvars.ContextVar[bool] = contextvars.ContextVar("inductor_pool", default=False)
-
-
 POOL_SPAN = 16  # kernels: see the module docstring
 
 
@@ -338,6 +323,11 @@ def _span_reuse(
     return free_after, taken
 
 
+# Inductor's own pool rule is used only where asked (``inductor_rule``): on the 16 stored plans of
+# ``bench/peak_accuracy.py`` it is closer on the mean (|error| 2.7% against 3.5%; the GPT's plans within 1%
+# but its 0.0 plan, +7.1%) and farther on the Llama's least-peak plan (+11.9% against +7.9%); on graphs
+# chunked along the sequence, where the span is far off, it ranks the least-peak search's plans
+# (:mod:`recompile_opt.costs.simulator`).
 def _inductor_reuse(
     order: list[Kernel], size: dict, last: dict, keep: set[fx.Node], keys: dict
 ) -> tuple[dict[int, list], dict]:

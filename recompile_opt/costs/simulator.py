@@ -23,7 +23,7 @@ import torch.fx as fx
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs import walk_pool
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
-from recompile_opt.costs.peak import inductor_pool, peak_and_recomputed_at_peak
+from recompile_opt.costs.peak import peak_and_recomputed_at_peak
 from recompile_opt.ops import is_random_op
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
@@ -31,16 +31,21 @@ from recompile_opt.provenance import code_hash
 
 log = logging.getLogger(__name__)
 
-# Peaks found per graph (by its code, input layouts and the code-generation settings), so a graph
-# compiled again at another budget (a sweep, tests, a recompile) reuses the peaks already found.
+# Graphs whose peaks are kept in the caller's ``found`` (by its code, input layouts and the code-generation
+# settings), so a graph compiled again at another budget (a sweep, tests, a recompile) reuses them.
 GRAPHS_KEPT = 8
-_FOUND: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
 
 
 def simulator_for(
-    gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None, info=None
+    gm: fx.GraphModule,
+    *,
+    num_fwd_outputs: int,
+    static_lifetime_input_indices=None,
+    info=None,
+    found: OrderedDict | None = None,
 ) -> PeakSimulator:
-    """A :class:`PeakSimulator` of ``gm`` that shares the peaks found for identical earlier graphs.
+    """A :class:`PeakSimulator` of ``gm`` that shares the peaks found for identical earlier graphs
+    (``found``: graph key -> its figures, the most recently used last; ``PlanningMemory.peaks``).
 
     Why: a walk of Inductor's code costs 1-2 s, and a graph compiled at several budgets walked the
     same plans again in each compile (every fraction's plan is walked; 0.0's is the least-peak
@@ -61,14 +66,15 @@ def simulator_for(
         info=info,
     )
     key = _graph_key(gm, num_fwd_outputs, static_lifetime_input_indices)
+    found = OrderedDict() if found is None else found
     if key is not None:
-        found = _FOUND.pop(key, None) or _load(key)
-        if found is not None:
-            simulate.results, simulate.exact_results = found
+        figures = found.pop(key, None) or _load(key)
+        if figures is not None:
+            simulate.results, simulate.exact_results = figures
         simulate.disk_key, simulate.stored = key, len(simulate.results) + len(simulate.exact_results)
-        _FOUND[key] = simulate.results, simulate.exact_results  # the most recently used last
-        while len(_FOUND) > GRAPHS_KEPT:
-            _FOUND.popitem(last=False)
+        found[key] = simulate.results, simulate.exact_results  # the most recently used last
+        while len(found) > GRAPHS_KEPT:
+            found.popitem(last=False)
     return simulate
 
 
@@ -142,7 +148,7 @@ class PeakSimulator:
         self.has_markers = bool(approximate.markers(gm))
         self.choices: dict[str, str] = {}  # a site's choice -> its marker (set by the partitioner)
         # a graph chunked along the sequence (set by the partitioner): Inductor's own pool rule is
-        # simulated (costs.peak.inductor_pool), and the least-peak search walks more of its plans
+        # simulated (costs.peak's ``inductor_rule``), and the least-peak search walks more of its plans
         self.chunked = False
         self._settled: dict[frozenset, tuple] = {}
 
@@ -185,8 +191,7 @@ class PeakSimulator:
                 info=info,
                 for_simulation=True,
             )
-            with inductor_pool(self.chunked):
-                self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed)
+            self.results[key] = peak_and_recomputed_at_peak(*graphs, recomputed, inductor_rule=self.chunked)
             self.seconds += time.perf_counter() - start
         return self.results[key]
 
@@ -196,7 +201,7 @@ class PeakSimulator:
         cannot tell: symbolic shapes, the meta device, or a lowering that failed (logged; the
         simulated peak then decides, as it would without this check). ``compiled``: the plan's graphs
         and the code Inductor's compile generated for them (``fw, bw, (fw_code, bw_code, fw_outputs)``,
-        ``backend.finish_peak``), walked as they are; the plan is lowered here only where they cannot be."""
+        ``planning.DeferredWalk``), walked as they are; the plan is lowered here only where they cannot be."""
         key = self._exact_key(saved, recomputed)
         self.asked.add(key)
         self.asked_log.append(key)

@@ -69,8 +69,9 @@ def group_sizes(n: int) -> list[int]:
 
 def reduce_blocks(problem: Problem) -> BlockReduction | None:
     """The reduced problem, or None when there are too few identical blocks to gain from it, or when
-    the problem offers approximations (their sites are not reduced yet: solved in full)."""
-    if problem.sites:
+    the problem offers approximations or offload (their sites and copy windows are not reduced yet:
+    solved in full)."""
+    if problem.sites or problem.offloadable():
         return None
     found = _identical_blocks(problem)
     if found is None or len(found[2]) < MIN_REPEATS:

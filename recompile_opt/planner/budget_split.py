@@ -8,7 +8,8 @@ step, learns each graph's least possible kept bytes L_i and its save-all bytes A
     share_i = L_i + (B - sum L) * (A_i - L_i) / sum (A_j - L_j)
 
 (what each graph can save, in proportion), so the shares sum to B and every share is feasible whenever
-B is. The shares are registered here, keyed by the budget and the graph's id, and any later compilation
+B is. The shares are registered in the planning memory (:class:`~recompile_opt.planner.memory.PlanningMemory`,
+the driver's), keyed by the budget and the graph's id, and any later compilation
 with the same byte budget (``torch.compile(..., options={"memory_budget": B})``) uses them graph by
 graph. Without a capture pass the budget holds per graph, and a second unsplit graph warns.
 
@@ -22,9 +23,7 @@ import warnings
 
 from recompile_opt.options import Options
 from recompile_opt.plan import fmt_bytes
-
-_SHARES: dict[tuple[int, str], int] = {}  # (budget, graph id) -> bytes
-_UNSPLIT: dict[int, set[str]] = {}  # budget -> graphs that got the whole budget
+from recompile_opt.planner.memory import PlanningMemory
 
 
 def split(budget: int, graphs: list[tuple[str, int, int]]) -> dict[str, int]:
@@ -37,29 +36,24 @@ def split(budget: int, graphs: list[tuple[str, int, int]]) -> dict[str, int]:
     return {gid: lo + spare * (hi - lo) // room for gid, lo, hi in graphs}
 
 
-def register(budget: int, shares: dict[str, int]) -> None:
+def register(memory: PlanningMemory, budget: int, shares: dict[str, int]) -> None:
     for gid, share in shares.items():
-        _SHARES[(budget, gid)] = share
+        memory.budget_shares[(budget, gid)] = share
 
 
-def clear() -> None:
-    _SHARES.clear()
-    _UNSPLIT.clear()
-
-
-def options_for_graph(options: Options, graph: str) -> tuple[Options, str | None]:
+def options_for_graph(memory: PlanningMemory, options: Options, graph: str) -> tuple[Options, str | None]:
     """The options one graph is planned with, and a note for its plan when the budget was split."""
     budget = options.memory_budget
     if not isinstance(budget, int):
         return options, None
-    share = _SHARES.get((budget, graph))
+    share = memory.budget_shares.get((budget, graph))
     if share is not None:
         return (
             dataclasses.replace(options, memory_budget=share),
             f"whole-model memory_budget {fmt_bytes(budget)} split over the model's graphs "
             f"(learned by recompile_opt.plan): this graph's share is {fmt_bytes(share)}",
         )
-    seen = _UNSPLIT.setdefault(budget, set())
+    seen = memory.unsplit.setdefault(budget, set())
     seen.add(graph)
     if len(seen) == 2:
         warnings.warn(
@@ -70,9 +64,9 @@ def options_for_graph(options: Options, graph: str) -> tuple[Options, str | None
     return options, None
 
 
-def state_key(options: Options) -> str:
+def state_key(memory: PlanningMemory, options: Options) -> str:
     """What of the registry a compilation with these options depends on (enters the cache key)."""
     budget = options.memory_budget
     if not isinstance(budget, int):
         return ""
-    return repr(sorted((gid, s) for (b, gid), s in _SHARES.items() if b == budget))
+    return repr(sorted((gid, s) for (b, gid), s in memory.budget_shares.items() if b == budget))

@@ -137,7 +137,7 @@ def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit:
     peak, and a plan that still misses is made again to warn as usual), else the note line that says
     why nothing is tried. This
     is the test that lets a compile plan its graph once where chunks cannot help
-    (:func:`recompile_opt.backend.compile_with_chunk_choice`)."""
+    (:func:`recompile_opt.chunk_driver.compile_with_chunk_choice`)."""
     if peak_limit is not None:
         return None if peak > peak_limit else "chunks (auto): not tried: the unchunked plan meets peak_memory"
     if any(c.alive_at_peak(plan) for c in candidates):

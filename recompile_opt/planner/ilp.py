@@ -10,26 +10,37 @@ Variables
     r_v ∈ {0,1}   v is recomputed in the backward                       (only if can_recompute)
     z_S ∈ {0,1}   storage S stays alive between forward and backward    (only if b_S > 0)
     a_k ∈ {0,1}   site k's backward reads its approximation (codes, projection), not the exact values
+    o_v ∈ {0,1}   kept v is offloaded: copied to the host after its last forward use, back before its
+                  first backward use (only if offload is offered and v is a buffer of its own)
+    x_d ≥ 0       the copy time of direction d (to the host, back) that no compute hides (seconds)
 
 Objective (lexicographic, by weights)
     min  Σ_v c_v r_v + Σ_S w_S z_S                 recompute and saving time (µs)
        + W · Σ_{v: prefer tag violated} 1           user PREFER_* tags, W > any time total
        + Σ_k (d_k + δ) a_k                          an approximation's own time d_k, and δ
+       + Σ_d x_d + δ Σ_v o_v                        exposed copy time, and δ per offload
        + ε · Σ_S b_S z_S                             then the fewest kept bytes
     (with no budget, a second solve finds the fewest bytes under a cap on the time terms:
     ``time_cap_s``, planner/search.py::_leanest_as_fast)
-    (δ > ε · Σ_S b_S: an approximation is never taken for bytes the budget does not ask for)
+    (δ > ε · Σ_S b_S: an approximation or an offload is never taken for bytes the budget does not ask for)
     → implemented in set_objective()
 
 Constraints
     s_v + r_v ≥ 1                 for v read by the backward                 → add_availability()
     r_v ≤ s_u + r_u               for u ∈ in(v): a recompute needs its inputs → add_dependencies()
     z_S ≥ s_v                     for S(v) = S: a kept view keeps its base    → add_storages()
-    Σ_S b_S z_S + ρ Σ_{v random} r_v ≤ B                                     → add_budget()
-        (ρ: the RNG state a replayed random op keeps)
+    Σ_S b_S z_S - Σ_v b_v o_v + ρ Σ_{v random} r_v ≤ B                       → add_budget()
+        (ρ: the RNG state a replayed random op keeps; an offloaded buffer is off the device between
+        forward and backward)
     s_v = 0 / r_v = 0             user MUST_RECOMPUTE / MUST_SAVE tags      → add_user_tags()
     s_u + r_u ≥ 1 - a_k           for u read by site k's exact gradient     → add_sites()
     s_c + r_c ≥ a_k               for c read by its approximate gradient
+    o_v ≤ s_v,  o_v + s_u ≤ 1     for u ≠ v of v's storage (a kept view holds it) → add_offload()
+    Σ_{v: f_v ≤ t} b_v o_v / L ≤ t + x_down   for each forward window t: the bytes whose copy may only
+        start in the forward's last t seconds (f_v: forward time after v's last use) move in t, or stall
+    Σ_{v: g_v ≤ t} b_v o_v / L ≤ t + x_up     for each backward window t (g_v: backward time before v's
+        first use): the bytes due in the backward's first t seconds    (L: the host link, each direction)
+    o_v = 1                       user MUST_CPU_OFFLOAD (PREFER_CPU_OFFLOAD: a penalty on 1 - o_v)
 
 There is no peak row. A step's peak depends on the kernels Inductor makes and the order it frees
 buffers in, which no linear row over values can see (the node-by-node rows this model once had
@@ -54,7 +65,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.problem import Problem, offload_choice
 
 # HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps
 # this many going).
@@ -62,6 +73,7 @@ ILP_THREADS = max(1, min(4, os.cpu_count() or 1))
 # δ, what an approximation costs besides its own time: above the whole kept-bytes tie-break (1e-3), so a
 # budget met exactly is never met by approximating instead
 APPROXIMATION_PRICE = 2e-3
+OFFLOAD_PRICE = APPROXIMATION_PRICE  # δ of an offload, for the same reason
 US = 1e6  # seconds -> microseconds keeps the objective's coefficients near 1
 
 
@@ -114,11 +126,16 @@ def solve(
 
 
 def plan_seconds(problem: Problem, saved: set[str], recomputed: set[str]) -> float:
-    """The objective's time terms for a plan: its recompute and the saving (write + read) of the
-    storages it keeps, summed in the problem's order (a set's order varies with the string hash seed,
-    and ranks that round a limit differently plan differently: ``parallel/agreement.py``)."""
+    """The objective's time terms for a plan: its recompute, the saving (write + read) of the
+    storages it keeps and the copy time its offloads do not hide, summed in the problem's order (a
+    set's order varies with the string hash seed, and ranks that round a limit differently plan
+    differently: ``parallel/agreement.py``)."""
     storages = {problem.values[n].storage for n in saved}
-    return problem.recompute_seconds(recomputed) + sum(t for s, t in problem.save_s.items() if s in storages)
+    return (
+        problem.recompute_seconds(recomputed)
+        + sum(t for s, t in problem.save_s.items() if s in storages)
+        + problem.offload_figures(saved, recomputed)["exposed_s"]
+    )
 
 
 def _solve(
@@ -136,6 +153,7 @@ def _solve(
     m.add_storages()
     m.add_user_tags()
     m.add_sites()
+    m.add_offload()
     if budget is not None:
         m.add_budget(budget)
     if time_cap_s is not None:
@@ -152,7 +170,9 @@ def _solve(
         status, gap = _run(m.lp, "cbc", *limits)
     ok = status in ("optimal", "feasible")
     return Solution(
-        (m.chosen(m.r) - m.chosen(m.s)) | m.chosen(m.a) if ok else set(),
+        (m.chosen(m.r) - m.chosen(m.s)) | m.chosen(m.a) | {offload_choice(n) for n in m.chosen(m.o)}
+        if ok
+        else set(),
         m.chosen(m.s) if ok else set(),
         status,
         time.perf_counter() - start,
@@ -172,6 +192,12 @@ class _Model:
         self.r = {v.name: binary(f"r_{i}") for i, v in enumerate(vals) if v.can_recompute}
         self.z = {s: binary(f"z_{i}") for i, (s, b) in enumerate(problem.storage_bytes.items()) if b > 0}
         self.a = {site.choice: binary(f"a_{i}") for i, site in enumerate(problem.sites)}
+        offloadable = set(problem.offloadable())
+        self.o = {
+            n: binary(f"o_{i}") for i, n in enumerate(problem.values) if n in offloadable and n in self.s
+        }
+        exposed = functools.partial(self.lp.add_variable, lowBound=0, cat="Continuous")
+        self.x = [exposed("x_down"), exposed("x_up")] if self.o else []
         self.penalties = []
         self._rows = itertools.count()
 
@@ -208,41 +234,80 @@ class _Model:
             if site.fixed is not None:
                 self.lp += a == int(site.fixed), self.row("fixed")
 
+    def add_offload(self):
+        if not self.o:
+            return
+        link, p = self.p.host_bytes_per_s, self.p
+        views: dict[str, list[str]] = {}
+        for u, v in p.values.items():
+            if v.storage in self.o and u != v.storage and u in self.s:
+                views.setdefault(v.storage, []).append(u)
+        for n, o in self.o.items():
+            self.lp += o <= self.s[n], self.row("off")
+            for u in views.get(n, ()):  # a kept view of its buffer holds the buffer on the device
+                self.lp += o + self.s[u] <= 1, self.row("offview")
+            if p.values[n].tag == "must_cpu_offload":
+                self.lp += o == 1, self.row("tag")
+            elif p.values[n].tag == "prefer_cpu_offload":
+                self.penalties.append(1 - o)
+        for d, x in enumerate(self.x):  # the window rows of each direction, in µs
+            windows = sorted({p.values[n].offload_windows[d] for n in self.o})
+            for t in windows:
+                moved = pulp.lpSum(
+                    US * p.storage_bytes[n] / link * o
+                    for n, o in self.o.items()
+                    if p.values[n].offload_windows[d] <= t
+                )
+                self.lp += moved - x <= US * t, self.row("win")
+
     def kept_bytes_expr(self):
         rng = [
             v.copies * self.r[v.name]
             for v in self.p.values.values()
             if v.random and v.in_forward and v.name in self.r
         ]
-        return pulp.lpSum(
-            self.p.storage_bytes[s] * z for s, z in self.z.items()
-        ) + self.p.rng_state_bytes * pulp.lpSum(rng)
+        return (
+            pulp.lpSum(self.p.storage_bytes[s] * z for s, z in self.z.items())
+            - pulp.lpSum(self.p.storage_bytes[n] * o for n, o in self.o.items())
+            + self.p.rng_state_bytes * pulp.lpSum(rng)
+        )
 
     def add_budget(self, budget: int):
         self.lp += self.kept_bytes_expr() <= budget, "budget"
 
     def add_user_tags(self):
         for v in self.p.values.values():
-            if v.tag == "must_save" and v.name in self.r:
+            # an offload tag where offload is not offered (a CPU device, the value a view): kept instead
+            kept_tag = v.tag == "must_save" or (v.tag == "must_cpu_offload" and v.name not in self.o)
+            prefer_kept = v.tag == "prefer_save" or (v.tag == "prefer_cpu_offload" and v.name not in self.o)
+            if kept_tag and v.name in self.r:
                 self.lp += self.r[v.name] == 0, self.row("tag")
             elif v.tag == "must_recompute" and v.name in self.s and v.can_recompute:
                 self.lp += self.s[v.name] == 0, self.row("tag")
-            elif v.tag == "prefer_save" and v.name in self.r:
+            elif prefer_kept and v.name in self.r:
                 self.penalties.append(self.r[v.name])
             elif v.tag == "prefer_recompute" and v.name in self.s and v.can_recompute:
                 self.penalties.append(self.s[v.name])
 
     def time_expr(self):
-        """Recompute and saving time, in µs."""
-        return pulp.lpSum(
-            US * self.p.values[n].recompute_s * r for n, r in self.r.items() if self.p.values[n].in_forward
-        ) + pulp.lpSum(US * self.p.save_s[s] * z for s, z in self.z.items())
+        """Recompute, saving and exposed copy time, in µs (x_d is in µs: see add_offload)."""
+        return (
+            pulp.lpSum(
+                US * self.p.values[n].recompute_s * r
+                for n, r in self.r.items()
+                if self.p.values[n].in_forward
+            )
+            + pulp.lpSum(US * self.p.save_s[s] * z for s, z in self.z.items())
+            + pulp.lpSum(self.x)
+        )
 
     def set_objective(self, *, minimize_memory: bool, preferences_first: bool = False):
         us = US
         time_cost = self.time_expr()
+        copies = 2 * sum(self.p.storage_bytes[n] for n in self.o) / self.p.host_bytes_per_s if self.o else 0.0
         total_time = (
-            us * (sum(v.recompute_s for v in self.p.values.values()) + sum(self.p.save_s.values())) + 1.0
+            us * (sum(v.recompute_s for v in self.p.values.values()) + sum(self.p.save_s.values()) + copies)
+            + 1.0
         )
         # the tie-break's byte scale; bwd_byte_steps keeps it as it was when peak rows existed (why:
         # passes/joint_graph._bwd_live_bytes)
@@ -254,7 +319,8 @@ class _Model:
             broken = 2.0 * pulp.lpSum(self.penalties) if preferences_first else 0
             self.lp += broken + self.kept_bytes_expr() * (1.0 / total_bytes)
         else:
-            self.lp += time_cost + pref + approx + 1e-3 * self.kept_bytes_expr() / total_bytes
+            offloads = OFFLOAD_PRICE * pulp.lpSum(self.o.values())
+            self.lp += time_cost + pref + approx + offloads + 1e-3 * self.kept_bytes_expr() / total_bytes
 
     @staticmethod
     def chosen(variables: dict) -> set[str]:

@@ -442,11 +442,6 @@ class _RangeEnds(NamedTuple):
     walked_keys: frozenset = frozenset()  # the plans it checked in Inductor's generated code (_verified)
 
 
-# The range's ends per graph and options (the least-peak search partitions and simulates a ladder of
-# plans): fractions of one graph (a frontier sweep) and peak limits on it (a peak sweep) search once.
-_RANGE_ENDS: dict[str, _RangeEnds] = {}
-
-
 def _range_search(
     problem: Problem,
     reduction,
@@ -457,17 +452,22 @@ def _range_search(
     min_bytes: int | None = None,
     *,
     verify: bool = True,
+    known_ranges: dict | None = None,
 ) -> _RangeEnds:
     """The range's ends from the least-peak search, searched once per graph and options (the byte
     and peak limits aside; a search whose solves all failed is not kept). ``min_bytes``: the least
     any plan keeps, when the caller has solved for it already. ``verify=False``: the least simulated
-    peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares."""
+    peak, its cheaper rivals not walked (:func:`_verified`), for a caller that walks what it compares.
+    ``known_ranges``: the ends found by earlier searches, by fingerprint (``PlanningMemory.range_ends``:
+    fractions of one graph, a frontier sweep, and peak limits on it, a peak sweep, search once); this
+    search's ends are added."""
+    known_ranges = {} if known_ranges is None else known_ranges
     key = _fingerprint(problem, options) + ("" if verify else ":unverified")
-    if key in _RANGE_ENDS:
+    if key in known_ranges:
         simulate.mark_asked(
-            _RANGE_ENDS[key].walked_keys
+            known_ranges[key].walked_keys
         )  # as if searched again: its walks are this compile's
-        return _RANGE_ENDS[key]
+        return known_ranges[key]
     if min_bytes is None:
         min_bytes = least_bytes(problem, reduction, kw)
     notes: list[str] = []
@@ -479,15 +479,15 @@ def _range_search(
         min_bytes, floor, least_peak, notes[-1] if notes else None, found, simulate.walked_keys(since)
     )
     if least_peak is not None:
-        _RANGE_ENDS[key] = ends
+        known_ranges[key] = ends
     return ends
 
 
-def range_walked(problem: Problem, options: Options) -> bool:
+def range_walked(problem: Problem, options: Options, known_ranges: dict) -> bool:
     """Whether this graph's least-peak search (a fraction's range, searched once per graph and options)
     checked plans in Inductor's generated code. Why the backend asks: where it did, walking the plan
     finally taken costs one more lowering (~1.5 s), and its predicted peak is then exact."""
-    ends = _RANGE_ENDS.get(_fingerprint(problem, options))
+    ends = known_ranges.get(_fingerprint(problem, options))
     return ends is not None and bool(ends.walked_keys)
 
 
@@ -526,6 +526,7 @@ def _fit_peak(
     kw: dict,
     notes: list[str],
     simulate: Simulate,
+    known_ranges: dict | None = None,
 ):
     """``peak_memory``: a hard limit on the step's peak. Walk kept-byte levels from the byte budget down
     to the first plan whose simulated peak fits, probe between it and the level above (the peak is
@@ -604,6 +605,7 @@ def _fit_peak(
             options,
             min_bytes if p is problem else None,
             verify=p is problem,
+            known_ranges=known_ranges,
         ).found
         if budget is None or c.kept <= budget
     ]

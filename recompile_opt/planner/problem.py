@@ -10,6 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+OFFLOAD = "offload:"  # a plan offloads value v when "offload:v" is in its recomputed set (see Problem)
+
+
+def offload_choice(name: str) -> str:
+    return OFFLOAD + name
+
+
+def offloaded_values(recomputed) -> set[str]:
+    """The values a plan's recomputed set offloads."""
+    return {n[len(OFFLOAD) :] for n in recomputed if n.startswith(OFFLOAD)}
+
 
 @dataclass
 class Value:
@@ -27,7 +38,13 @@ class Value:
     # least-peak search weighs a kept byte by how long it stays alive (least_peak._lifetime_weighted)
     last_use: int = 0
     copies: int = 1  # identical blocks this value stands for (a reduced problem, see blocks.py)
-    tag: str | None = None  # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute
+    # user SAC tag: must_save, prefer_save, must_recompute, prefer_recompute, must_cpu_offload,
+    # prefer_cpu_offload
+    tag: str | None = None
+    # (forward seconds after its last forward use, backward seconds before its first backward use): the
+    # windows its copies to the host and back may overlap; None: it cannot be offloaded (a view, a getitem,
+    # non-contiguous, an input or an output of the graph: what torch's activation offloading refuses)
+    offload_windows: tuple[float, float] | None = None
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
 
 
@@ -64,6 +81,66 @@ class Problem:
     # (forward/backward), bytes (what one rank sends); a forward all-gather may be recomputed (a re-gather)
     collectives: list[dict] = field(default_factory=list)
     sites: list[Site] = field(default_factory=list)  # approximate actions offered (option ``approximate``)
+    # the host link's bandwidth per direction where offload is offered (option ``offload``); 0: not
+    # offered. A plan offloads value v by holding "offload:v" in its recomputed set, as it names an
+    # approximated site, so every search that passes (saved, recomputed) sets around carries the choice
+    host_bytes_per_s: float = 0.0
+    # user MUST_/PREFER_CPU_OFFLOAD tags are offered offload even with the option off, where the device
+    # has a host link (``host_bytes_per_s`` is then theirs alone)
+    offload_only_tagged: bool = False
+    offload_ops: bool = True  # the installed torch has the activation-offloading ops (passes/joint_graph.py)
+
+    def offloadable(self) -> list[str]:
+        """Values the ILP may offload: a buffer of its own (a view would keep its base on the device),
+        in the windows torch's offloading accepts, with bytes to move."""
+        if self.host_bytes_per_s <= 0:
+            return []
+        return [
+            n
+            for n, v in self.values.items()
+            if v.offload_windows is not None
+            and v.can_save
+            and v.storage == n
+            and self.storage_bytes.get(n, 0) > 0
+            and (not self.offload_only_tagged or (v.tag or "").endswith("cpu_offload"))
+        ]
+
+    def offload_figures(self, saved: set[str], recomputed: set[str]) -> dict:
+        """Bytes a plan moves each way per step, and the copy time hidden behind compute and exposed.
+
+        Each direction's copies share one link. A copy to the host may start after its value's last
+        forward use and must end by the forward's end; a copy back may start when the backward does and
+        must end by the value's first use. With every copy released at its window's start, the least
+        stall is the largest excess of bytes over the link's reach in any window that closes the
+        direction: ``max(0, max_t (sum of bytes whose window is at most t) / bandwidth - t)``
+        (earliest-deadline-first meets every other deadline). The ILP's window rows are the same
+        formula (``ilp.add_offload``)."""
+        off = sorted(offloaded_values(recomputed) & saved)
+        out = {
+            "values": len(off),
+            "bytes_to_host": 0,
+            "bytes_to_device": 0,
+            "hidden_s": 0.0,
+            "exposed_s": 0.0,
+        }
+        if not off or self.host_bytes_per_s <= 0:
+            return out
+        moved = {n: self.storage_bytes[self.values[n].storage] for n in off}
+        total = sum(moved.values())
+        exposed = sum(
+            exposed_seconds(
+                [(self.values[n].offload_windows[d], moved[n]) for n in off], self.host_bytes_per_s
+            )
+            for d in (0, 1)
+        )
+        out.update(
+            bytes_to_host=total,
+            bytes_to_device=total,
+            hidden_s=2 * total / self.host_bytes_per_s - exposed,
+            exposed_s=exposed,
+            host_bytes_per_s=self.host_bytes_per_s,
+        )
+        return out
 
     def with_sites_fixed(self, fixed: bool) -> "Problem":
         """This problem with every site's choice fixed: all approximated (True) or none (False)."""
@@ -86,6 +163,7 @@ class Problem:
             else:
                 todo.extend(site.exact)
         feasible = self.recomputable() if feasible is None else feasible
+        offloaded = offloaded_values(recompute)
         while todo:
             name = todo.pop()
             if name in saved or name in recomputed:
@@ -97,6 +175,8 @@ class Problem:
                 todo.extend(v.inputs)
             else:
                 saved.add(name)
+        # an offloaded value is kept (on the host): its choice holds where it is kept
+        recomputed |= {offload_choice(n) for n in offloaded & saved}
         return saved, recomputed
 
     def recomputable(self) -> set[str]:
@@ -109,7 +189,15 @@ class Problem:
         return ok
 
     def kept_bytes(self, saved: set[str], recomputed: set[str] = frozenset()) -> int:
-        storages = {self.values[n].storage for n in saved} - {""}
+        """Device bytes kept from the forward for the backward: an offloaded value's buffer is on the host
+        then, unless another kept value (a view) holds it on the device."""
+        offloaded = offloaded_values(recomputed) & saved
+        on_device = {self.values[n].storage for n in saved - offloaded}
+        storages = (
+            {self.values[n].storage for n in saved}
+            - {""}
+            - ({self.values[n].storage for n in offloaded} - on_device)
+        )
         rng = sum(
             self.values[n].copies
             for n in recomputed  # (a site's choice is no value)
@@ -122,3 +210,14 @@ class Problem:
         varies with each process's string hash seed, float sums then differ in the last bit, and two
         ranks broke a tie between equal plans differently (tests/test_parallel_rewrite.py)."""
         return sum(v.recompute_s for n, v in self.values.items() if n in recomputed and v.in_forward)
+
+
+def exposed_seconds(windows: list[tuple[float, int]], bytes_per_s: float) -> float:
+    """The least stall of copies over one link, each (window seconds, bytes) released at its window's
+    start and due at a common end (to the host: the forward's end) or, read backwards, released at a
+    common start and due at its window's end (back: each first use). See ``offload_figures``."""
+    worst, moved = 0.0, 0
+    for window, nbytes in sorted(windows):
+        moved += nbytes
+        worst = max(worst, moved / bytes_per_s - window)
+    return worst

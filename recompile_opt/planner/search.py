@@ -7,16 +7,18 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
 from recompile_opt.options import Options
-from recompile_opt.plan import KEEP, RECOMPUTE, Plan, PlanEntry, fmt_bytes
-from recompile_opt.planner import ilp
+from recompile_opt.plan import KEEP, OFFLOAD, RECOMPUTE, Plan, PlanEntry, fmt_bytes
+from recompile_opt.planner import ilp, offload
 from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
+from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
-from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.problem import Problem, offloaded_values
 from recompile_opt.planner.solving import (
     InfeasibleBudget,
     Simulate,
@@ -40,16 +42,26 @@ RANK_SAFE_MAX_NODES, RANK_SAFE_TIME_LIMIT_S = 2000, 3600.0
 
 
 def make_plan(
-    problem: Problem, options: Options, *, graph: str = "", simulate: Simulate | None = None
+    problem: Problem,
+    options: Options,
+    *,
+    graph: str = "",
+    simulate: Simulate | None = None,
+    memory: PlanningMemory | None = None,
 ) -> Plan:
     """``simulate`` predicts a plan's peak (the partitioner passes one that partitions and simulates
-    the graphs); with it, a fractional budget's 0.0 end is the plan of least predicted peak."""
+    the graphs); with it, a fractional budget's 0.0 end is the plan of least predicted peak.
+    ``memory``: what earlier plannings in this process found (the least-peak searches); none: plan
+    from nothing."""
+    memory = PlanningMemory() if memory is None else memory
     baseline = problem.kept_bytes(*problem.needed_closure(POLICIES["save-all"](problem)))  # memory_budget 1.0
-    notes: list[str] = []
+    problem, notes = offload.offer(problem, options)
     keep: set[str] = set()
     if options.policy == "auto":
         solves = ilp.SolveLog()
-        sol, solver_info, budget, min_bytes = _solve_auto(problem, options, baseline, notes, simulate, solves)
+        sol, solver_info, budget, min_bytes = _solve_auto(
+            problem, options, baseline, notes, simulate, solves, memory.range_ends
+        )
         solver_info.update(solves=solves.solves, solves_s=round(solves.seconds, 3))
         recompute, keep = sol.recompute, sol.keep
     else:  # the user's MUST_* tags hold under a fixed policy too
@@ -57,7 +69,7 @@ def make_plan(
             t: {n for n, v in problem.values.items() if v.tag == t} for t in ("must_save", "must_recompute")
         }
         own = POLICIES[options.policy](problem)
-        recompute = (own | tagged["must_recompute"]) - tagged["must_save"]
+        recompute = (own | tagged["must_recompute"]) - tagged["must_save"] | offload.tagged_offloads(problem)
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         acts = problem.kept_bytes(*problem.needed_closure(own)) < baseline
@@ -77,6 +89,8 @@ def make_plan(
         notes=notes,
     )
     plan.approximated = _approximated(problem, recomputed)
+    plan.offloaded = offload.offloaded_entries(problem, saved, recomputed)
+    plan.offload = problem.offload_figures(saved, recomputed) if plan.offloaded else {}
     log.info(
         "recompile_opt: graph %s keeps %s of %s (%s), recomputes %d values",
         graph,
@@ -95,6 +109,7 @@ def _solve_auto(
     notes: list[str],
     simulate: Simulate | None = None,
     solves: ilp.SolveLog | None = None,
+    known_ranges: dict | None = None,
 ):
     kw = dict(solver=options.solver, time_limit_s=options.time_limit_s, mip_gap=options.mip_gap, log=solves)
     if problem.collectives:  # every rank must reach the same plan (a different one hangs the collectives)
@@ -113,9 +128,13 @@ def _solve_auto(
     if isinstance(budget, float):
         # the range's ends know no peak limit: a limit is applied below, by _fit_peak
         if simulate is not None and budget < 1.0:
-            ends = _range_search(problem, reduction, kw, baseline, simulate, options)
+            ends = _range_search(
+                problem, reduction, kw, baseline, simulate, options, known_ranges=known_ranges
+            )
             if problem.sites and budget == 0.0 and not fit_peak:
-                ends = _least_peak_approximating(problem, reduction, kw, baseline, simulate, options, ends)
+                ends = _least_peak_approximating(
+                    problem, reduction, kw, baseline, simulate, options, ends, known_ranges
+                )
             min_bytes, floor, least_peak = ends.min_bytes, ends.floor, ends.least_peak
         else:
             min_bytes = least_bytes(problem, reduction, kw)
@@ -131,7 +150,9 @@ def _solve_auto(
                 f"{fmt_bytes(baseline)} (1.0)"
             )
     if fit_peak:
-        return _fit_peak(problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate)
+        return _fit_peak(
+            problem, reduction, options, budget, baseline, min_bytes, kw, notes, simulate, known_ranges
+        )
     sol = solve_reduced(problem, reduction, budget, kw, notes)
     if budget is None and sol.status in ("optimal", "feasible"):
         sol = _leanest_as_fast(problem, reduction, sol, options, kw)
@@ -163,8 +184,9 @@ def _leanest_as_fast(
     saved, recomputed = problem.needed_closure(fastest.recompute, fastest.keep)
     step = problem.step_s + problem.recompute_seconds(recomputed)
     cap = ilp.plan_seconds(problem, saved, recomputed) + options.mip_gap * step
-    if problem.sites:  # approximations only where a budget asks for bytes (ilp.APPROXIMATION_PRICE)
-        problem = problem.with_sites_fixed(False)
+    if problem.sites or problem.offloadable():  # approximations and offloads only where a budget asks
+        # for bytes (ilp.APPROXIMATION_PRICE, OFFLOAD_PRICE); a user's offload tags still hold
+        problem = dataclasses.replace(problem.with_sites_fixed(False), offload_only_tagged=True)
         reduction = reduce_blocks(problem)
     lean = solve_reduced(problem, reduction, None, kw, [], minimize_memory=True, time_cap_s=cap)
     if lean.status not in ("optimal", "feasible"):
@@ -177,7 +199,14 @@ def _leanest_as_fast(
 
 
 def _least_peak_approximating(
-    problem: Problem, reduction, kw: dict, baseline: int, simulate: Simulate, options: Options, ends
+    problem: Problem,
+    reduction,
+    kw: dict,
+    baseline: int,
+    simulate: Simulate,
+    options: Options,
+    ends,
+    known_ranges: dict,
 ):
     """The least-peak search again with every site approximated and with none, and the ends of the
     lowest peak of the three. Why: the ILP prices an approximation by the recompute it saves, and the
@@ -191,7 +220,9 @@ def _least_peak_approximating(
         # the recompute times within the solver's relative gap, and the ladder's plans recomputed at random
         variant = problem.with_sites_fixed(fixed)
         # not verified: its least simulated peak is walked below, against the others'
-        found = _range_search(variant, reduction, kw, baseline, simulate, options, verify=False)
+        found = _range_search(
+            variant, reduction, kw, baseline, simulate, options, verify=False, known_ranges=known_ranges
+        )
         if found.least_peak is not None:
             searches.append(found)
     searches = [e for e in searches if e.least_peak is not None] or [ends]
@@ -318,8 +349,11 @@ def _describe(
 ) -> Plan:
     kept_entries, rec_entries, charged = [], [], set()
     kept_storages = {problem.values[n].storage for n in saved}
+    offloaded = offloaded_values(recomputed) & saved
     for name, v in problem.values.items():
-        if name in saved:
+        if name in offloaded:  # handed to the backward through the host: no device bytes kept
+            kept_entries.append(_entry(v, OFFLOAD, _reason(v, OFFLOAD, options.policy, False), 0))
+        elif name in saved:
             b = 0 if v.storage in charged else problem.storage_bytes.get(v.storage, 0)
             charged.add(v.storage)
             free = problem.storage_bytes.get(v.storage, 0) == 0

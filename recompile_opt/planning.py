@@ -1,0 +1,373 @@
+"""One planning step: a joint graph and a request in, a plan and its forward and backward graphs out.
+
+:func:`plan_joint_graph` is what both partitioners call
+(:class:`~recompile_opt.partitioner.RecompilePartitioner`
+in a compile, :class:`~recompile_opt.frontier.FrontierPartitioner` in a sweep): it reads the joint
+graph once (:func:`read_joint_graph`: cost model, peak oracle), plans it (``planner.search.make_plan``),
+partitions it to match and sets the plan's figures. What a planning is asked is a frozen
+:class:`Request`; what it remembers from earlier plannings is the caller's
+:class:`~recompile_opt.planner.memory.PlanningMemory`. It changes neither. Why: the chunk choice, the
+compiler paths and the plan cache each ask it something different, and each question is then a value
+one can read, not state set on an object from outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+import time
+import warnings
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+import torch.fx as fx
+
+from recompile_opt import _torch_internals as ti
+from recompile_opt.costs.inductor_peak import output_names
+from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown
+from recompile_opt.costs.simulator import PeakSimulator, simulator_for
+from recompile_opt.options import Options
+from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
+from recompile_opt.passes.partition import partition
+from recompile_opt.plan import Plan, fmt_bytes
+from recompile_opt.planner import budget_split, chunk_choice
+from recompile_opt.planner.least_peak import range_walked
+from recompile_opt.planner.memory import PlanningMemory
+from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.search import make_plan
+from recompile_opt.planner.solving import one_tensor_per_storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one planning is asked, beside its options.
+
+    ``chunked``: the graph was chunked along the sequence (its pool is simulated by Inductor's rule
+    and its plans walked more widely). ``candidates``: under ``chunks="auto"``, the chunk candidates
+    of the unchunked graph: where one may lower the plan's peak, the planning answers
+    ``wants_chunks`` instead of a plan to compile. ``known``: plans the chunk choice already made, by
+    graph id (taken as they are). ``walk_every_plan``: the plan is walked in Inductor's code whatever
+    its option (the chunk choice compares candidates by that peak). ``compiling``: Inductor compiles
+    the graphs returned, so the plan's walk reads that compile's code (:class:`DeferredWalk`)."""
+
+    chunked: bool = False
+    candidates: tuple = ()
+    known: Mapping[str, Plan] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    walk_every_plan: bool = False
+    compiling: bool = False
+
+
+@dataclasses.dataclass
+class Joint:
+    """A joint graph read once: its cost-model problem and its peak oracle (what every partitioner
+    plans from)."""
+
+    gm: fx.GraphModule
+    num_fwd_outputs: int
+    static: list[int] | None
+    graph: JointGraph
+    problem: Problem
+    simulate: PeakSimulator
+    gid: str
+
+
+@dataclasses.dataclass
+class Planned:
+    """A planning's answer: the plan and its partition; ``wants_chunks`` where the plan may peak lower
+    with the graph chunked (``Request.candidates``; the plan is then not to be compiled); ``deferred``
+    where the plan's walk waits for Inductor's compile of ``fw`` and ``bw``."""
+
+    plan: Plan
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    wants_chunks: bool = False
+    deferred: DeferredWalk | None = None
+
+
+def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory: PlanningMemory) -> Joint:
+    """The joint graph AOTAutograd hands a partitioner (``kwargs``: its keywords), read into a
+    problem and a peak oracle that shares the peaks found for the same graph before (``memory``)."""
+    num_fwd_outputs = kwargs["num_fwd_outputs"]
+    static = ti.inner_static_indices(gm, kwargs.get("static_lifetime_input_indices"))
+    sizes_before_gathers(gm)
+    jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
+    problem = build_problem(
+        jg,
+        options.roofline_for(jg.device().type),
+        replay_random=replay_random(options),
+        random_fuses=random_fuses(options),
+    )
+    simulate = simulator_for(
+        gm,
+        num_fwd_outputs=num_fwd_outputs,
+        static_lifetime_input_indices=static,
+        info=jg.info,
+        found=memory.peaks,
+    )
+    simulate.offer(problem.sites)
+    return Joint(gm, num_fwd_outputs, static, jg, problem, simulate, graph_id(gm))
+
+
+def plan_joint_graph(
+    gm: fx.GraphModule, kwargs: dict, options: Options, request: Request, memory: PlanningMemory
+) -> Planned:
+    """Plan the joint graph ``gm`` (``kwargs``: AOTAutograd's partitioner keywords) as ``request``
+    asks, and partition it to match. The plan's predicted peak is its walk in Inductor's code where
+    one was made (now, or for ``deferred`` once the compile's code exists), else the kernel model's."""
+    start = time.perf_counter()
+    joint = read_joint_graph(gm, kwargs, options, memory)
+    simulate, problem = joint.simulate, joint.problem
+    simulate.chunked = request.chunked
+    used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
+    graph_options, split_note = budget_split.options_for_graph(memory, options, joint.gid)
+    known = request.known.get(joint.gid)
+    layout_note = _choose_layout(joint, options, request)
+    if known is not None:
+        plan, release = known, None
+    else:
+        plan, release = _new_plan(joint, graph_options, request, memory)
+        plan.notes[:0] = [split_note] if split_note else []
+        plan.notes += [layout_note] if layout_note else []
+        if not replay_random(options) and any(v.random for v in problem.values.values()):
+            plan.notes.append(
+                "random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "
+                "replay with fallback_random=True (use compiler='eager' or Inductor's RNG)"
+            )
+    saved = {e.name for e in plan.saved if e.op != "rng_state"}
+    recomputed = plan.recomputed_names()
+    settled, _ = simulate.graph_for(recomputed)  # markers replaced (approximate backward)
+    fw, bw = partition(
+        settled,
+        saved=saved,
+        recomputed=recomputed,
+        num_fwd_outputs=joint.num_fwd_outputs,
+        static_lifetime_input_indices=joint.static,
+    )
+    plan.peak_breakdown = peak_breakdown(fw, bw, recomputed, inductor_rule=request.chunked)
+    plan.outputs_bytes = caller_outputs_bytes(fw, joint.num_fwd_outputs)
+    exact = simulate.known_exact(saved, recomputed)
+    if exact is None and known is not None and known.solver.get("peak_from") == "inductor-code":
+        exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
+    budget = graph_options.memory_budget
+    fraction = isinstance(budget, float) and budget < 1.0
+    searched = (
+        fraction
+        and graph_options.peak_memory is None
+        and range_walked(problem, graph_options, memory.range_ends)
+    )
+    # walked: every plan Inductor compiles (its own code, once it exists: DeferredWalk), a plan made
+    # without a compile that answers a memory request (walks_plan), one whose search walked this
+    # graph, and where Inductor copies convolutions' inputs channels-last (only its code shows it)
+    walk = exact is None and (searched or ti.layout_optimized(fw) or walks_plan(options, request))
+    wants_chunks = (
+        known is None and bool(request.candidates) and _worth_chunking(plan, exact, options, request, release)
+    )
+    if (wants_chunks and exact is None) or (walk and not request.compiling):
+        exact = simulate.exact(saved, recomputed)  # candidates are compared by walked peaks
+    if wants_chunks:
+        set_peak(plan, exact, simulate, used, time.perf_counter() - start)
+        return Planned(plan, fw, bw, wants_chunks=True)
+    deferred = None
+    if walk and request.compiling:
+        deferred = DeferredWalk(plan, fw, bw, output_names(fw), saved, simulate, used, options)
+    choice_s = known.solver.get("chunk_choice_s", 0.0) if known is not None else 0.0
+    set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start)
+    if deferred is None:  # its figures are final now
+        check_limit(plan, options, _why_unwalked(exact, walk, simulate, saved, recomputed, options))
+    return Planned(plan, fw, bw, deferred=deferred)
+
+
+def _why_unwalked(exact, walk: bool, simulate, saved: set, recomputed: set, options: Options) -> str | None:
+    """Why a plan whose figures are final has no walked peak (None: it has one)."""
+    if exact is not None:
+        return None
+    if walk:
+        return simulate.why_unwalked(saved, recomputed)
+    if options.compiler != "inductor":
+        return f"compiler={options.compiler!r} runs no Inductor code"
+    return "planned without a compile; compiling it walks its code"
+
+
+def _new_plan(
+    joint: Joint, options: Options, request: Request, memory: PlanningMemory
+) -> tuple[Plan, Callable | None]:
+    """The search's plan, and where chunks may still be tried under a ``peak_memory`` limit, how to
+    make its miss the user's after all. A miss is not yet the user's there: the plan is made without
+    ``strict`` and its limit warnings held back, to be raised (or, under ``strict``, its error) only
+    if chunking is not tried (:func:`_worth_chunking`); else the chunk choice decides. Returns the
+    plan and that release (None where nothing is held)."""
+
+    def plan_with(opts: Options) -> Plan:
+        return ti.on_fresh_stack(
+            make_plan, joint.problem, opts, graph=joint.gid, simulate=joint.simulate, memory=memory
+        )
+
+    if not (request.candidates and options.peak_memory is not None):
+        return plan_with(options), None
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        plan = plan_with(dataclasses.replace(options, strict=False))
+    plan.options = {**plan.options, "strict": options.strict}
+
+    def release() -> None:
+        if held and options.strict:  # the plan is the user's after all: its strict error
+            plan_with(options)
+        for w in held:  # or its warnings
+            warnings.warn(w.message, w.category)
+
+    return plan, release
+
+
+def _worth_chunking(plan: Plan, exact, options: Options, request: Request, release: Callable | None) -> bool:
+    """``chunks="auto"``: whether chunking may lower this unchunked plan's peak where the goal needs it
+    (:func:`chunk_choice.worth_trying`), judged by its walked peak where one is known (the figure a
+    limit is finally checked against), else the kernel model's; where not, the plan's notes say why
+    nothing was tried, and what :func:`_new_plan` held back is the user's (``release``)."""
+    peak = plan.peak_breakdown["total"] if exact is None else exact
+    why_not = chunk_choice.worth_trying(list(request.candidates), plan, peak, options.peak_memory)
+    if why_not:
+        plan.notes.append(why_not)
+        if release is not None:
+            release()
+    return why_not is None
+
+
+def _choose_layout(joint: Joint, options: Options, request: Request) -> str | None:
+    """Where Inductor would lay this graph's convolutions out channels-last, its save-all plan walked
+    in both layouts; where the convolutions' own layout peaks lower, every plan is walked in it and
+    Inductor's layout switched off for the rest of this compile. Returns the plan's note, else None.
+
+    Why: the channels-last copies Inductor makes of a convolution's input and weight are kept for
+    the backward. A ViT's images and patch weights: every plan measured 203,824 B against eager's
+    133,332, its save-all plan 146,660 in the plain layout. A ResNet's channels-last convolution
+    backward needs less scratch than the plain one: there it stays. Why before the search: its
+    plans are compared by their walks, and in the copies' layout they all tie."""
+    if options.compiler != "inductor" or not ti.layout_optimized(joint.gm):
+        return None
+    saved, recomputed = one_tensor_per_storage(joint.problem, set(), set())
+    channels_last = joint.simulate.exact(saved, recomputed)
+    plain = joint.simulate.exact_in_plain_layout(saved, recomputed)
+    if channels_last is None or plain is None or plain >= channels_last:
+        return None
+    joint.simulate.walk_in_plain_layout()
+    if request.compiling:
+        ti.switch_layout_optimization_off()
+    return (
+        "convolutions in their own layout: Inductor's channels-last copies, kept for the backward, "
+        f"would raise the save-all plan's peak to {fmt_bytes(channels_last)} (walked) from "
+        f"{fmt_bytes(plain)}; every plan is walked in this layout"
+    )
+
+
+@dataclasses.dataclass
+class DeferredWalk:
+    """A plan whose walk waits for Inductor's compile of its graphs: :meth:`finish` reads it off the
+    code that compile generated. Why: lowering the plan a second time for the walk cost as much as
+    Inductor's own lowering; the compile's own code is the same code, with its real strides."""
+
+    plan: Plan
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    outputs: list
+    saved: set
+    simulate: PeakSimulator
+    used: tuple
+    options: Options
+
+    def finish(self, compiled: list) -> None:
+        """The plan's exact peak from ``compiled`` (``_torch_internals.compiled_wrapper_code``'s
+        records), or from a lowering of its own where none was recorded (a graph from Inductor's
+        cache); then its limit checked."""
+        start = time.perf_counter()
+        recomputed = self.plan.recomputed_names()
+        codes = {backward: code for backward, code in reversed(compiled)}  # the first of each
+        walked = (self.fw, self.bw, (codes[False], codes[True], self.outputs)) if len(codes) == 2 else None
+        exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
+        seconds = self.plan.solver["plan_s"] + time.perf_counter() - start
+        set_peak(self.plan, exact, self.simulate, self.used, seconds)
+        why = None if exact is not None else self.simulate.why_unwalked(self.saved, recomputed)
+        check_limit(self.plan, self.options, why)
+
+
+def check_limit(plan: Plan, options: Options, unwalked: str | None) -> None:
+    """The plan taken against its figures' promise: a ``peak_memory`` limit over the code's walked
+    peak, or held to the kernel model's estimate where the code could not be walked (``unwalked``:
+    why), is said so in a warning and a note. Why: a user's hard limit is the one check README
+    promises in Inductor's code; a miss must never be silent."""
+    if unwalked:
+        plan.solver["unwalked"] = unwalked
+    limit = options.peak_memory
+    # under compiler="eager" the figures are the kernel model's, and say so
+    if limit is None or plan.predicted_peak_bytes is None or options.compiler != "inductor":
+        return
+    msg = None
+    if unwalked:
+        msg = (
+            f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
+            f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}"
+        )
+    elif plan.predicted_peak_bytes > limit:
+        msg = (
+            f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
+            f"peaks at {fmt_bytes(plan.predicted_peak_bytes)} (walked)"
+        )
+    if msg and not any(msg[len("recompile_opt: ") :] in n for n in plan.notes):
+        warnings.warn(msg)
+        plan.notes.append(msg)
+
+
+def set_peak(plan: Plan, exact, simulate, used, seconds: float) -> None:
+    """The plan's predicted peak (walked where ``exact`` is known, else the kernel model's) and what
+    its planning cost: ``seconds`` (cost model, search, partition, walks) and the oracle's calls since
+    ``used``."""
+    plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
+    plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
+    plan.solver["plan_s"] = round(seconds, 3)
+    simulate.store()
+    simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
+    plan.solver.update(
+        simulations=simulations,
+        simulate_s=round(simulate_s, 3),
+        exact_peaks=exact_peaks,
+        exact_s=round(exact_s, 3),
+    )
+
+
+def walks_plan(options: Options, request: Request) -> bool:
+    """Whether the plan taken is walked in Inductor's generated code for its predicted peak even where
+    the search did not walk: in Inductor's compile (``request.compiling``); where a plan is made
+    without one (``recompile_opt.plan``), a plan that answers a memory request (a byte budget, a
+    fraction below 1.0, ``peak_memory``: one lowering, seconds) and every candidate of the chunk
+    choice (compared by that peak). A fixed policy's or save-all's plan made without a compile, and
+    any under ``compiler="eager"`` (no such code runs), give the kernel model's figures, and say so."""
+    if request.walk_every_plan or request.compiling:
+        return True
+    budget = options.memory_budget
+    asks_memory = (
+        options.peak_memory is not None
+        or isinstance(budget, int)
+        or (isinstance(budget, float) and budget < 1.0)
+    ) and options.policy == "auto"
+    return options.compiler == "inductor" and asks_memory
+
+
+def replay_random(options: Options) -> bool:
+    """Replaying a random op from a saved CPU RNG state (``run_with_rng_state``) works in the eager
+    path and through Inductor's own RNG (its seeds make recompute deterministic). With
+    ``fallback_random`` Inductor keeps ``native_dropout``, and its lowering of the replay HOP around
+    a tuple-returning op fails (torch 2.13), so there random ops are kept."""
+    return options.compiler == "eager" or not ti.inductor_config.fallback_random
+
+
+def random_fuses(options: Options) -> bool:
+    """Inductor with its own RNG draws a recomputed ``rand`` inside the kernel that reads it, only
+    where it reads (the cost model's demanded share); the eager path replays the whole draw."""
+    return options.compiler == "inductor" and not ti.inductor_config.fallback_random
+
+
+def graph_id(gm: fx.GraphModule) -> str:
+    """A hash of the graph's code with device names removed, so a graph captured on the meta device
+    has the id it has on the device it trains on (the budget split is keyed by it)."""
+    code = re.sub(r"device\(type='[a-z]+'(, index=\d+)?\)", "device", gm.code)
+    return hashlib.sha256(code.encode()).hexdigest()[:12]

@@ -1,0 +1,287 @@
+"""Offload (issue 50): the option, the ILP's third choice on hand-built problems, the plan's figures, and
+the graphs torch's activation offloading rewrites, run on the CPU against eager.
+
+Units as in test_ilp.py: bytes in whole MiB, times in whole microseconds, and the host link in MiB per
+microsecond, so every expected figure is a small number one can check by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from recompile_opt.options import OptionError, Options, parse_options
+from recompile_opt.plan import OFFLOAD, Plan
+from recompile_opt.planner import ilp
+from recompile_opt.planner.problem import Problem, Value, exposed_seconds, offload_choice
+from recompile_opt.planner.search import make_plan
+
+MiB = 1 << 20
+US = 1e-6
+LINK = MiB / US  # 1 MiB per µs
+
+
+def value(name, mib, us, *, inputs=("x",), windows=None, tag=None):
+    """A forward op of its own ``mib`` MiB buffer that the backward reads, recomputed in ``us`` µs;
+    ``windows``: (forward µs after its last use, backward µs before its first use), None: not
+    offloadable."""
+    w = None if windows is None else (windows[0] * US, windows[1] * US)
+    return Value(name, name, inputs=inputs, needed=True, recompute_s=us * US, offload_windows=w, tag=tag), mib
+
+
+def problem(*entries, link=LINK) -> Problem:
+    x = Value("x", "x", can_recompute=False)
+    values, storage = {"x": x}, {"x": 0}
+    for v, mib in entries:
+        values[v.name], storage[v.name] = v, mib * MiB
+    return Problem(
+        values=values,
+        storage_bytes=storage,
+        save_s={s: 0.0 for s in storage},
+        device="cuda",
+        host_bytes_per_s=link,
+        step_s=100 * US,
+    )
+
+
+# -- the ILP's choice ------------------------------------------------------------------------------
+
+
+def test_a_copy_that_hides_is_offloaded_before_anything_is_recomputed():
+    # keeping both is 8 MiB; at 4 MiB one must go: recomputing either costs 10 µs, offloading `a`
+    # moves 4 MiB each way in 4 µs, inside its 8 µs windows: no stall
+    p = problem(value("a", 4, 10, windows=(8, 8)), value("b", 4, 10, inputs=("a",)))
+    sol = ilp.solve(p, budget=4 * MiB)
+    assert sol.status == "optimal"
+    assert sol.recompute == {offload_choice("a")}
+    saved, recomputed = p.needed_closure(sol.recompute, sol.keep)
+    assert saved == {"a", "b"} and p.kept_bytes(saved, recomputed) == 4 * MiB
+    assert p.offload_figures(saved, recomputed)["exposed_s"] == 0.0
+
+
+def test_a_link_too_slow_to_hide_the_copy_makes_recompute_win():
+    # the same problem over a link of 1/4 MiB per µs: each copy takes 16 µs, its windows 1 µs, so
+    # 2 x 15 µs exposed against a 10 µs recompute
+    p = problem(value("a", 4, 10, windows=(1, 1)), value("b", 4, 10, inputs=("a",)), link=LINK / 4)
+    sol = ilp.solve(p, budget=4 * MiB)
+    saved, recomputed = p.needed_closure(sol.recompute, sol.keep)
+    assert not any(n.startswith("offload:") for n in recomputed)
+    assert recomputed & {"a", "b"} and p.kept_bytes(saved, recomputed) <= 4 * MiB
+    # with windows long enough for 16 µs the same slow link hides it again
+    p = problem(value("a", 4, 10, windows=(16, 16)), value("b", 4, 10, inputs=("a",)), link=LINK / 4)
+    assert ilp.solve(p, budget=4 * MiB).recompute == {offload_choice("a")}
+
+
+def test_the_windows_share_the_link():
+    # two 4 MiB values whose copies each fit their 5 µs windows alone, but not together: 8 µs of copies
+    # in 5 µs stalls 3 µs each way (6 µs), cheaper than a 10 µs recompute, dearer than a 5 µs one
+    for us, offloads, seconds in ((10, 2, 6 * US), (5, 1, 5 * US)):
+        p = problem(value("a", 4, us, windows=(5, 5)), value("b", 4, us, inputs=("a",), windows=(5, 5)))
+        sol = ilp.solve(p, budget=0)
+        saved, recomputed = p.needed_closure(sol.recompute, sol.keep)
+        assert len([n for n in recomputed if n.startswith("offload:")]) == offloads, us
+        assert p.kept_bytes(saved, recomputed) == 0
+        assert ilp.plan_seconds(p, saved, recomputed) == pytest.approx(seconds), us
+
+
+def test_no_budget_offloads_nothing_and_views_keep_their_buffer_on_the_device():
+    p = problem(value("a", 4, 10, windows=(8, 8)), value("b", 4, 10, inputs=("a",), windows=(8, 8)))
+    assert ilp.solve(p, budget=None).recompute == set()  # an offload is never taken for free bytes
+    # a kept view of `a` holds its buffer: offloading `a` then frees nothing
+    view = Value("v", "a", inputs=("a",), needed=True, can_recompute=False)
+    p = problem(value("a", 4, 10, windows=(8, 8)))
+    p.values["v"] = view
+    saved, recomputed = p.needed_closure({offload_choice("a")})
+    assert p.kept_bytes(saved, recomputed) == 4 * MiB
+    sol = ilp.solve(p, budget=0)
+    assert sol.status == "infeasible"
+
+
+def test_user_offload_tags():
+    # MUST_CPU_OFFLOAD holds with no budget at all; PREFER_CPU_OFFLOAD holds unless the copy costs
+    p = problem(value("a", 4, 10, windows=(8, 8), tag="must_cpu_offload"), value("b", 4, 10, inputs=("a",)))
+    assert ilp.solve(p, budget=None).recompute == {offload_choice("a")}
+    p = problem(value("a", 4, 10, windows=(8, 8), tag="prefer_cpu_offload"))
+    assert ilp.solve(p, budget=None).recompute == {offload_choice("a")}
+    # where offload is not offered (host_bytes_per_s 0: a CPU device), MUST_CPU_OFFLOAD keeps it
+    p = dataclasses.replace(
+        problem(value("a", 4, 10, windows=(8, 8), tag="must_cpu_offload")), host_bytes_per_s=0.0
+    )
+    assert ilp.solve(p, budget=0).status == "infeasible"
+
+
+# -- the plan's figures ----------------------------------------------------------------------------
+
+
+def test_exposed_seconds_by_hand():
+    # 2 MiB due in 1 µs, then 4 more due in 8: the first stalls 1 µs, the link then catches up
+    assert exposed_seconds([(8 * US, 4 * MiB), (1 * US, 2 * MiB)], LINK) == pytest.approx(1 * US)
+    assert exposed_seconds([(8 * US, 4 * MiB)], LINK) == 0.0  # 4 µs of copy in 8: nothing exposed
+
+
+def test_plan_figures_on_a_case_computed_by_hand():
+    # a: 4 MiB, its copy out may overlap 8 µs of the forward, its copy back 2 µs of the backward;
+    # c: 2 MiB, 1 µs and 20 µs. Over 1 MiB/µs: out, c alone is due in 1 µs (2 µs of copy: 1 exposed),
+    # a and c in 8 (6 µs: hidden); back, a is due in 2 µs (4 µs: 2 exposed), both in 20 (6: hidden).
+    p = problem(
+        value("a", 4, 10, windows=(8, 2), tag="must_cpu_offload"),
+        value("c", 2, 10, windows=(1, 20), tag="must_cpu_offload"),
+    )
+    plan = make_plan(p, Options(offload=LINK))
+    assert {e.name for e in plan.saved if e.action == OFFLOAD} == {"a", "c"}
+    assert plan.saved_bytes == 0 and plan.recomputed == []
+    o = plan.offload
+    assert o["values"] == 2 and o["bytes_to_host"] == o["bytes_to_device"] == 6 * MiB
+    assert o["exposed_s"] == pytest.approx(3 * US) and o["hidden_s"] == pytest.approx(9 * US)
+    assert [e["value"] for e in plan.offloaded] == ["a", "c"]
+    assert plan.offloaded[0]["bytes"] == 4 * MiB and plan.offloaded[0]["forward_window_s"] == 8 * US
+    text = str(plan)
+    assert "offloaded         : 2 values, 6.00 MiB to the host and 6.00 MiB back" in text
+    assert "0.009 ms hidden, 0.003 ms exposed" in text
+    assert "offloaded (2; bytes: moved to the host and back each step):" in text
+    again = Plan.from_json(plan.to_json())
+    assert again.offload == o and again.offloaded == plan.offloaded
+    assert {"offload:a", "offload:c"} <= again.recomputed_names()
+
+
+def test_budgets_and_where_offload_does_not_apply():
+    p = problem(value("a", 4, 10, windows=(8, 8)), value("b", 4, 10, inputs=("a",)))
+    plan = make_plan(p, Options(offload=LINK, memory_budget=4 * MiB))
+    assert plan.saved_bytes == 4 * MiB and plan.recomputed == [] and plan.offload["values"] == 1
+    assert plan.offload["exposed_s"] == 0.0
+    # offload off: recompute
+    plan = make_plan(p, Options(memory_budget=4 * MiB))
+    assert plan.recomputed and not plan.offloaded
+    # a fixed policy never offloads by itself
+    plan = make_plan(p, Options(offload=LINK, policy="save-all"))
+    assert not plan.offloaded and any("fixed baseline" in n for n in plan.notes)
+    # a CPU device: not offloaded, and the notes say why
+    plan = make_plan(dataclasses.replace(p, device="cpu"), Options(offload=True, memory_budget=4 * MiB))
+    assert not plan.offloaded and any("does not apply on a CPU device" in n for n in plan.notes)
+    # a torch without the ops
+    plan = make_plan(dataclasses.replace(p, offload_ops=False), Options(offload=True, memory_budget=4 * MiB))
+    assert not plan.offloaded and any("no activation-offloading ops" in n for n in plan.notes)
+
+
+# -- the option ------------------------------------------------------------------------------------
+
+
+def test_option_values():
+    assert parse_options({}).offload is False
+    assert parse_options({"offload": True}).offload is True
+    assert parse_options({"offload": "25GB/s"}).offload == 25e9
+    assert parse_options({"offload": "1GiB/s"}).offload == 2**30
+    assert parse_options({"offload": 3e10}).offload == 3e10
+    assert Options(offload=True).roofline_for("cuda")["host_bytes_per_s"] == 2.5e10
+    assert (
+        parse_options({"roofline": {"host_bytes_per_s": 1e9}}).roofline_for("cuda")["host_bytes_per_s"] == 1e9
+    )
+
+
+@pytest.mark.parametrize("bad", ["fast", "25GB", -1, 0, [1], "0GB/s", "2 parsecs/s", float("inf")])
+def test_bad_option_values_raise_a_clear_error(bad):
+    with pytest.raises(OptionError, match=r"option 'offload': got .*accepted values: False .*'25GB/s'"):
+        parse_options({"offload": bad})
+
+
+def test_offload_on_cpu_needs_offload():
+    with pytest.raises(OptionError, match="offload_on_cpu"):
+        parse_options({"offload_on_cpu": True})
+    with pytest.raises(OptionError, match="offload_on_cpu"):
+        parse_options({"offload_on_cpu": 1, "offload": True})
+
+
+# -- the rewritten graphs, run on the CPU ----------------------------------------------------------
+# A CPU device has no memory to relieve, so the option applies there only with ``offload_on_cpu``: the
+# values are then copied host to host through torch's activation offloading (its ``device_put`` form),
+# which is what these tests run and compare with eager.
+
+ON_CPU = {"offload": "1GB/s", "offload_on_cpu": True, "memory_budget": "60KiB"}
+
+
+def _gpt(dropout: float):
+    from recompile_opt import models
+
+    cfg = models.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout)
+    torch.manual_seed(0)
+    return models.GPT(cfg), models.example_batch(cfg, 2)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_offloaded_graphs_give_eager_gradients(dropout):
+    from helpers import partitioned, train_side_by_side
+
+    model, inputs = _gpt(dropout)
+    options = {**ON_CPU, "compiler": "eager"}
+    plan = train_side_by_side(model, inputs, options=options, rtol=1e-4, atol=1e-5)
+    offloaded = {e.name for e in plan.saved if e.action == OFFLOAD}
+    assert offloaded and plan.saved_bytes <= 60 * 1024
+    assert plan.offload["bytes_to_host"] == sum(o["bytes"] for o in plan.offloaded) > 0
+    # the graphs torch's pass rewrote: a copy to the host per offloaded value, a reload before its use
+    part = partitioned(model, inputs, options)
+    fw, bw = part.last_forward.graph, part.last_backward.graph
+    copies = {n.name for n in fw.nodes if n.name.startswith("cpu_offload_")}
+    reloads = {n.name for n in bw.nodes if n.name.startswith("gpu_reload_")}
+    planned = {e.name for e in part.plans[-1].saved if e.action == OFFLOAD}
+    assert copies == {"cpu_offload_" + n for n in planned} and reloads == {"gpu_reload_" + n for n in planned}
+    # the peak model counts the host copies off the device and each reload where it is made
+    assert all(n.meta.get("host_resident") for n in fw.nodes if n.name in copies)
+    assert not any(n.meta.get("host_resident") for n in bw.nodes if n.name in reloads)
+
+
+def test_a_cpu_device_plans_without_offload_and_says_so():
+    import recompile_opt
+
+    model, inputs = _gpt(0.0)
+    plan = recompile_opt.plan(model, inputs, offload=True, memory_budget="60KiB", compiler="eager")
+    assert not plan.offloaded and not any(e.action == OFFLOAD for e in plan.saved)
+    assert any("offload: option 'offload' does not apply on a CPU device" in n for n in plan.notes)
+
+
+def test_must_cpu_offload_tags_are_honoured():
+    import functools
+
+    from helpers import train_side_by_side
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (
+            CheckpointPolicy.MUST_CPU_OFFLOAD
+            if op == torch.ops.aten.sin.default
+            else CheckpointPolicy.PREFER_SAVE
+        )
+
+    class Tagged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            inner = lambda x: self.b(self.a(x).sin())  # noqa: E731
+            ctx = functools.partial(create_selective_checkpoint_contexts, policy)
+            return checkpoint(inner, x, use_reentrant=False, context_fn=ctx).pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Tagged(), (torch.randn(8, 16),)
+    # no budget: the tag alone asks for the offload (the options only let the CPU run it)
+    opts = {"compiler": "eager", "offload": True, "offload_on_cpu": True}
+    plan = train_side_by_side(model, x, options=opts, rtol=1e-4, atol=1e-5)
+    assert [(e.op, e.reason) for e in plan.saved if e.action == OFFLOAD] == [("sin", "user")]
+    # on a CPU device without the hook the tag keeps the value on the device, and the notes say so
+    plan = train_side_by_side(model, x, options={"compiler": "eager"}, rtol=1e-4, atol=1e-5)
+    assert not plan.offloaded and [e.op for e in plan.saved if e.op == "sin"] == ["sin"]
+    assert any("CPU_OFFLOAD tags are kept on the device" in n for n in plan.notes)
+
+
+@pytest.mark.slow
+def test_offloaded_graphs_through_inductor():
+    """Inductor compiles the host copies (``device_put``) and reloads; with ``fallback_random`` it draws
+    dropout as eager does (random ops then kept, as in test_inductor.py), so the gradients compare."""
+    from helpers import train_side_by_side
+
+    model, inputs = _gpt(0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(model, inputs, options=ON_CPU, rtol=1e-4, atol=1e-5)
+    assert plan.offloaded and plan.saved_bytes <= 60 * 1024
