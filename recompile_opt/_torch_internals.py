@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import re
 import threading
 import time
@@ -851,6 +852,27 @@ def bw_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
         vals(bw.graph.find_nodes(op="output")[0].args[0]),
         fw_outs[num_fwd_outputs:],
     )
+
+
+def forkable() -> bool:
+    """Whether a fork of this process can lower and walk a plan as this process would
+    (:mod:`recompile_opt.costs.walk_pool`): not once CUDA is initialised here (a fork cannot use it:
+    "Cannot re-initialize CUDA in forked subprocess"), nor without ``os.fork``."""
+    return hasattr(os, "fork") and not torch.cuda.is_initialized()
+
+
+def in_forked_walker() -> int:
+    """Set up a fork of this process for walks; returns the intra-op threads this process had.
+
+    Why: OpenMP's threads do not survive a fork, and the fork's first parallel region with more than one
+    thread hangs (GNU libgomp), so the fork runs kernels on one thread; Inductor reads the thread count
+    into the code it generates (``parallel_num_threads``), so it is pinned to this process's there."""
+    threads = torch.get_num_threads()
+    if threads > 1:
+        if inductor_config.cpp.threads < 1:
+            inductor_config.cpp.threads = threads
+        torch.set_num_threads(1)
+    return threads
 
 
 # -- torch._functorch._activation_offloading: offloaded activations (issue 50) --------------------------

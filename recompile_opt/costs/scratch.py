@@ -30,6 +30,19 @@ from recompile_opt.ops import has_scratch
 log = logging.getLogger(__name__)
 
 _MEASURED: dict[tuple, int] = {}
+# set in a fork that walks plans with fewer threads than this process (costs/walk_pool.py): a workspace
+# measured there could differ (SDPA's CPU kernel allocates per thread), so one not known yet raises
+_REFUSED = False
+
+
+class NotMeasuredHere(RuntimeError):
+    """A workspace that this process may not measure (:func:`refuse_measuring`)."""
+
+
+def refuse_measuring() -> None:
+    """From now on a workspace not measured yet raises :class:`NotMeasuredHere` (in a walk's fork)."""
+    global _REFUSED
+    _REFUSED = True
 
 
 def scratch_bytes(node: fx.Node, layouts: list[tuple[tuple, tuple]] | None = None) -> int:
@@ -44,6 +57,8 @@ def scratch_bytes(node: fx.Node, layouts: list[tuple[tuple, tuple]] | None = Non
     if args is None:
         return 0
     key = (str(node.target), args)
+    if key not in _MEASURED and _REFUSED:
+        raise NotMeasuredHere(key[0])
     if key not in _MEASURED:
         try:
             _MEASURED[key] = _measure(node.target, node.args, node.kwargs, strides)

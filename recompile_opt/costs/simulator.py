@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.costs import walk_pool
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
 from recompile_opt.costs.peak import peak_and_recomputed_at_peak, pool_rule
 from recompile_opt.ops import is_random_op
@@ -131,6 +132,8 @@ class PeakSimulator:
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
         self.plain_layout = False  # exact() walks with Inductor's channels-last layout off
         self.exact_seconds = 0.0
+        # walks made ahead of their question (walk_ahead): (peak, why not) by key, until exact() asks
+        self.ahead: dict[tuple, tuple[int | None, str | None]] = {}
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
         self.asked_log: list[
             tuple
@@ -210,13 +213,18 @@ class PeakSimulator:
         self.asked_log.append(key)
         if key not in self.exact_results or (compiled and self.exact_results[key] is None):
             start = time.perf_counter()
-            traces = []
-            result = self._walked(*compiled, traces=traces) if compiled else None
-            if result is None:
-                traces = []
-                result = self._lowered_and_walked(
-                    saved, recomputed, plain_layout=self.plain_layout, traces=traces
-                )
+            traces: list = []
+            ahead = None if compiled else self.ahead.pop(key, None)
+            if ahead is not None:  # walked by walk_ahead
+                result, self.unwalkable, trace = ahead
+                traces = [trace] if trace is not None else []
+            else:
+                result = self._walked(*compiled, traces=traces) if compiled else None
+                if result is None:
+                    traces = []
+                    result = self._lowered_and_walked(
+                        saved, recomputed, plain_layout=self.plain_layout, traces=traces
+                    )
             at_peak = [t for t in traces if t.peak == result]
             if at_peak:
                 self.walk_traces[key] = at_peak[-1]
@@ -237,6 +245,39 @@ class PeakSimulator:
         backend's choice for this graph): the walks made so far are dropped, and none is stored on the
         disk (the disk's are the default layout's)."""
         self.plain_layout, self.exact_results, self.disk_key = True, {}, None
+        self.ahead = {}
+
+    def walk_ahead(self, plans) -> None:
+        """Walk ``plans`` ((saved, recomputed) pairs) now, spread over processes
+        (:mod:`recompile_opt.costs.walk_pool`), where more than one of them is not walked yet:
+        :meth:`exact` then answers from these walks. Why kept apart until :meth:`exact` asks: what a
+        search asked (``asked``, :meth:`known_exact`, the plan's walk count, the disk) stays what it
+        asks, and a walk made ahead is the walk :meth:`exact` would make."""
+        todo: dict[tuple, tuple[set, set]] = {}
+        for saved, recomputed in plans:
+            key = self._exact_key(saved, recomputed)
+            if key not in self.exact_results and key not in self.ahead:
+                todo.setdefault(key, (saved, recomputed))
+        n = walk_pool.workers()
+        if len(todo) < 2 or n < 2:
+            return
+        start = time.perf_counter()
+        keys, tasks = list(todo), list(todo.values())
+        found = walk_pool.map_forked(self._walk_here, self._walk_in_copy, tasks, n)
+        self.ahead.update((keys[i], answer) for i, answer in found.items())
+        seconds = time.perf_counter() - start
+        self.exact_seconds += seconds
+        log.debug("recompile_opt: %d plans walked ahead on %d processes in %.2f s", len(found), n, seconds)
+
+    def _walk_here(self, plan: tuple[set, set], guarded: bool = True) -> tuple:
+        """(peak, why not walked, what is alive at the peak) of one plan, as :meth:`exact` keeps them."""
+        traces: list = []
+        peak = self._lowered_and_walked(*plan, plain_layout=self.plain_layout, traces=traces, guarded=guarded)
+        return peak, self.unwalkable, next((t for t in reversed(traces) if t.peak == peak), None)
+
+    def _walk_in_copy(self, plan: tuple[set, set]) -> tuple:
+        """In a fork: failures raise, so that the plan is walked again here (walk_pool)."""
+        return self._walk_here(plan, guarded=False)
 
     def exact_in_plain_layout(self, saved: set, recomputed: set) -> int | None:
         """:meth:`exact` with Inductor's channels-last layout for convolutions switched off: the peak of
@@ -254,13 +295,20 @@ class PeakSimulator:
         return self.walk_traces.get(self._exact_key(saved, recomputed))
 
     def _lowered_and_walked(
-        self, saved: set, recomputed: set, *, plain_layout: bool, traces: list | None = None
+        self,
+        saved: set,
+        recomputed: set,
+        *,
+        plain_layout: bool,
+        traces: list | None = None,
+        guarded: bool = True,
     ) -> int | None:
         """The plan partitioned, lowered by Inductor (its channels-last layout off with ``plain_layout``)
-        and walked."""
+        and walked (``guarded``: a failure gives None, else it raises)."""
         gm, info = self.graph_for(recomputed)
+        walked = self._walked if guarded else self._walked_unguarded
         with ti.layout_optimization(False) if plain_layout else contextlib.nullcontext():
-            return self._walked(
+            return walked(
                 *partition(
                     gm,
                     saved=saved,
@@ -282,15 +330,20 @@ class PeakSimulator:
         self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None, traces: list | None = None
     ) -> int | None:
         """The walked peak, or None with the reason in ``unwalkable`` (the plan's figures say it)."""
-        self.unwalkable = why_not_walkable(fw, bw)
-        if self.unwalkable:
-            return None
         try:
-            return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes, traces=traces)
+            return self._walked_unguarded(fw, bw, codes, traces)
         except Exception as e:  # noqa: BLE001 - a refinement: any failure leaves the simulated peak
             log.info("recompile_opt: Inductor's code for a plan could not be walked: %r", e)
             self.unwalkable = f"walking its code failed: {type(e).__name__}"
             return None
+
+    def _walked_unguarded(
+        self, fw: fx.GraphModule, bw: fx.GraphModule, codes: tuple | None = None, traces: list | None = None
+    ) -> int | None:
+        self.unwalkable = why_not_walkable(fw, bw)
+        if self.unwalkable:
+            return None
+        return exact_peak(fw, bw, num_fwd_outputs=self.num_fwd_outputs, compiled=codes, traces=traces)
 
     def store(self) -> None:
         """Keep the figures found so far on disk (:func:`simulator_for`), where any are new."""

@@ -228,13 +228,16 @@ def _verified(
         return best, None
     exact = simulate.exact
     if simulate.chunked:
-        return _walked_widely(problem, best, found, exact)
+        return _walked_widely(problem, best, found, simulate)
     rivals: dict[tuple, Candidate] = {}
     for c in sorted(found, key=lambda c: (c.recompute_s, c.peak)):
         if c.peak <= best.peak * VERIFY_RANGE and c.recompute_s <= best.recompute_s * (1 - VERIFY_GAIN):
             rivals.setdefault(_as_compiled(problem, c), c)
     if not rivals:
         return best, None
+    # the choice and its first rival are walked whenever there is a rival (the second only where the
+    # first is not taken): both at once
+    simulate.walk_ahead([_as_compiled(problem, best), next(iter(rivals))])
     least = exact(*_as_compiled(problem, best))
     if least is None:
         return best, None
@@ -255,7 +258,9 @@ def _verified(
     )
 
 
-def _walked_widely(problem: Problem, best: Candidate, found: list[Candidate], exact) -> tuple[Candidate, str]:
+def _walked_widely(
+    problem: Problem, best: Candidate, found: list[Candidate], simulate: Simulate
+) -> tuple[Candidate, str]:
     """The search's choice and up to ``WIDE_WALKS`` plans of least simulated peak, walked in Inductor's
     code: the least walked peak, or the cheapest plan worth its peak (:func:`_worth_its_peak`)."""
     plans: dict[tuple, Candidate] = {_as_compiled(problem, best): best}
@@ -263,6 +268,8 @@ def _walked_widely(problem: Problem, best: Candidate, found: list[Candidate], ex
         if len(plans) > WIDE_WALKS:
             break
         plans.setdefault(_as_compiled(problem, c), c)
+    simulate.walk_ahead(list(plans))  # in parallel
+    exact = simulate.exact
     walked = [c._replace(peak=peak) for sets, c in plans.items() if (peak := exact(*sets)) is not None]
     if not walked:
         return best, None

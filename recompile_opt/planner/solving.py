@@ -48,6 +48,9 @@ class Simulate(Protocol):
     # the exact peak from Inductor's generated code, None where it cannot tell (see _verified)
     def exact(self, saved: set, recomputed: set) -> int | None: ...
 
+    # walk these (saved, recomputed) plans now, in parallel where it can: exact() then answers from them
+    def walk_ahead(self, plans: list[tuple]) -> None: ...
+
     # the exact peak if exact() has been asked about this plan (asked=True: by this compile), else
     # None (costs nothing)
     def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None: ...
@@ -70,6 +73,9 @@ class SimulateOnly:
 
     def exact(self, saved: set, recomputed: set) -> int | None:
         return None
+
+    def walk_ahead(self, plans: list[tuple]) -> None:
+        pass
 
     def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None:
         return None
