@@ -41,7 +41,8 @@ def _errors(rank: int) -> dict:
     short = tuple(t[:, : SEQ - 1].contiguous() for t in _batch())
     attempt("sequence", lambda: recompile_opt.parallelize(_model("gpt"), mesh, short))
     model = recompile_opt.parallelize(_model("gpt"), mesh, _batch())
-    attempt("other shapes", lambda: model(*(t[:1] for t in _batch())))
+    attempt("other batch", lambda: model(*(t[:1] for t in _batch())))  # served: a rank's graph of its own
+    attempt("sequence at a call", lambda: model(*short))
     attempt("not parallelized", lambda: recompile_opt.parallel_plan(_model("gpt")))
     return out
 
@@ -125,8 +126,10 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
             errors["sequence"][0] == "ValueError"
             and f"length {SEQ - 1} is not divisible by 2" in errors["sequence"][1]
         )
+        assert errors["other batch"] is None
         assert (
-            errors["other shapes"][0] == "ValueError" and "laid out for inputs" in errors["other shapes"][1]
+            errors["sequence at a call"][0] == "ValueError"
+            and f"length {SEQ - 1} is not divisible by 2" in errors["sequence at a call"][1]
         )
         assert errors["not parallelized"][0] == "ValueError"
 

@@ -13,6 +13,8 @@ The design and what is still to come: docs/parallel-design.md.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from recompile_opt.parallel.layout import Layout, find_layout
 from recompile_opt.parallel.module import distribute_parameters
 from recompile_opt.parallel.rewrite import install, local_forward
+from recompile_opt.parallel.signatures import Derive, meta_twin
 
 __all__ = ["parallelize", "parallel_plan"]
 
@@ -31,9 +34,11 @@ def parallelize(
     its parameters become DTensors under their own names (``full_tensor()`` is the unsharded tensor),
     and its forward takes the same full inputs on every rank and returns the same full outputs.
 
-    ``example_inputs``: the inputs the model will be called with (their shapes; meta tensors are
-    fine). The layout is found in the graph captured with them, in the model's current train/eval
-    mode; a call with other shapes or in the other mode raises (parallelize a fresh model for those).
+    ``example_inputs``: inputs like those the model will be called with (only their shapes and dtypes
+    matter; meta tensors are fine). The layout is found once, in the graph captured with them in the
+    model's current train/eval mode; a call with other shapes (any batch size, any sequence length
+    divisible by the mesh) or in the other mode gets its own rank's graph in the same layout, made at
+    its first call (:mod:`recompile_opt.parallel.signatures`).
     Every rank must hold the same parameter values (the same seed or checkpoint) and draw from the
     same generator state (dropout's masks are one process's masks, each rank applying its slice)."""
     tp, rank = _check_mesh(mesh)
@@ -46,9 +51,13 @@ def parallelize(
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     inputs = tuple(_on(t, device) for t in inputs)
     layout = find_layout(model, inputs, tp, sequence_parallel=sequence_parallel)
-    graph = local_forward(layout, mesh.get_group().group_name, rank, device)  # checks the sequence splits
+    rank_graph = functools.partial(
+        local_forward, group_name=mesh.get_group().group_name, rank=rank, device=device
+    )
+    graph = rank_graph(layout)  # checks the sequence splits
+    derive = Derive(meta_twin(model), layout, rank_graph, device)  # before the parameters are sharded
     distribute_parameters(model, layout, mesh)
-    install(model, layout, graph)
+    install(model, layout, graph, derive)
     model._recompile_opt_layout = layout
     return model
 

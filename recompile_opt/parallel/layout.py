@@ -110,13 +110,18 @@ class _Failed(Exception):
 
 
 def find_layout(
-    model: torch.nn.Module, example_inputs: tuple, tp: int, *, sequence_parallel: bool = True
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    tp: int,
+    *,
+    sequence_parallel: bool = True,
+    kwargs: dict | None = None,
 ) -> Layout:
     """The Megatron layout of ``model`` over ``tp`` ranks, found in its exported graph (meta inputs are
     fine: nothing runs). Pairs it cannot shard stay replicated, each with a warning."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"recompile_opt.parallel: tp must be a positive int, got {tp!r}")
-    program = torch.export.export(model, tuple(example_inputs), strict=False)
+    program = torch.export.export(model, tuple(example_inputs), kwargs=kwargs, strict=False)
     params = {
         spec.arg.name: spec.target
         for spec in program.graph_signature.input_specs

@@ -25,6 +25,7 @@ from recompile_opt.ops import PER_TOKEN, PYTHON_SPELLINGS, op_name
 from recompile_opt.parallel import collectives as C
 from recompile_opt.parallel import dropout as D
 from recompile_opt.parallel.layout import Layout, from_input
+from recompile_opt.parallel.signatures import Derive, RankGraph, signature
 
 aten = torch.ops.aten
 # ops whose literal size arguments name the sharded dimension's global size
@@ -389,31 +390,27 @@ def _vocab_lookup(
     return graph.call_function(C.reduce_from_tensor_parallel, (found, group_name))
 
 
-def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> None:
+def install(
+    model: torch.nn.Module, layout: Layout, graph: fx.GraphModule, derive: Derive | None = None
+) -> None:
     """``model.forward`` replaced by the rank's graph, fed with the local shards of its parameters (a
     DTensor's ``to_local()``: its gradient comes back as a DTensor of the same placement), its buffers
-    and the caller's inputs; the outputs returned as the model returns them."""
-    program = layout.program
-    specs = program.graph_signature.input_specs
-    out_specs = program.graph_signature.output_specs
-    captured = [
-        _signature(n.meta.get("val"))
-        for n, s in zip(program.graph.find_nodes(op="placeholder"), specs)
-        if s.kind.name == "USER_INPUT"
-    ]
-    training = model.training
+    and the caller's inputs; the outputs returned as the model returns them. A call of another input
+    signature or mode gets its own rank's graph from ``derive`` (kept for later calls), or where there is
+    none, an error."""
+    first = RankGraph.of(layout, graph)
     # read here, not in the forward: Dynamo does not trace into ExportedProgram (a graph break per call)
-    constants = {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
-    out_tree = program.call_spec.out_spec
+    graphs = {(first.signature, model.training): first}
 
     def forward(self, *args, **kwargs):
         leaves = pytree.tree_leaves((args, kwargs))
-        got = [_signature(x) for x in leaves]
-        if got != captured or self.training != training:
-            _refuse(captured, training, got, self.training)
+        key = (tuple(signature(x) for x in leaves), self.training)
+        entry = graphs.get(key)
+        if entry is None:
+            entry = _derived(graphs, key, derive, args, kwargs)
         user = iter(leaves)
         inputs = []
-        for spec in specs:
+        for spec in entry.specs:
             kind = spec.kind.name
             if kind == "PARAMETER":
                 p = self.get_parameter(spec.target)
@@ -421,35 +418,32 @@ def install(model: torch.nn.Module, layout: Layout, graph: fx.GraphModule) -> No
             elif kind == "BUFFER":
                 inputs.append(self.get_buffer(spec.target))
             elif kind == "CONSTANT_TENSOR":
-                inputs.append(constants[spec.target])
+                inputs.append(entry.constants[spec.target])
             else:
                 inputs.append(next(user))
-        outputs = graph(*inputs)
+        outputs = entry.graph(*inputs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        mine = [o for o, s in zip(outputs, out_specs) if s.kind.name == "USER_OUTPUT"]
-        return pytree.tree_unflatten(mine, out_tree)
+        mine = [o for o, s in zip(outputs, entry.out_specs) if s.kind.name == "USER_OUTPUT"]
+        return pytree.tree_unflatten(mine, entry.out_tree)
 
     model.forward = types.MethodType(forward, model)
 
 
 @torch.compiler.disable
-def _refuse(captured: list, training: bool, got: list, now_training: bool) -> None:
-    """The error of a call the layout does not fit, raised outside Dynamo's trace. Why: an exception
-    Dynamo traces to the top of a compiled frame makes it skip that frame's code for good (torch 2.13:
-    ``Module._wrapped_call_impl``, every module's), so a compiled model that caught this error ran
-    afterwards as pieces (the ``to_local`` calls, then the rank's graph with its shards as inputs) that the
-    partitioner failed on (issue 49). A disabled function is a graph break Dynamo resumes from instead;
-    only a refused call reaches it (the check is constant while tracing)."""
-    raise ValueError(
-        f"recompile_opt.parallelize: the model was laid out for inputs {captured} in "
-        f"{'training' if training else 'eval'} mode; called with {got} in "
-        f"{'training' if now_training else 'eval'} mode. Parallelize a fresh model with "
-        "example inputs of these shapes and this mode"
-    )
-
-
-def _signature(x):
-    """What the captured graph fixed about an input: a tensor's shape and dtype, else the value."""
-    if isinstance(x, torch.Tensor):
-        return (tuple(int(d) for d in x.shape), str(x.dtype).replace("torch.", ""))
-    return x
+def _derived(graphs: dict, key: tuple, derive: Derive | None, args: tuple, kwargs: dict) -> RankGraph:
+    """The rank's graph for a signature met for the first time, made outside Dynamo's trace. Why
+    outside: an export cannot run inside one, and an exception Dynamo traces to the top of a compiled
+    frame makes it skip that frame's code for good (torch 2.13: ``Module._wrapped_call_impl``, every
+    module's), so a compiled model that caught such an error ran afterwards as pieces that the
+    partitioner failed on (issue 49). A disabled function is a graph break Dynamo resumes from
+    instead; once the graph is kept, a retrace finds it and runs in one piece."""
+    signatures, training = key
+    if derive is None:
+        (captured, was_training), *_ = graphs
+        raise ValueError(
+            f"recompile_opt.parallelize: the model was laid out for inputs {list(captured)} in "
+            f"{'training' if was_training else 'eval'} mode; called with {list(signatures)} in "
+            f"{'training' if training else 'eval'} mode, and no other signature can be derived here"
+        )
+    graphs[key] = derive(args, kwargs, training)
+    return graphs[key]
