@@ -44,6 +44,10 @@ def _errors(rank: int) -> dict:
     attempt("other batch", lambda: model(*(t[:1] for t in _batch())))  # served: a rank's graph of its own
     attempt("sequence at a call", lambda: model(*short))
     attempt("not parallelized", lambda: recompile_opt.parallel_plan(_model("gpt")))
+    hook = model.blocks[1].register_forward_pre_hook(lambda m, args: None)  # as fully_shard per block does
+    attempt("hook", lambda: model(*_batch()))
+    hook.remove()
+    attempt("hook removed", lambda: model(*_batch()))
     return out
 
 
@@ -132,6 +136,11 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
             and f"length {SEQ - 1} is not divisible by 2" in errors["sequence at a call"][1]
         )
         assert errors["not parallelized"][0] == "ValueError"
+        assert (
+            errors["hook"][0] == "ValueError"
+            and "module 'blocks.1' has forward or backward hooks" in errors["hook"][1]
+        )
+        assert errors["hook removed"] is None
 
 
 def test_parallelize_needs_torch_distributed():

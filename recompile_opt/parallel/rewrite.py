@@ -403,6 +403,9 @@ def install(
     graphs = {(first.signature, model.training): first}
 
     def forward(self, *args, **kwargs):
+        bypassed = [name for name, m in self.named_modules() if m is not self and _has_hooks(m)]
+        if bypassed:
+            _refuse_hooks(bypassed)
         leaves = pytree.tree_leaves((args, kwargs))
         key = (tuple(signature(x) for x in leaves), self.training)
         entry = graphs.get(key)
@@ -447,3 +450,26 @@ def _derived(graphs: dict, key: tuple, derive: Derive | None, args: tuple, kwarg
         )
     graphs[key] = derive(args, kwargs, training)
     return graphs[key]
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+    )
+
+
+@torch.compiler.disable
+def _refuse_hooks(bypassed: list[str]) -> None:
+    """A hook on a submodule would not fire: the rank's graph runs the whole model as one, so no
+    submodule is called (FSDP2's ``fully_shard`` per block gathers its parameters in such hooks: the
+    forward then failed on a shard's size, issue 49). Raised outside Dynamo's trace (see :func:`_derived`)."""
+    raise ValueError(
+        f"recompile_opt.parallelize: module {bypassed[0]!r} has forward or backward hooks"
+        + (f" (and {len(bypassed) - 1} more modules)" if len(bypassed) > 1 else "")
+        + ", which the parallelized model would bypass: it runs one graph for the whole model and calls "
+        "no submodule. Hooks on the model itself fire (FSDP2's fully_shard on the root works); remove "
+        "the submodules' hooks (fully_shard per block is not supported yet)"
+    )
