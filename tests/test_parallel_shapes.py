@@ -2,7 +2,8 @@
 one SGD step at each of several batch sizes and sequence lengths, back at the first, then evaluates
 under ``eval()`` + ``no_grad``; every loss and every ``full_tensor()`` gradient equals one process doing
 the same, eager and compiled by recompile_opt (no budget, 0.5, 0.0); a length the mesh cannot split is an
-error naming the sequence, and the model trains on after it."""
+error naming the sequence, and the model trains on after it. Compiled, it resumes from a DCP checkpoint
+(model and AdamW) bit for bit, and its full state dict loads into one process's plain model."""
 
 from __future__ import annotations
 
@@ -137,3 +138,80 @@ def test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout(tmp_path)
 )
 def test_models_serve_every_shape_and_mode_from_one_layout(tmp_path, name, world, keys, compiler, dropout):
     _check(tmp_path, name, world, keys, compiler, dropout)
+
+
+def _resume_worker(rank: int, out: str):
+    """Two AdamW steps of the compiled, parallelized GPT, then a DCP checkpoint of the model and the
+    optimizer, then a third step; a fresh model, parallelized and compiled alike, loads the checkpoint and
+    takes the third step; the full state dict goes to one process's plain GPT."""
+    with gloo_rank(rank, 2, out):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+            set_state_dict,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        options = {"memory_budget": 0.0, "compiler": "eager"}
+
+        def compiled(zeroed: bool):
+            model = _model("gpt")
+            if zeroed:
+                for p in model.parameters():
+                    torch.nn.init.zeros_(p)
+            recompile_opt.parallelize(model, mesh, [t.to("meta") for t in _batch("gpt", *SHAPES[0], seed=0)])
+            fn = torch.compile(model, backend="recompile_opt", options=options)
+            return model, fn, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+        def step(model, fn, opt, i):
+            opt.zero_grad(set_to_none=True)
+            loss = fn(*_batch("gpt", *SHAPES[i % len(SHAPES)], seed=i))
+            loss.backward()
+            opt.step()
+            return loss.item(), {n: _full(p.grad) for n, p in model.named_parameters()}
+
+        model, fn, opt = compiled(zeroed=False)
+        for i in range(2):
+            step(model, fn, opt, i)
+        state_model, state_optim = get_state_dict(model, opt)
+        dcp.save({"model": state_model, "optim": state_optim}, checkpoint_id=f"{out}/ckpt")
+        third = step(model, fn, opt, 2)
+        with torch.no_grad():
+            next_loss = fn(*_batch("gpt", *SHAPES[0], seed=3)).item()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+        model2, fn2, opt2 = compiled(zeroed=True)
+        state_model, state_optim = get_state_dict(model2, opt2)
+        loaded = {"model": state_model, "optim": state_optim}
+        dcp.load(loaded, checkpoint_id=f"{out}/ckpt")
+        set_state_dict(model2, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        resumed = step(model2, fn2, opt2, 2)
+        torch.save(
+            {
+                "third": third,
+                "resumed": resumed,
+                "next": next_loss,
+                "full": {k: _full(v) for k, v in full.items()},
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
+
+
+@pytest.mark.slow
+def test_a_compiled_parallel_model_resumes_from_its_checkpoint_and_loads_into_a_plain_one(tmp_path):
+    run_ranks(_resume_worker, (str(tmp_path),), str(tmp_path), 2)
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        (loss, grads), (loss2, grads2) = res["third"], res["resumed"]
+        assert loss2 == loss, rank
+        for n, g in grads.items():
+            assert torch.equal(grads2[n], g), (rank, n)
+        plain = _model("gpt")
+        for p in plain.parameters():
+            torch.nn.init.zeros_(p)
+        plain.load_state_dict(res["full"])  # after the third step: one process's model goes on from it
+        with torch.no_grad():
+            assert plain(*_batch("gpt", *SHAPES[0], seed=3)).item() == pytest.approx(res["next"], rel=1e-5)
