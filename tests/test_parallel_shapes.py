@@ -66,6 +66,10 @@ def _steps(name: str, model, fn) -> dict:
 
 
 def _worker(rank: int, name: str, world: int, keys: tuple, compiler: str, dropout: float, out: str):
+    # Hugging Face's Llama at a second sequence length under Dynamo's automatic dynamic shapes: torch's
+    # graph extraction fails on the backward's symbolic sizes ("Node _unsafe_masked_index_put_accumulate
+    # was invalid, but is output"; README's limits), so it is compiled with static shapes
+    dynamic = False if name == "hf-llama" else None
     with gloo_rank(rank, world, out):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -80,7 +84,9 @@ def _worker(rank: int, name: str, world: int, keys: tuple, compiler: str, dropou
             fn = (
                 model
                 if options is None
-                else torch.compile(model, backend="recompile_opt", options={**options, "compiler": compiler})
+                else torch.compile(
+                    model, backend="recompile_opt", options={**options, "compiler": compiler}, dynamic=dynamic
+                )
             )
             results[key] = _steps(name, model, fn)
             try:  # a length the mesh cannot split: refused by name, and the model trains on
@@ -129,7 +135,7 @@ def test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout(tmp_path)
         pytest.param("llama", 2, ("eager", "none", "0.5"), "eager", 0.1, id="llama-2-dropout"),
         pytest.param("gpt", 4, ("0.0",), "eager", 0.0, id="gpt-4"),
         pytest.param("llama", 4, ("eager", "0.0"), "eager", 0.0, id="llama-4"),
-        pytest.param("gpt", 2, ("none", "0.0"), "inductor", 0.1, id="gpt-2-inductor-dropout"),
+        pytest.param("gpt", 2, ("none",), "inductor", 0.1, id="gpt-2-inductor-dropout"),
         pytest.param("hf-llama", 2, ("eager", "0.0"), "eager", 0.0, id="hf-llama-2"),
         pytest.param("hf-gpt2", 2, ("eager", "0.5"), "eager", 0.0, id="hf-gpt2-2"),
         pytest.param("hf-llama", 4, ("0.0",), "eager", 0.0, id="hf-llama-4"),

@@ -92,6 +92,11 @@ def local_forward(
         args, kwargs = fx.map_arg(node.args, env.__getitem__), fx.map_arg(node.kwargs, env.__getitem__)
         if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
             kwargs = {**kwargs, "device": torch.device(device)}
+        # ``aten.to.device(x, device, ...)``: Hugging Face's rotary embedding moves its table to the input's
+        if any(isinstance(a, torch.device) and a.type == "meta" for a in args):
+            args = tuple(
+                torch.device(device) if isinstance(a, torch.device) and a.type == "meta" else a for a in args
+            )
         role, op = layout.roles.get(node.name), op_name(node)
         sharded_in = [a for a in node.all_input_nodes if seq is not None and a in seq.sharded]
         if role == "column":

@@ -36,7 +36,7 @@ class RankGraph:
     signature: tuple  # the user inputs' signatures it was exported with (:func:`signature`)
 
     @classmethod
-    def of(cls, layout: Layout, graph: fx.GraphModule) -> RankGraph:
+    def of(cls, layout: Layout, graph: fx.GraphModule | None) -> RankGraph:
         program = layout.program
         specs = list(program.graph_signature.input_specs)
         constants = {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
@@ -68,6 +68,9 @@ class Derive:
 
     def __init__(self, twin: torch.nn.Module, layout: Layout, local_forward, device: torch.device):
         self.twin, self.layout, self.local_forward, self.device = twin, layout, local_forward, device
+        # the constants the model's code makes (a scale, a mask's fill value), as the first capture made
+        # them on the model's device: the twin's are made on the meta device and hold no value
+        self.constants = RankGraph.of(layout, None).constants
 
     def __call__(self, args: tuple, kwargs: dict, training: bool) -> RankGraph:
         meta_args, meta_kwargs = pytree.tree_map(_on_meta, (tuple(args), dict(kwargs)))
@@ -83,21 +86,26 @@ class Derive:
             )
         _check_same(self.layout, layout, training)
         entry = RankGraph.of(layout, self.local_forward(layout))
-        entry.constants = {k: _on_device(v, self.device, k) for k, v in entry.constants.items()}
+        entry.constants = {k: self._valued(k, v) for k, v in entry.constants.items()}
         return entry
+
+    def _valued(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A constant of the new capture with its value: the first capture's of that name, shape and
+        dtype where the twin made it on the meta device."""
+        if t.device.type != "meta":
+            return t.to(self.device)
+        first = self.constants.get(name)
+        if first is None or first.shape != t.shape or first.dtype != t.dtype or first.device.type == "meta":
+            raise ValueError(
+                f"recompile_opt.parallelize: the model's constant {name} {tuple(t.shape)} made in its "
+                "forward differs at these inputs from the one captured first; make it a buffer "
+                "(register_buffer) so that its value is kept"
+            )
+        return first
 
 
 def _on_meta(x):
     return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
-
-
-def _on_device(t: torch.Tensor, device: torch.device, name: str) -> torch.Tensor:
-    if t.device.type == "meta":
-        raise ValueError(
-            f"recompile_opt.parallelize: the model's constant {name} is made on the meta device when it "
-            "is captured at new shapes; make it a buffer (register_buffer) so that its value is kept"
-        )
-    return t.to(device)
 
 
 def _check_same(first: Layout, again: Layout, training: bool) -> None:
