@@ -429,7 +429,9 @@ def install(
                 inputs.append(entry.constants[spec.target])
             else:
                 inputs.append(next(user))
-        outputs = entry.graph(*inputs)
+        # the first graph from the closure: Dynamo names a module it reaches through the dict by that path,
+        # and its nodes then sit under it in the plans (``policy="full"`` found no blocks there)
+        outputs = graph(*inputs) if entry is first else entry.graph(*inputs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         mine = [o for o, s in zip(outputs, entry.out_specs) if s.kind.name == "USER_OUTPUT"]
         return pytree.tree_unflatten(mine, entry.out_tree)
