@@ -132,8 +132,9 @@ class PeakSimulator:
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
         self.plain_layout = False  # exact() walks with Inductor's channels-last layout off
         self.exact_seconds = 0.0
-        # walks made ahead of their question (walk_ahead): (peak, why not) by key, until exact() asks
-        self.ahead: dict[tuple, tuple[int | None, str | None]] = {}
+        # walks made ahead of their question (walk_ahead): (peak, why not, what is alive at the peak) by
+        # key, until exact() asks
+        self.ahead: dict[tuple, tuple] = {}
         self.asked: set[tuple] = set()  # the plans exact() was asked about by this compile (known_exact)
         self.asked_log: list[
             tuple

@@ -36,14 +36,20 @@ class RankGraph:
     signature: tuple  # the user inputs' signatures it was exported with (:func:`signature`)
 
     @classmethod
-    def of(cls, layout: Layout, graph: fx.GraphModule | None) -> RankGraph:
+    def of(cls, layout: Layout, graph: fx.GraphModule) -> RankGraph:
         program = layout.program
         specs = list(program.graph_signature.input_specs)
-        constants = {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
+        constants = lifted_constants(program)
         vals = [n.meta.get("val") for n in program.graph.find_nodes(op="placeholder")]
         captured = tuple(signature(v) for v, s in zip(vals, specs) if s.kind.name == "USER_INPUT")
         outputs = list(program.graph_signature.output_specs)
         return cls(graph, specs, outputs, constants, program.call_spec.out_spec, captured)
+
+
+def lifted_constants(program) -> dict:
+    """The tensors an exported program's code made (a scale, a mask's fill value), by name."""
+    specs = program.graph_signature.input_specs
+    return {s.target: program.constants[s.target] for s in specs if s.kind.name == "CONSTANT_TENSOR"}
 
 
 def signature(x):
@@ -70,7 +76,7 @@ class Derive:
         self.twin, self.layout, self.local_forward, self.device = twin, layout, local_forward, device
         # the constants the model's code makes (a scale, a mask's fill value), as the first capture made
         # them on the model's device: the twin's are made on the meta device and hold no value
-        self.constants = RankGraph.of(layout, None).constants
+        self.constants = lifted_constants(layout.program)
 
     def __call__(self, args: tuple, kwargs: dict, training: bool) -> RankGraph:
         meta_args, meta_kwargs = pytree.tree_map(_on_meta, (tuple(args), dict(kwargs)))
