@@ -384,6 +384,15 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
+def _operands(a, b, v):
+    """The three operands contiguous, each copied once for all chunks. Why: a view of them that a
+    batched matmul cannot read (the heads of a fused QKV projection) is copied per chunk otherwise, and
+    Inductor fuses the k copies of one source into one kernel, so all k are alive through the loop
+    (the demo GPT's chunked backward held 4 copies each of K, K^T and V, 10 of its 15 MiB of
+    temporaries)."""
+    return a.contiguous(), b.contiguous(), v.contiguous()
+
+
 class _ChunkedAttention(torch.autograd.Function):
     """The query chunks one after the other; kept: ``a``, ``b``, ``v``, the masks and the keep-mask.
     The backward recomputes each chunk's probabilities and accumulates the gradients of ``b`` and ``v``
@@ -393,6 +402,8 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, a, b, v, body, chunks, p, *externals):
         shape, queries = (*a.shape[:-1], b.shape[-1]), a.shape[-2]
         keep = keep_mask(shape, p, v) if p > 0 else None
+        a_whole, b_whole, v_whole = a, b, v
+        a, b, v = _operands(a, b, v)
         outs = []
         for rows in _row_chunks(queries, chunks):
             probs = body(a[..., rows, :] @ b, *_rows(externals, rows, queries))
@@ -400,12 +411,13 @@ class _ChunkedAttention(torch.autograd.Function):
                 probs = _dropped(probs, keep[..., rows, :], p)
             outs.append(probs @ v)
         ctx.body, ctx.chunks, ctx.p = body, chunks, p
-        ctx.save_for_backward(a, b, v, keep, *externals)
+        ctx.save_for_backward(a_whole, b_whole, v_whole, keep, *externals)
         return torch.cat(outs, -2)
 
     @staticmethod
     def backward(ctx, grad_out):
         a, b, v, keep, *externals = ctx.saved_tensors
+        a, b, v = _operands(a, b, v)
         queries, acc = a.shape[-2], torch.promote_types(a.dtype, torch.float32)
         grad_b = _flat(b).new_zeros(_flat(b).shape, dtype=acc)
         grad_v = _flat(v).new_zeros(_flat(v).shape, dtype=acc)

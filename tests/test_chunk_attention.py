@@ -91,6 +91,42 @@ def test_no_float_value_of_the_backward_holds_more_than_one_chunk_of_probabiliti
     assert kept and all("bool" in e.dtype for e in kept), kept  # the keep-mask, 1 byte an element
 
 
+_VIEWS = {
+    torch.ops.aten.expand.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.split.Tensor,
+}
+
+
+def _source(node):
+    """The value ``node`` views (through views, splits and their ``getitem``)."""
+    while node.op == "call_function" and (node.target in _VIEWS or "getitem" in str(node.target)):
+        node = node.args[0]
+    return node.name
+
+
+def test_the_backward_copies_each_operand_at_most_once_not_once_per_chunk():
+    """A GPT's Q, K and V are views of one fused projection that a batched matmul cannot read: each
+    is copied once for all chunks. Copied per chunk, Inductor fused the k copies of one source into
+    one kernel and all were alive through the loop (the demo GPT's chunked backward: 15 MiB of
+    temporaries at its peak, 10 of them copies)."""
+    cfg = models.GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
+    partitioner = RecompilePartitioner(parse_options({"chunks": {"attention": 4}, **EAGER}))
+    torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
+    whole = 2 * 16 * 32  # an operand: batch x heads x tokens x head dim
+    copies: dict[str, int] = {}
+    for n in partitioner.last_backward.graph.nodes:
+        if n.target == torch.ops.aten.clone.default and n.meta["val"].numel() == whole:
+            copies[_source(n.args[0])] = copies.get(_source(n.args[0]), 0) + 1
+    assert all(count == 1 for count in copies.values()), copies
+
+
 class _Attention(torch.nn.Module):
     """Explicit attention with a learned bias on the scores, or its probabilities returned too."""
 
