@@ -59,7 +59,7 @@ from recompile_opt.partitioner import MEMORY
 from recompile_opt.passes.joint_graph import JointGraph
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import make_plan
-from recompile_opt.planning import read_joint_graph
+from recompile_opt.planning import pools_dead_buffers, read_joint_graph
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -158,6 +158,8 @@ class FrontierPartitioner:
 
         def ours(**changes) -> tuple[_Figures, Plan]:
             opts = dataclasses.replace(self.options, **changes)
+            # as the plan compiles: Inductor's buffer pool off under a memory request
+            simulate.pooled = pools_dead_buffers(opts)
             plan = make_plan(problem, opts, graph=joint.gid, simulate=simulate, memory=MEMORY)
             saved = {e.name for e in plan.saved if e.op != "rng_state"}  # as RecompilePartitioner
             figures = _Figures(

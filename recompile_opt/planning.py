@@ -376,13 +376,15 @@ def walks_plan(options: Options, request: Request) -> bool:
 
 def pools_dead_buffers(options: Options) -> bool:
     """Whether Inductor's wrapper may hold a dead buffer for a later allocation of its size
-    (``allow_buffer_reuse``) in the graphs planned under ``options``; the planning walks, the kernel
-    model and the compile all follow this answer (:func:`plan_joint_graph`, ``compile_paths``).
-    Inductor's own setting, for now, under every option. Why not off under a memory request, where a
-    held buffer only adds to the peak (the demo Llama's least peak: 20.68 -> 18.36 MiB without it): it
-    moved plans that the frontier sweep and the mirrored least-peak plans are checked against, and
-    those are not reconciled yet (docs/design.md, "Inductor's buffer pool")."""
-    return True
+    (``allow_buffer_reuse``) in the graphs planned under ``options``: not where the plan answers a
+    memory request (any ``memory_budget``, ``peak_memory``); the planning walks, the kernel model, the
+    frontier sweep and the compile all follow this answer. Why: a held buffer never lowers the peak
+    (the allocation it serves takes its bytes either way) and Inductor decides it against its own
+    estimate of one graph's peak: the demo Llama's least-peak plan held 2.32 MiB of dead buffers at
+    its peak, the demo GPT's with chunked attention 5.25 MiB (docs/design.md, "Inductor's buffer
+    pool"). Every budget alike, so a fraction's planning shares the least-peak search's walks.
+    Without a memory request the pool saves allocations, and stays."""
+    return options.peak_memory is None and options.memory_budget is None
 
 
 def replay_random(options: Options) -> bool:
