@@ -56,10 +56,11 @@ FAMILY = {"loss": "loss", "loss_recompute": "loss", "mlp": "mlp", "attention": "
 # + loss plan (21.80 MiB) that the choice reaches without it: two plannings (2.3x the planning) for nothing
 LAST = frozenset({"attention"})
 # kinds planned only where their full-length tensors hold at least this share of the walked peak. Why:
-# Inductor runs the unrolled attention chunks' softmax backward side by side (their temporaries alive
-# together), so the chunks lower a peak only where the [b, heads, s, s] buffers dominate it: the demo GPT
-# (s=256), 8 of 21.78 MiB, chunked walked 23.29 MiB (not taken, one planning lost); a GPT with s=512,
-# 24 of 26.04 MiB, chunked 12.44 (docs/design.md, attention chunking)
+# a chunked attention has buffers that do not shrink with k (a contiguous copy of Q, K and V each; the
+# K and V gradients' accumulators, two buffers each while a baddbmm runs), so its chunks lower a peak
+# only where the [b, heads, s, s] buffers dominate it: the demo GPT (s=256), 8 of 21.80 MiB, chunked
+# in 2 walked 21.30 MiB (not taken, one planning lost); a GPT with s=512, 24 of 26.04 MiB, chunked in
+# 8 walked 11.51 (docs/design.md, attention chunking)
 SHARE_FLOOR = {"attention": 0.5}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
