@@ -114,6 +114,26 @@ def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory:
     return Joint(gm, num_fwd_outputs, static, jg, problem, simulate, graph_id(gm))
 
 
+def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSimulator:
+    """``joint``'s peak oracle for plans compiled with Inductor's buffer pool on or off (``pooled``):
+    its own where it was read so, else another of the same graph, keyed and walked under that setting.
+    Why two: the kernel model's and the walks' peaks depend on the setting, and an oracle keeps its
+    figures by plan alone (a caller planning under both, the frontier sweep, would mix them)."""
+    if joint.simulate.pooled == pooled and ti.pools_buffers() == pooled:
+        return joint.simulate
+    with ti.buffer_pool(pooled):
+        simulate = simulator_for(
+            joint.gm,
+            num_fwd_outputs=joint.num_fwd_outputs,
+            static_lifetime_input_indices=joint.static,
+            info=joint.graph.info,
+            found=memory.peaks,
+        )
+    simulate.pooled = pooled
+    simulate.offer(joint.problem.sites)
+    return simulate
+
+
 def plan_joint_graph(
     gm: fx.GraphModule, kwargs: dict, options: Options, request: Request, memory: PlanningMemory
 ) -> Planned:
