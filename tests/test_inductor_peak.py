@@ -474,20 +474,6 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
 # -- Inductor's buffer pool ----------------------------------------------------------------------------
 
 
-def test_the_pool_is_off_where_the_plan_answers_a_memory_request():
-    from recompile_opt.planning import pools_dead_buffers
-
-    for opts in (
-        {"memory_budget": 0.0},
-        {"memory_budget": 0.5},
-        {"memory_budget": "1MiB"},
-        {"peak_memory": "1MiB"},
-    ):
-        assert not pools_dead_buffers(parse_options(opts)), opts
-    for opts in ({}, {"policy": "full"}, {"policy": "save-all"}):
-        assert pools_dead_buffers(parse_options(opts)), opts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.0, None])
 def test_a_compile_pools_buffers_as_planned_and_says_what_holds_its_peak(budget):
