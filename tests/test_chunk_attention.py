@@ -16,6 +16,7 @@ from test_chunking import EAGER, _dynamo_graph
 
 from recompile_opt import models
 from recompile_opt.compile_paths import compile_eager
+from recompile_opt.ops import is_view_node
 from recompile_opt.options import OptionError, parse_options
 from recompile_opt.partitioner import RecompilePartitioner
 
@@ -91,20 +92,9 @@ def test_no_float_value_of_the_backward_holds_more_than_one_chunk_of_probabiliti
     assert kept and all("bool" in e.dtype for e in kept), kept  # the keep-mask, 1 byte an element
 
 
-_VIEWS = {
-    torch.ops.aten.expand.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.slice.Tensor,
-    torch.ops.aten.split.Tensor,
-}
-
-
 def _source(node):
     """The value ``node`` views (through views, splits and their ``getitem``)."""
-    while node.op == "call_function" and (node.target in _VIEWS or "getitem" in str(node.target)):
+    while is_view_node(node):
         node = node.args[0]
     return node.name
 
