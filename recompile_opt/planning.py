@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs.inductor_peak import output_names
+from recompile_opt.costs.inductor_peak import output_names, tangent_bytes
 from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown, pool_rule
 from recompile_opt.costs.simulator import PeakSimulator, simulator_for
 from recompile_opt.options import Options
@@ -185,7 +185,9 @@ def _plan_joint_graph(
         return Planned(plan, fw, bw, wants_chunks=True)
     deferred = None
     if walk and request.compiling:
-        deferred = DeferredWalk(plan, fw, bw, output_names(fw), saved, simulate, used, options)
+        deferred = DeferredWalk(
+            plan, fw, bw, (output_names(fw), tangent_bytes(bw)), saved, simulate, used, options
+        )
     choice_s = known.solver.get("chunk_choice_s", 0.0) if known is not None else 0.0
     set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start, (fw, bw))
     if deferred is None:  # its figures are final now
@@ -284,7 +286,9 @@ class DeferredWalk:
     plan: Plan
     fw: fx.GraphModule
     bw: fx.GraphModule
-    outputs: list
+    # the forward's output names and the backward's tangents' bytes, read before Inductor's compile
+    # rewrites the graphs (its inputs then have no values)
+    outputs: tuple[list, dict]
     saved: set
     simulate: PeakSimulator
     used: tuple
@@ -297,7 +301,7 @@ class DeferredWalk:
         start = time.perf_counter()
         recomputed = self.plan.recomputed_names()
         codes = {backward: code for backward, code in reversed(compiled)}  # the first of each
-        walked = (self.fw, self.bw, (codes[False], codes[True], self.outputs)) if len(codes) == 2 else None
+        walked = (self.fw, self.bw, (codes[False], codes[True], *self.outputs)) if len(codes) == 2 else None
         with ti.buffer_pool(pools_dead_buffers(self.options)):  # a lowering of its own as compiled
             exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
         seconds = self.plan.solver["plan_s"] + time.perf_counter() - start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from helpers import forget_searches
 from test_ilp import MiB, inp, op, problem
 
@@ -380,10 +381,31 @@ def test_the_walk_runs_no_custom_post_grad_pass(small_gpt_bounds):
     _check_walk(peak, small_gpt_bounds)
 
 
-def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monkeypatch):
+class LossAndLogits(torch.nn.Module):
+    """A GPT returning its loss and its logits, as a Hugging Face model returns its output object: the
+    backward then takes a tangent for the logits, which the caller drops."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx, targets):
+        m = self.gpt
+        x = m.drop(m.wte(idx) + m.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in m.blocks:
+            x = block(x)
+        logits = m.lm_head(m.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1)), logits
+
+
+@pytest.mark.parametrize("returns", ["loss", "loss-and-logits"])
+def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monkeypatch, returns):
     """The plan a fraction takes is final before Inductor compiles it: its peak is read off that
     compile's code (``finish_peak``), not off a second lowering of its own, and equals the measured
-    step's; where no code was recorded (a graph from Inductor's cache) it is lowered as before."""
+    step's; where no code was recorded (a graph from Inductor's cache) it is lowered as before, and
+    gives the same peak, also for a model that returns more than its loss (the tangents of those
+    outputs: T5's lowered walk held them to the end, 8.6% over the measured step, in CI only, where
+    Inductor's cache had the graphs)."""
     import contextlib
 
     import torch
@@ -398,6 +420,10 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         simulator, "exact_peak", lambda *a, **k: walked.append(k.get("compiled") is not None) or real(*a, **k)
     )
     model, inputs = tiny_gpt()
+    model = model if returns == "loss" else LossAndLogits(model)
+
+    def loss_of(out):
+        return out if returns == "loss" else out[0]
 
     def compiled_step() -> tuple[int, object]:
         forget_searches(monkeypatch)  # (the plan's walked peak is remembered per graph)
@@ -407,9 +433,9 @@ def test_a_fraction_compiled_by_inductor_is_walked_in_the_compiles_own_code(monk
         compiled = torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.5})
         for _ in range(2):
             model.zero_grad(set_to_none=True)
-            compiled(*inputs).backward()
+            loss_of(compiled(*inputs)).backward()
         model.zero_grad(set_to_none=True)
-        measured = measure.peak_memory(lambda: compiled(*inputs).backward())
+        measured = measure.peak_memory(lambda: loss_of(compiled(*inputs)).backward())
         torch._dynamo.reset()
         return measured, recompile_opt.last_plans()[-1]
 
