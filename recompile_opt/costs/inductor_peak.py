@@ -107,19 +107,21 @@ def _walked_backward(
     traces: list | None = None,
 ) -> int:
     """The backward's peak from its code: it starts with the forward's kept storages, what else the
-    forward left alive (the loss) and the ``tangents`` (:func:`tangent_bytes`), each freed where the
-    code drops it, as the kept ones are. Why not alive throughout: a model returning its outputs
-    object (T5: logits, a cache) gets 64 KiB of tangents that its backward frees early; held to the
-    end, its walked peak was 8.6% over the measured one."""
+    forward left alive (the loss) and the ``tangents`` (:func:`tangent_bytes`). Each tangent is freed
+    where the code drops it, as the kept storages are, where AOTAutograd hands the tangents over
+    (``_torch_internals.backward_frees_tangents``), else held throughout. Why it matters: T5's output
+    object (logits, a cache) takes 64 KiB of tangents that torch 2.13's backward frees early; held to
+    the end, its walked peak was 8.6% over the measured one."""
     trace = WalkedPeak("backward") if traces is not None else None
+    freed = tangents if ti.backward_frees_tangents() else {}
     peak = walk(
         wrapper.code,
-        inputs={**owner, **{name: TANGENT + name for name in tangents}},
-        storage_bytes={**kept, **{TANGENT + name: size for name, size in tangents.items()}},
+        inputs={**owner, **{name: TANGENT + name for name in freed}},
+        storage_bytes={**kept, **{TANGENT + name: size for name, size in freed.items()}},
         sizes=wrapper.sizes,
         multi=wrapper.multi,
         scratch=_scratch(wrapper.externs),
-        other=fw_end - sum(kept.values()),  # the loss
+        other=fw_end - sum(kept.values()) + sum(tangents.values()) - sum(freed.values()),  # loss, tangents
         trace=trace,
         origins=wrapper.origins,
         pooled=wrapper.pooled,
@@ -384,7 +386,7 @@ def _peak_trace(
     out_sids = {live.names.get(name) for name in returned if name}
     trace = WalkedPeak(phase, live.peak, sum(i < live.peak_stmt for i in kernels), len(kernels))
     trace.at = _kernel_name(statements[running]) if running is not None else ""
-    trace.alive = [("loss", other, "tangents", None)] if other else []
+    trace.alive = [("loss and held tangents", other, "tangents", None)] if other else []
     for sid, (names, size) in live.at_peak.items():
         name = min((n for n in names if not n.startswith("#")), default=next(iter(names)))
         if not {n.lstrip("#") for n in names} & later:
