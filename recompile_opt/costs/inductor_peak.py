@@ -93,27 +93,35 @@ def exact_peak(
     return max(_walked_forward(fw, traces=traces)[0], bw_peak)
 
 
-def tangent_bytes(bw: fx.GraphModule) -> dict[str, int]:
-    """Each tangent input of ``bw`` (the gradients of the forward's outputs) and its bytes."""
-    return {n.name: nbytes(n) for n in bw.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+def tangent_bytes(bw: fx.GraphModule) -> dict[str, tuple[int, bool]]:
+    """Each tangent input of ``bw`` (the gradients of the forward's outputs): its bytes, and whether the
+    caller holds it to the backward's end: a scalar's, the gradient ``loss.backward()`` makes, which
+    its call to autograd keeps (walked without it, the stored plans measured 8 B over their walks); the
+    others the autograd engine makes for the outputs the caller dropped."""
+    return {
+        n.name: (nbytes(n), isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0)
+        for n in bw.graph.find_nodes(op="placeholder")
+        if n.name.startswith("tangents")
+    }
 
 
 def _walked_backward(
     wrapper: ti.WrapperCode,
-    tangents: dict[str, int],
+    tangents: dict[str, tuple[int, bool]],
     fw_end: int,
     kept: dict,
     owner: dict,
     traces: list | None = None,
 ) -> int:
     """The backward's peak from its code: it starts with the forward's kept storages, what else the
-    forward left alive (the loss) and the ``tangents`` (:func:`tangent_bytes`). Each tangent is freed
-    where the code drops it, as the kept storages are, where AOTAutograd hands the tangents over
-    (``_torch_internals.backward_frees_tangents``), else held throughout. Why it matters: T5's output
-    object (logits, a cache) takes 64 KiB of tangents that torch 2.13's backward frees early; held to
-    the end, its walked peak was 8.6% over the measured one."""
+    forward left alive (the loss) and the ``tangents`` (:func:`tangent_bytes`). Each tangent the
+    caller does not hold is freed where the code drops it, as the kept storages are, where AOTAutograd
+    hands the tangents over (``_torch_internals.backward_frees_tangents``), else held throughout. Why
+    it matters: T5's output object (logits, a cache) takes 64 KiB of tangents that torch 2.13's
+    backward frees early; held to the end, its walked peak was 8.6% over the measured one."""
     trace = WalkedPeak("backward") if traces is not None else None
-    freed = tangents if ti.backward_frees_tangents() else {}
+    frees = ti.backward_frees_tangents()
+    freed = {name: size for name, (size, held) in tangents.items() if frees and not held}
     peak = walk(
         wrapper.code,
         inputs={**owner, **{name: TANGENT + name for name in freed}},
@@ -121,7 +129,7 @@ def _walked_backward(
         sizes=wrapper.sizes,
         multi=wrapper.multi,
         scratch=_scratch(wrapper.externs),
-        other=fw_end - sum(kept.values()) + sum(tangents.values()) - sum(freed.values()),  # loss, tangents
+        other=fw_end - sum(kept.values()) + sum(size for size, _ in tangents.values()) - sum(freed.values()),
         trace=trace,
         origins=wrapper.origins,
         pooled=wrapper.pooled,
