@@ -10,6 +10,11 @@ one step keeps for backward (its saved tensors, parameters excluded).
 
     python bench/parallel.py --world 2 4 --md out.md   (docs/parallel.md)
 
+At 4 ranks and more it adds 2-D rows (dp 2 x tp): torchtitan's order, each block compiled (plain
+``torch.compile`` for the hand TP+SP, our backend for ours), then FSDP2's ``fully_shard`` per block and
+on the root over dp, each dp rank taking half the batch. The "vs hand" columns compare a row with the
+hand-written configuration of its kind: the 2-D rows with hand-2d, the others with hand TP+SP.
+
 Dropout is off (the hand-written recipes do not slice one process's mask; ours does, see
 tests/test_parallel_rewrite.py). Every configuration's first loss is printed next to one process's:
 a layout that computed something else would show there.
@@ -42,11 +47,16 @@ MiB = 2**20
 OURS_BUDGETS = (None, 0.5, 0.0)  # None: no budget (the least recompute; keeps all, shards gathered again)
 # the hand TP model made TP+SP by our option sequence_parallel=True (no budget, and the least peak)
 OPTION_BUDGETS = (None, 0.0)
+# 2-D (dp 2 x tp world/2, 4 ranks and more): torchtitan's order, each block compiled, then fully_shard per
+# block and on the root over dp, the batch split over dp; hand TP+SP against ours
+TWO_D_BUDGETS = (None, 0.0)
+TWO_D = ("hand-2d", *(f"ours-2d@{b}" for b in TWO_D_BUDGETS))
 CONFIGS = (
     "hand-tp",
     "hand-tp+sp",
     *(f"ours@{b}" for b in OURS_BUDGETS),
     *(f"hand-tp+sp-option@{b}" for b in OPTION_BUDGETS),
+    *TWO_D,
 )
 
 
@@ -207,7 +217,9 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     model, batch = _model(name)
     budget = config.split("@", 1)[1] if "@" in config else "None"
     options = {} if budget == "None" else {"memory_budget": float(budget)}
-    if config.startswith("hand-tp+sp-option"):
+    if config in TWO_D:
+        model, fn, batch = _two_d(name, config, model, batch, world, options)
+    elif config.startswith("hand-tp+sp-option"):
         model = hand_parallel(name, model, mesh, sequence_parallel=False)
         fn = torch.compile(model, backend="recompile_opt", options={**options, "sequence_parallel": True})
     elif config.startswith("hand"):
@@ -234,6 +246,27 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     dist.destroy_process_group()
 
 
+def _two_d(name: str, config: str, model, batch, world: int, options: dict):
+    """``model`` laid out over dp 2 x tp world/2 (:data:`TWO_D`); its step function and this rank's rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import recompile_opt
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    batch = tuple(t.chunk(2)[dp].contiguous() for t in batch)
+    if config == "hand-2d":
+        model = hand_parallel(name, model, mesh["tp"], sequence_parallel=True)
+    else:
+        model = recompile_opt.parallelize(model, mesh["tp"], batch)
+    for block in model.blocks:
+        block.compile(**({} if config == "hand-2d" else {"backend": "recompile_opt", "options": options}))
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, model, batch
+
+
 def _single(name: str, steps: int) -> dict:
     """No parallelism: the whole model in this process, plain torch.compile."""
     torch.set_num_threads(1)
@@ -257,14 +290,15 @@ def run(name: str, config: str, world: int, args) -> dict:
         "step_s": max(r["step_s"] for r in ranks),
         "kept": max(r["kept"] for r in ranks),
         "compile_s": max(r["compile_s"] for r in ranks),
-        "loss": ranks[0]["loss"],
+        # 2-D: each dp rank's loss is its half's mean, so the global batch's is their mean
+        "loss": statistics.mean(r["loss"] for r in ranks) if config in TWO_D else ranks[0]["loss"],
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| model | ranks | configuration | per-rank peak (MiB) | vs hand TP+SP | kept (MiB) | step (ms) "
-        "| vs hand TP+SP | first loss |",
+        "| model | ranks | configuration | per-rank peak (MiB) | vs hand | kept (MiB) | step (ms) "
+        "| vs hand | first loss |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -272,7 +306,9 @@ def markdown(rows: list[dict]) -> str:
             (
                 x
                 for x in rows
-                if x["model"] == r["model"] and x["world"] == r["world"] and x["config"] == "hand-tp+sp"
+                if x["model"] == r["model"]
+                and x["world"] == r["world"]
+                and x["config"] == ("hand-2d" if r["config"] in TWO_D else "hand-tp+sp")
             ),
             None,
         )
@@ -298,7 +334,7 @@ def main(argv=None) -> None:
         rows.append({"model": name, "world": 1, "config": "no parallelism", **_single(name, args.steps)})
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
         for world in args.world:
-            for config in args.configs:
+            for config in [c for c in args.configs if world >= 4 or c not in TWO_D]:
                 rows.append(
                     {"model": name, "world": world, "config": config, **run(name, config, world, args)}
                 )

@@ -695,6 +695,7 @@ class FunctionalCollectives(NamedTuple):
     all_gather_autograd: Callable  # the same, its gradient reduce-scattered
     reduce_scatter_autograd: Callable  # (x, reduce_op, scatter_dim, group); its gradient all-gathered
     all_reduce: Callable  # (x, reduce_op, group)
+    pending: type  # what eager calls return until waited for (``AsyncCollectiveTensor``, ``trigger_wait()``)
 
 
 def functional_collectives() -> FunctionalCollectives:
@@ -710,6 +711,7 @@ def functional_collectives() -> FunctionalCollectives:
         named("all_gather_single_autograd", "all_gather_tensor_autograd"),
         named("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"),
         funcol.all_reduce,
+        funcol.AsyncCollectiveTensor,
     )
 
 

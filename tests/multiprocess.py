@@ -51,6 +51,7 @@ def progress(out: str, rank: int, step: str) -> None:
 def init_gloo(rank: int, world: int, out: str) -> None:
     """The rank's process group, met through a file of the test's own (not a TCP port another test could
     take meanwhile); its stacks dumped near the deadline."""
+    faulthandler.enable()  # a crash (SIGSEGV) prints the rank's Python stacks
     faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
     dist.init_process_group(
         "gloo",

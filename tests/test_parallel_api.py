@@ -44,10 +44,15 @@ def _errors(rank: int) -> dict:
     attempt("other batch", lambda: model(*(t[:1] for t in _batch())))  # served: a rank's graph of its own
     attempt("sequence at a call", lambda: model(*short))
     attempt("not parallelized", lambda: recompile_opt.parallel_plan(_model("gpt")))
-    hook = model.blocks[1].register_forward_pre_hook(lambda m, args: None)  # as fully_shard per block does
-    attempt("hook", lambda: model(*_batch()))
+    calls = []
+    hook = model.blocks[1].register_forward_pre_hook(lambda m, args: calls.append(len(args)))  # as FSDP2's
+    attempt("hook", lambda: model(*_batch()))  # served: the block is called for its piece of the graph
+    out["hook calls"] = list(calls)
+    inner = model.blocks[1].attn.register_forward_hook(lambda m, args, output: None)
+    attempt("hook inside a hooked block", lambda: model(*_batch()))
     hook.remove()
-    attempt("hook removed", lambda: model(*_batch()))
+    inner.remove()
+    attempt("hooks removed", lambda: model(*_batch()))
     return out
 
 
@@ -136,11 +141,15 @@ def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_pat
             and f"length {SEQ - 1} is not divisible by 2" in errors["sequence at a call"][1]
         )
         assert errors["not parallelized"][0] == "ValueError"
+        # the block called once, with the values its piece of the graph reads (its hidden states' rows
+        # and what the graph made before it and shares with it)
+        assert errors["hook"] is None and len(errors["hook calls"]) == 1 and errors["hook calls"][0] >= 1
         assert (
-            errors["hook"][0] == "ValueError"
-            and "module 'blocks.1' has forward or backward hooks" in errors["hook"][1]
+            errors["hook inside a hooked block"][0] == "ValueError"
+            and "module 'blocks.1.attn' has forward or backward hooks"
+            in errors["hook inside a hooked block"][1]
         )
-        assert errors["hook removed"] is None
+        assert errors["hooks removed"] is None
 
 
 def test_parallelize_needs_torch_distributed():

@@ -165,11 +165,11 @@ class SavedTensorsMeter:
         if not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
         self.n_packed += 1
-        try:
+        try:  # a wrapper subclass (a DTensor) has no storage of its own to count (under FSDP2: invalid)
             storage = t.untyped_storage()
+            ptr = storage.data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
-        ptr = storage.data_ptr()
         if ptr == 0 or storage.nbytes() == 0:
             return t
         if ptr in self.exclude:

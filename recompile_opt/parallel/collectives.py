@@ -182,3 +182,24 @@ class _GatherToReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.narrow(ctx.dim, ctx.rank * ctx.rows, ctx.rows).contiguous(), None, None, None, None
+
+
+def waited(x):
+    """``x`` waited for where it is a collective's pending result (an ``AsyncCollectiveTensor``, which
+    eager functional collectives return), as a plain tensor whose gradient passes through; any other
+    value as it is. Why: such a tensor handed to a module FSDP2 wraps, then to a compiled forward,
+    lost its gradient (Hugging Face Llama's first layer, whose input is the embedding's
+    reduce-scatter: the embedding's gradient came back zero)."""
+    if isinstance(x, funcol.pending):
+        return _Waited.apply(x)
+    return x
+
+
+class _Waited(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad

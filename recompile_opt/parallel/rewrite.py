@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from recompile_opt.ops import PER_TOKEN, PYTHON_SPELLINGS, op_name
 from recompile_opt.parallel import collectives as C
 from recompile_opt.parallel import dropout as D
+from recompile_opt.parallel import pieces as P
 from recompile_opt.parallel.layout import Layout, from_input
 from recompile_opt.parallel.signatures import Derive, RankGraph, signature
 
@@ -406,11 +407,10 @@ def install(
     first = RankGraph.of(layout, graph)
     # read here, not in the forward: Dynamo does not trace into ExportedProgram (a graph break per call)
     graphs = {(first.signature, model.training): first}
+    called = {path for n in graph.graph.nodes for path, _ in (n.meta.get("nn_module_stack") or {}).values()}
 
     def forward(self, *args, **kwargs):
-        bypassed = [name for name, m in self.named_modules() if m is not self and _has_hooks(m)]
-        if bypassed:
-            _refuse_hooks(bypassed)
+        hooked = _hooked_calls(self, called)
         leaves = pytree.tree_leaves((args, kwargs))
         key = (tuple(signature(x) for x in leaves), self.training)
         entry = graphs.get(key)
@@ -429,14 +429,23 @@ def install(
                 inputs.append(entry.constants[spec.target])
             else:
                 inputs.append(next(user))
-        # the first graph from the closure: Dynamo names a module it reaches through the dict by that path,
-        # and its nodes then sit under it in the plans (``policy="full"`` found no blocks there)
-        outputs = graph(*inputs) if entry is first else entry.graph(*inputs)
+        rank_graph = graph if entry is first else entry.graph
+        if hooked:  # run module by module, each hooked one called for its piece
+            pieces, names = entry.pieces.get(hooked) or _pieces(self, entry, hooked)
+            values = dict(zip((spec.arg.name for spec in entry.specs), inputs))
+            outputs = P.run(pieces, self, values, names)
+        else:
+            # the first graph from the closure: Dynamo names a module it reaches through the dict by
+            # that path, and its nodes then sit under it in the plans (``policy="full"`` found no blocks)
+            outputs = rank_graph(*inputs)
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         mine = [o for o, s in zip(outputs, entry.out_specs) if s.kind.name == "USER_OUTPUT"]
         return pytree.tree_unflatten(mine, entry.out_tree)
 
     model.forward = types.MethodType(forward, model)
+    for module in model.modules():
+        if module is not model:  # a hooked module runs its piece of the rank's graph when called for it
+            module.forward = types.MethodType(P.piece_forward, module)
 
 
 @torch.compiler.disable
@@ -459,6 +468,30 @@ def _derived(graphs: dict, key: tuple, derive: Derive | None, args: tuple, kwarg
     return graphs[key]
 
 
+@torch.compiler.disable
+def _pieces(model: torch.nn.Module, entry: RankGraph, hooked: tuple[str, ...]) -> tuple:
+    """The rank's graph cut at the ``hooked`` modules (:func:`pieces.split`), kept with it; made outside
+    Dynamo's trace, where an error it raises is raised as written (see :func:`_derived`)."""
+    P.warn_strided_resharded(model)
+    params = {s.arg.name: s.target for s in entry.specs if s.kind.name == "PARAMETER"}
+    entry.pieces[hooked] = P.split(entry.graph, params, list(hooked))
+    return entry.pieces[hooked]
+
+
+def _hooked_calls(model: torch.nn.Module, called: set[str]) -> tuple[str, ...]:
+    """The submodules with hooks that the model's forward calls (``called``: the paths in the graph's
+    module stacks); a hooked module called inside another is refused."""
+    hooked = [name for name, m in model.named_modules() if m is not model and _has_hooks(m)]
+    if not hooked:
+        return ()
+    hooked = [name for name in hooked if name in called]
+    outer = tuple(n for n in hooked if not any(n.startswith(o + ".") for o in hooked))
+    inner = [n for n in hooked if n not in outer]
+    if inner:
+        _refuse_hooks(inner)
+    return outer
+
+
 def _has_hooks(module: torch.nn.Module) -> bool:
     return bool(
         module._forward_pre_hooks
@@ -470,13 +503,13 @@ def _has_hooks(module: torch.nn.Module) -> bool:
 
 @torch.compiler.disable
 def _refuse_hooks(bypassed: list[str]) -> None:
-    """A hook on a submodule would not fire: the rank's graph runs the whole model as one, so no
-    submodule is called (FSDP2's ``fully_shard`` per block gathers its parameters in such hooks: the
-    forward then failed on a shard's size, issue 49). Raised outside Dynamo's trace (see :func:`_derived`)."""
+    """A hook inside a hooked module would not fire: that module is called for its piece of the rank's
+    graph (:mod:`.pieces`), whose nodes call no module within it. Raised outside Dynamo's trace (see
+    :func:`_derived`)."""
     raise ValueError(
         f"recompile_opt.parallelize: module {bypassed[0]!r} has forward or backward hooks"
         + (f" (and {len(bypassed) - 1} more modules)" if len(bypassed) > 1 else "")
-        + ", which the parallelized model would bypass: it runs one graph for the whole model and calls "
-        "no submodule. Hooks on the model itself fire (FSDP2's fully_shard on the root works); remove "
-        "the submodules' hooks (fully_shard per block is not supported yet)"
+        + " inside a module that has hooks too, which the parallelized model would bypass: it calls each "
+        "outermost hooked module for its part of the graph, not the modules within it. Hook the outer "
+        "module only (FSDP2: fully_shard per block and on the root works)"
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,7 @@ class RankGraph:
     constants: dict
     out_tree: object
     signature: tuple  # the user inputs' signatures it was exported with (:func:`signature`)
+    pieces: dict = field(default_factory=dict)  # cut at hooked modules, by their paths (pieces.split)
 
     @classmethod
     def of(cls, layout: Layout, graph: fx.GraphModule) -> RankGraph:
