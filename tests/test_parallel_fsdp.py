@@ -75,8 +75,9 @@ def _train(model, step_fn, batches, read=lambda t: t.detach().clone()) -> tuple[
 def _shards(t: torch.Tensor) -> torch.Tensor:
     """A DTensor as training sees it: its full value, or where FSDP re-shards a strided tensor-parallel
     shard (placements it does not describe, pieces.warn_strided_resharded) this rank's local shard."""
-    strided = [p for p in t.placements if type(p).__name__ == "_StridedShard"]
-    return t.to_local().clone() if len(strided) > 1 else t.full_tensor().clone()
+    *dp, tp = t.placements
+    resharded = type(tp).__name__ == "_StridedShard" and any(getattr(p, "dim", None) == tp.dim for p in dp)
+    return t.to_local().clone() if resharded else t.full_tensor().clone()
 
 
 def _worker(rank: int, out: str, name: str, modes: list[str]):

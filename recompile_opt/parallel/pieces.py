@@ -12,7 +12,6 @@ in order, are the graph.
 
 from __future__ import annotations
 
-import itertools
 import operator
 import warnings
 from dataclasses import dataclass
@@ -91,19 +90,15 @@ def run(pieces: list[Piece], root: torch.nn.Module, values: dict[str, object], o
 
 def warn_strided_resharded(model: torch.nn.Module) -> None:
     """A warning naming the parameters FSDP2 shards again on the dimension of a strided tensor-parallel
-    shard (a fused QKV's ``_StridedShard(0, 3)``). Why: FSDP2 (torch 2.13) describes its dim-0 shard of
-    such a parameter as if the tensor-parallel one were a plain ``Shard``; its local shards are what
-    training needs (the steps are exact), but ``full_tensor()``, ``redistribute`` and a checkpoint loaded
-    into another layout read the parameter with its rows permuted."""
+    shard (a fused QKV's ``_StridedShard(0, 3)``). Why: FSDP2 (torch 2.11-2.13) describes its dim-0
+    shard of such a parameter with placements that read the tensor-parallel shard as split after it,
+    not before (2.13: as if it were a plain ``Shard``); its local shards are what training needs (the
+    steps are exact), but ``full_tensor()``, ``redistribute`` and a checkpoint loaded into another
+    layout read the parameter with its rows permuted."""
     strided = [
         name
         for name, p in model.named_parameters()
-        if isinstance(p, DTensor)
-        and p.device_mesh.ndim > 1
-        and any(
-            ti.is_strided_shard(a) and ti.is_strided_shard(b) and a.dim == b.dim
-            for a, b in itertools.combinations(p.placements, 2)
-        )
+        if isinstance(p, DTensor) and p.device_mesh.ndim > 1 and _resharded_stride(p.placements)
     ]
     if strided:
         warnings.warn(
@@ -115,6 +110,14 @@ def warn_strided_resharded(model: torch.nn.Module) -> None:
             "permuted (torch's FSDP2 limit). Unfuse the projection to avoid it",
             stacklevel=2,
         )
+
+
+def _resharded_stride(placements) -> bool:
+    """The tensor-parallel placement (the last) a strided shard, and another placement sharding its
+    dimension (FSDP2 puts ``Shard(0)`` there on torch 2.11, ``_StridedShard(0, dp)`` on 2.13; over a
+    plain ``Shard(0)`` its ``_StridedShard(0, dp)`` describes the shards right)."""
+    last = placements[-1]
+    return ti.is_strided_shard(last) and any(getattr(p, "dim", None) == last.dim for p in placements[:-1])
 
 
 def _local(p):
