@@ -403,7 +403,8 @@ def install(
     DTensor's ``to_local()``: its gradient comes back as a DTensor of the same placement), its buffers
     and the caller's inputs; the outputs returned as the model returns them. A call of another input
     signature or mode gets its own rank's graph from ``derive`` (kept for later calls), or where there is
-    none, an error."""
+    none, an error. Where submodules the forward calls have hooks (FSDP2 per block), the graph runs in
+    pieces, each hooked module called for its own (:mod:`.pieces`)."""
     first = RankGraph.of(layout, graph)
     # read here, not in the forward: Dynamo does not trace into ExportedProgram (a graph break per call)
     graphs = {(first.signature, model.training): first}
