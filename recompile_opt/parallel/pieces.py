@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.parallel import collectives as C
+from recompile_opt.parallel.layout import _stack_path
 
 PIECE = "_recompile_opt_piece"  # the keyword a hooked module's forward is called with
 
@@ -130,18 +131,13 @@ def _copied(graph: fx.Graph) -> fx.Graph:
     return out
 
 
-def _path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
 def _owner(path: str, hooked: list[str]) -> str:
     """The hooked module ``path`` (a module's or a parameter's) lies in, "" for none."""
     return next((m for m in hooked if path == m or path.startswith(m + ".")), "")
 
 
 def _unit(node: fx.Node, hooked: list[str]) -> str:
-    return _owner(_path(node), hooked)
+    return _owner(_stack_path(node), hooked)
 
 
 def _spans(units: list[str], hooked: list[str]) -> dict[str, tuple[int, int]]:
@@ -194,7 +190,7 @@ def _split_gradient_sums(graph: fx.Graph, targets: dict[str, str], hooked: list[
 
 def _first_use(get: fx.Node | None) -> str:
     users = list(get.users) if get is not None else []
-    return _path(users[0]) if users else ""
+    return _stack_path(users[0]) if users else ""
 
 
 def _order(graph: fx.Graph):
