@@ -206,8 +206,8 @@ def test_tensor_parallel_equals_one_process(name, options, tmp_path):
             "compiled-0.0-4-ranks": ({"memory_budget": 0.0}, 4),
         },
         slow={"llama-compiled-0.0-4-ranks", "block-compiled-0.0-4-ranks"},
-        # the same worker at 0.0 among its budgets:
-        # test_sequence_parallel_budgets_equal_one_process[gpt-2, gpt-4]
+        # the same worker at 0.0 among its budgets: test_sequence_parallel_budgets_equal_one_process[gpt-2];
+        # the GPT at 0.0 on 4 ranks, at several shapes: test_parallel_shapes.py (gpt-4)
         elsewhere={"gpt-compiled-0.0", "gpt-compiled-0.0-4-ranks"},
     ),
 )
@@ -250,11 +250,10 @@ BUDGETS = [
     ("name", "world"),
     [
         ("gpt", 2),
-        pytest.param("gpt", 4, marks=pytest.mark.slow),
         pytest.param("llama", 2, marks=pytest.mark.slow),
     ],
-    ids=["gpt-2", "gpt-4", "llama-2"],
-)  # Llama at 4 ranks: the TP+SP test above (eager; 0.0 slow)
+    ids=["gpt-2", "llama-2"],
+)  # 4 ranks: the TP+SP test above (eager; 0.0 slow)
 def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     """Tensor + sequence parallel through the planner under save-all, at memory_budget 1.0, 0.3, 0.0
     and under Megatron's selective policy: one process's losses and gradients on every rank, the same

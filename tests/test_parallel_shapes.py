@@ -17,7 +17,7 @@ from test_parallel_rewrite import _model
 import recompile_opt
 
 # (batch, sequence) of each training step, then of the evaluation: the layout is found at the first
-SHAPES = [(2, 16), (3, 16), (2, 8), (1, 12), (2, 16)]  # within the GPT's 16 positions; 4 ranks split each
+SHAPES = [(2, 16), (3, 16), (2, 8), (2, 16)]  # within the GPT's 16 positions; 4 ranks split each
 EVAL = (3, 8)
 VOCAB = {"gpt": 64, "llama": 64, "hf-llama": 128, "hf-gpt2": 128}
 OPTIONS = {
@@ -132,12 +132,11 @@ def test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout(tmp_path)
 @pytest.mark.parametrize(
     "name,world,keys,compiler,dropout",
     [
-        pytest.param("llama", 2, ("none", "0.5"), "eager", 0.1, id="llama-2-dropout"),
+        pytest.param("llama", 2, ("0.5",), "eager", 0.1, id="llama-2-dropout"),
         pytest.param("gpt", 4, ("0.0",), "eager", 0.0, id="gpt-4"),
         pytest.param("gpt", 2, ("none",), "inductor", 0.0, id="gpt-2-inductor"),
         pytest.param("hf-llama", 2, ("eager", "0.0"), "eager", 0.0, id="hf-llama-2"),
         pytest.param("hf-gpt2", 2, ("eager", "0.5"), "eager", 0.0, id="hf-gpt2-2"),
-        pytest.param("hf-llama", 4, ("0.0",), "eager", 0.0, id="hf-llama-4"),
     ],
 )
 def test_models_serve_every_shape_and_mode_from_one_layout(tmp_path, name, world, keys, compiler, dropout):
