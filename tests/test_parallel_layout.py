@@ -73,6 +73,23 @@ def test_llama_separate_qkv_with_rotary_and_swiglu():
     assert styles["output"] == ("column", "Shard(0)")
 
 
+def test_complex_rotary_embeddings_keep_the_heads_sharded():
+    """``view_as_complex`` / ``view_as_real`` (Meta's reference Llama, torchtitan) on a rank's heads: the
+    attention stays column / row parallel, nothing is kept replicated."""
+    from test_parallel_rewrite import ComplexRotaryAttention
+
+    model = _llama()
+    for block in model.blocks:
+        block.attention.__class__ = ComplexRotaryAttention
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        styles = _styles(find_layout(model, (_tokens(), _tokens()), 2))
+    for b in ("blocks.0", "blocks.1"):
+        for w in ("wq", "wk", "wv"):
+            assert styles[f"{b}.attention.{w}"] == ("column", "Shard(0)"), w
+        assert styles[f"{b}.attention.wo"] == ("row", "Shard(1)")
+
+
 def test_heads_not_divisible_leave_attention_replicated_with_a_warning_naming_it():
     """4 heads over 8 ranks: the attention pair stays replicated (and its warning says why); the MLP's
     256 features still split."""

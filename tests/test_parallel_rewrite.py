@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from multiprocess import gloo_rank, progress, run_ranks
 
 from recompile_opt import models
@@ -18,8 +19,34 @@ from recompile_opt import models
 WORLD, SEQ, STEPS = 2, 16, 3
 
 
+def complex_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Meta's reference Llama's and torchtitan's rotary embedding: each (even, odd) pair of a head's
+    features viewed as a complex number, turned by its angle, viewed back; ``models.apply_rotary``'s
+    values, through ``view_as_complex`` / ``view_as_real``."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(3).type_as(x)
+
+
+class ComplexRotaryAttention(models.LlamaAttention):
+    """The Llama attention with :func:`complex_rotary` (a model family written with complex numbers)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        shape = (b, s, self.n_head, h // self.n_head)
+        q = complex_rotary(self.wq(x).view(shape), cos, sin).transpose(1, 2)
+        k = complex_rotary(self.wk(x).view(shape), cos, sin).transpose(1, 2)
+        v = self.wv(x).view(shape).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+
+
 def _model(name: str, dropout: float = 0.0):
     torch.manual_seed(0)
+    if name == "llama-complex":  # the Llama with complex rotary embeddings, dropout off
+        model = _model("llama")
+        for block in model.blocks:
+            block.attention.__class__ = ComplexRotaryAttention
+        return model
     if name == "block":  # a bare GPT block: hidden states in, hidden states out
         return models.Block(models.GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=SEQ, dropout=dropout))
     if name == "gpt":
@@ -132,6 +159,7 @@ def _worker(
                     "graphs": graphs,
                     "plans": plans,
                     "str_hash": hash("recompile_opt"),
+                    "replicated": [m.module for m in layout.modules if m.style == "replicated"],
                 },  # differs per rank: PYTHONHASHSEED unset
                 os.path.join(out, f"rank{rank}_{i}.pt"),
             )
@@ -277,6 +305,16 @@ def test_sequence_parallel_budgets_equal_one_process(name, world, tmp_path):
     assert save_all["saved_bytes"] >= one["saved_bytes"] >= point_three["saved_bytes"] >= zero["saved_bytes"]
     # every re-gather sends its bytes a second time
     assert save_all["sent"] > one["sent"] or one["regathered"] == save_all["regathered"]
+
+
+def test_complex_rotary_embeddings_are_sharded_by_heads_and_equal_one_process(tmp_path):
+    """Between the attention's linears, the rotary embedding of Meta's reference Llama and torchtitan
+    (``view_as_complex``, a complex product, ``view_as_real``) keeps each rank's heads apart: the
+    attention is sharded by heads (torchtitan's Llama was kept replicated before), and TP + SP at 0.0
+    equals one process."""
+    run_ranks(_worker, ("llama-complex", {"memory_budget": 0.0}, str(tmp_path), True), str(tmp_path), WORLD)
+    _check_equals_one_process("llama-complex", tmp_path, WORLD, compiled=True)
+    assert torch.load(tmp_path / "rank0_0.pt")["replicated"] == []
 
 
 def _diverging_worker(rank: int, out: str):

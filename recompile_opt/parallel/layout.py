@@ -361,6 +361,10 @@ class _Finder:
             return _Sharded(_out_dim(node, ins[0], dim), group)
         if op == "unsqueeze":
             return _Sharded(dim + (1 if node.args[1] % _ndim(node) <= dim else 0), group)
+        if op in ("view_as_complex", "view_as_real"):  # complex rotary embeddings (Llama's reference code)
+            if op == "view_as_complex" and dim == _ndim(ins[0]) - 1:
+                raise _Failed(group, f"{op} pairs up the sharded dimension")
+            return _Sharded(dim, group)  # the last dimension's (real, imaginary) pairs, the others kept
         raise _Failed(group, f"{op} is not known to keep each rank's features apart")
 
     def _check_replicated_operands(self, node, op, ins, dim, group):
