@@ -190,7 +190,7 @@ def test_every_chunk_kind_trains_eagers_loss_and_gradients_under_autocast(build,
         assert any(n.startswith(f"chunk: {kind.split('_')[0]} ") for n in plan.notes), plan.notes
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["bf16"])  # fp16 too through Inductor: the slow test below
 def test_auto_chunks_at_the_least_peak_train_eagers_loss_under_autocast(dtype):
     plan = _assert_like_eager("logits", dtype, {"memory_budget": 0.0, "compiler": "eager"})
     assert any(c["kind"] == "loss" for c in plan.chunks), plan.summary()  # chunked by itself
