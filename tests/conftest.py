@@ -88,7 +88,6 @@ LONG = {
     "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-llama-2]",
     "test_parallel_shapes.py::test_a_compiled_parallel_model_resumes_from_its_checkpoint_and_loads_into_a_plain_one",
     "test_parallel_shapes.py::test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout",
-    "test_parallel_api.py::test_parallelize_equals_one_process_and_explains_bad_input[inductor]",
     "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"
     "[inductor-budgets1]",
     "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"

@@ -1,6 +1,7 @@
 """``recompile_opt.parallelize`` / ``parallel_plan``, the user's entry to tensor + sequence parallelism, on
 2 gloo ranks: the benchmark GPT through the public calls equals one process (eager, and compiled by
-recompile_opt at 0.0 through the eager compiler; through Inductor in the slow run), and each bad input
+recompile_opt at 0.0 through the eager compiler; the parallelized model through Inductor at 0.0:
+test_parallel_fsdp.py, and at several shapes: test_parallel_shapes.py), and each bad input
 is an error naming what is wrong. Compiled with ``dynamic=True`` too (the backward reads an all-gather's
 symbolic size: ``passes/joint_graph.sizes_before_gathers``)."""
 
@@ -99,7 +100,7 @@ def _worker(rank: int, out: str, compiler: str):
         progress(out, rank, "results saved")
 
 
-@pytest.mark.parametrize("compiler", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compiler", ["eager"])
 def test_parallelize_equals_one_process_and_explains_bad_input(compiler, tmp_path):
     run_ranks(_worker, (str(tmp_path), compiler), str(tmp_path), WORLD)
     model = _model("gpt")
