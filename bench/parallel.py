@@ -15,6 +15,10 @@ At 4 ranks and more it adds 2-D rows (dp 2 x tp): torchtitan's order, each block
 on the root over dp, each dp rank taking half the batch. The "vs hand" columns compare a row with the
 hand-written configuration of its kind: the 2-D rows with hand-2d, the others with hand TP+SP.
 
+``--models titan``: torchtitan's own Llama 3 (``bench/torchtitan_llama.py``; needs ``pip install
+torchtitan==0.3.0 triton``) at the demo Llama's sizes, laid out by torchtitan's own TP + SP (its
+``hand-tp+sp`` row, compiled by plain ``torch.compile``) and by ours from the plain model.
+
 Dropout is off (the hand-written recipes do not slice one process's mask; ours does, see
 tests/test_parallel_rewrite.py). Every configuration's first loss is printed next to one process's:
 a layout that computed something else would show there.
@@ -51,6 +55,8 @@ OPTION_BUDGETS = (None, 0.0)
 # block and on the root over dp, the batch split over dp; hand TP+SP against ours
 TWO_D_BUDGETS = (None, 0.0)
 TWO_D = ("hand-2d", *(f"ours-2d@{b}" for b in TWO_D_BUDGETS))
+# torchtitan's Llama 3: its own TP + SP recipe (in the hand-tp+sp row) and ours from the plain model
+TITAN_CONFIGS = ("hand-tp+sp", *(f"ours@{b}" for b in OURS_BUDGETS))
 CONFIGS = (
     "hand-tp",
     "hand-tp+sp",
@@ -155,6 +161,10 @@ def hand_parallel(name: str, model: nn.Module, mesh, sequence_parallel: bool) ->
 
 
 def _model(name: str):
+    if name == "titan":
+        from torchtitan_llama import build
+
+        return build()
     return models.demo_gpt() if name == "gpt" else models.demo_llama()
 
 
@@ -194,7 +204,7 @@ def _step_fn(model, fn, batch):
             p.grad = None
         loss = fn(*batch)
         loss.backward()
-        losses.append(loss.item())
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
 
     return step, losses
 
@@ -213,7 +223,7 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
 
     import recompile_opt
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))  # torchtitan reads the name
     model, batch = _model(name)
     budget = config.split("@", 1)[1] if "@" in config else "None"
     options = {} if budget == "None" else {"memory_budget": float(budget)}
@@ -222,6 +232,11 @@ def _rank(rank: int, name: str, config: str, world: int, out: str, args) -> None
     elif config.startswith("hand-tp+sp-option"):
         model = hand_parallel(name, model, mesh, sequence_parallel=False)
         fn = torch.compile(model, backend="recompile_opt", options={**options, "sequence_parallel": True})
+    elif name == "titan" and config == "hand-tp+sp":
+        from torchtitan_llama import torchtitan_tp_sp
+
+        model = torchtitan_tp_sp(model, mesh)
+        fn = torch.compile(model)
     elif config.startswith("hand"):
         model = hand_parallel(name, model, mesh, sequence_parallel=config.endswith("+sp"))
         fn = torch.compile(model)
@@ -295,6 +310,14 @@ def run(name: str, config: str, world: int, args) -> dict:
     }
 
 
+def _label(row: dict) -> str:
+    return (
+        "torchtitan's own TP+SP"
+        if row["model"] == "titan" and row["config"] == "hand-tp+sp"
+        else row["config"]
+    )
+
+
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| model | ranks | configuration | per-rank peak (MiB) | vs hand | kept (MiB) | step (ms) "
@@ -314,7 +337,7 @@ def markdown(rows: list[dict]) -> str:
         )
         ratio = (lambda k: f"{r[k] / ref[k]:.2f}x" if ref else "") if r["world"] > 1 else (lambda k: "")
         lines.append(
-            f"| {r['model']} | {r['world']} | {r['config']} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
+            f"| {r['model']} | {r['world']} | {_label(r)} | {r['peak'] / MiB:.2f} | {ratio('peak')} "
             f"| {r['kept'] / MiB:.2f} | {r['step_s'] * 1e3:.1f} | {ratio('step_s')} | {r['loss']:.5f} |"
         )
     return "\n".join(lines)
@@ -322,7 +345,9 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama"])
+    p.add_argument(
+        "--models", nargs="+", default=["gpt", "llama"], choices=["gpt", "llama", "titan"]
+    )  # titan: torchtitan's Llama 3 (pip install torchtitan==0.3.0 triton)
     p.add_argument("--world", nargs="+", type=int, default=[2, 4])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--steps", type=int, default=5)
@@ -334,7 +359,8 @@ def main(argv=None) -> None:
         rows.append({"model": name, "world": 1, "config": "no parallelism", **_single(name, args.steps)})
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
         for world in args.world:
-            for config in [c for c in args.configs if world >= 4 or c not in TWO_D]:
+            configs = [c for c in args.configs if (world >= 4 or c not in TWO_D)]
+            for config in [c for c in configs if name != "titan" or c in TITAN_CONFIGS]:
                 rows.append(
                     {"model": name, "world": world, "config": config, **run(name, config, world, args)}
                 )
