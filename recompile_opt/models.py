@@ -155,6 +155,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaAttention(nn.Module):
+    rotate = staticmethod(apply_rotary)  # the rotary embedding (a subclass may write it another way)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_head = config.n_head
@@ -168,8 +170,8 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         shape = (b, s, self.n_head, h // self.n_head)
-        q = apply_rotary(self.wq(x).view(shape), cos, sin).transpose(1, 2)
-        k = apply_rotary(self.wk(x).view(shape), cos, sin).transpose(1, 2)
+        q = self.rotate(self.wq(x).view(shape), cos, sin).transpose(1, 2)
+        k = self.rotate(self.wk(x).view(shape), cos, sin).transpose(1, 2)
         v = self.wv(x).view(shape).transpose(1, 2)
         p = self.attn_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from multiprocess import gloo_rank, progress, run_ranks
 
 from recompile_opt import models
@@ -30,14 +29,7 @@ def complex_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 class ComplexRotaryAttention(models.LlamaAttention):
     """The Llama attention with :func:`complex_rotary` (a model family written with complex numbers)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        shape = (b, s, self.n_head, h // self.n_head)
-        q = complex_rotary(self.wq(x).view(shape), cos, sin).transpose(1, 2)
-        k = complex_rotary(self.wk(x).view(shape), cos, sin).transpose(1, 2)
-        v = self.wv(x).view(shape).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+    rotate = staticmethod(complex_rotary)
 
 
 def _model(name: str, dropout: float = 0.0):
