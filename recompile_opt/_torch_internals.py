@@ -782,6 +782,11 @@ def buffer_pool_patch(enabled: bool) -> dict:
     return {"allow_buffer_reuse": enabled}
 
 
+def pools_buffers() -> bool:
+    """Whether Inductor's wrapper may hand dead buffers to later allocations under the settings in force."""
+    return bool(inductor_config.allow_buffer_reuse)
+
+
 @contextlib.contextmanager
 def buffer_pool(enabled: bool):
     """:func:`buffer_pool_patch` while the block runs (a plan's graphs walked as they will compile)."""

@@ -25,6 +25,7 @@ from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.plan import Plan
 from recompile_opt.planner import chunk_choice
+from recompile_opt.planning import least_peak
 
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
 # keywords that rewrite (and the region's description and plan entry) take
@@ -76,8 +77,7 @@ def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None
     (``memory_budget=0.0``, the least-peak plan, or a ``peak_memory`` limit), else none."""
     if options is None or options.chunks != "auto" or options.policy != "auto" or _symbolic(example_inputs):
         return []
-    least_peak = isinstance(options.memory_budget, float) and options.memory_budget == 0.0
-    if not (least_peak or options.peak_memory is not None):
+    if not (least_peak(options) or options.peak_memory is not None):
         return []
     device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
     roofline = options.roofline_for(options.target_device if device == "meta" else device)

@@ -59,7 +59,7 @@ from recompile_opt.partitioner import MEMORY
 from recompile_opt.passes.joint_graph import JointGraph
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import make_plan
-from recompile_opt.planning import read_joint_graph
+from recompile_opt.planning import oracle_pooled, pools_dead_buffers, read_joint_graph
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -153,17 +153,21 @@ class FrontierPartitioner:
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         pristine = _copy(gm.graph)  # our partitions tag random ops; torch's rewrite the graph
         joint = read_joint_graph(gm, kwargs, self.options, MEMORY)  # as RecompilePartitioner
-        jg, problem, simulate = joint.graph, joint.problem, joint.simulate
+        jg, problem = joint.graph, joint.problem
+        oracles = {pooled: oracle_pooled(joint, pooled, MEMORY) for pooled in (True, False)}
         nfo, static = joint.num_fwd_outputs, kwargs.get("static_lifetime_input_indices")  # torch's own
 
         def ours(**changes) -> tuple[_Figures, Plan]:
             opts = dataclasses.replace(self.options, **changes)
-            plan = make_plan(problem, opts, graph=joint.gid, simulate=simulate, memory=MEMORY)
+            pooled = pools_dead_buffers(opts)  # as the plan compiles: the pool off at the peak goals
+            oracle = oracles[pooled]
+            with ti.buffer_pool(pooled):
+                plan = make_plan(problem, opts, graph=joint.gid, simulate=oracle, memory=MEMORY)
             saved = {e.name for e in plan.saved if e.op != "rng_state"}  # as RecompilePartitioner
             figures = _Figures(
                 (frozenset(saved), frozenset(plan.recomputed_names())),
                 plan.saved_bytes,
-                simulate(saved, plan.recomputed_names()),
+                oracle(saved, plan.recomputed_names()),
                 plan.recompute_flops,
                 plan.recompute_s,
                 plan.step_s,

@@ -114,6 +114,26 @@ def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory:
     return Joint(gm, num_fwd_outputs, static, jg, problem, simulate, graph_id(gm))
 
 
+def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSimulator:
+    """``joint``'s peak oracle for plans compiled with Inductor's buffer pool on or off (``pooled``):
+    its own where it was read so, else another of the same graph, keyed and walked under that setting.
+    Why two: the kernel model's and the walks' peaks depend on the setting, and an oracle keeps its
+    figures by plan alone (a caller planning under both, the frontier sweep, would mix them)."""
+    if joint.simulate.pooled == pooled and ti.pools_buffers() == pooled:
+        return joint.simulate
+    with ti.buffer_pool(pooled):
+        simulate = simulator_for(
+            joint.gm,
+            num_fwd_outputs=joint.num_fwd_outputs,
+            static_lifetime_input_indices=joint.static,
+            info=joint.graph.info,
+            found=memory.peaks,
+        )
+    simulate.pooled = pooled
+    simulate.offer(joint.problem.sites)
+    return simulate
+
+
 def plan_joint_graph(
     gm: fx.GraphModule, kwargs: dict, options: Options, request: Request, memory: PlanningMemory
 ) -> Planned:
@@ -380,13 +400,20 @@ def walks_plan(options: Options, request: Request) -> bool:
 
 def pools_dead_buffers(options: Options) -> bool:
     """Whether Inductor's wrapper may hold a dead buffer for a later allocation of its size
-    (``allow_buffer_reuse``) in the graphs planned under ``options``; the planning walks, the kernel
-    model and the compile all follow this answer (:func:`plan_joint_graph`, ``compile_paths``).
-    Inductor's own setting, for now, under every option. Why not off under a memory request, where a
-    held buffer only adds to the peak (the demo Llama's least peak: 20.68 -> 18.36 MiB without it): it
-    moved plans that the frontier sweep and the mirrored least-peak plans are checked against, and
-    those are not reconciled yet (docs/design.md, "Inductor's buffer pool")."""
-    return True
+    (``allow_buffer_reuse``) in the graphs planned under ``options``: not where the plan's goal is the
+    step's peak (``memory_budget=0.0``, ``peak_memory``); the planning walks, the kernel model, the
+    frontier sweep and the compile all follow this answer. Why: a held buffer never lowers the peak
+    (the allocation it serves takes its bytes either way) and Inductor decides it against its own
+    estimate of one graph's peak: the demo Llama's least-peak plan held 2.32 MiB of dead buffers at
+    its peak, the demo GPT's with chunked attention 5.25 MiB (docs/design.md, "Inductor's buffer
+    pool"). A budget on the kept bytes (a fraction, bytes) keeps Inductor's setting: off there, the
+    demo Llama's 0.5 plan kept less and peaked higher (41.05 against 36.80 MiB, not understood)."""
+    return options.peak_memory is None and not least_peak(options)
+
+
+def least_peak(options: Options) -> bool:
+    """Whether ``options`` ask for the least-peak plan (``memory_budget=0.0``, a float)."""
+    return isinstance(options.memory_budget, float) and options.memory_budget == 0.0
 
 
 def replay_random(options: Options) -> bool:

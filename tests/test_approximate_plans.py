@@ -297,12 +297,21 @@ def test_the_least_peak_plan_with_approximations_allowed_peaks_no_higher_than_th
 
 
 @pytest.mark.slow
-def test_on_the_benchmark_gpt_both_approximations_lower_the_least_peak_by_a_seventh():
+@pytest.mark.parametrize("pooled", [True, False], ids=["inductors-pool", "pool-off"])
+def test_on_the_benchmark_gpt_both_approximations_lower_the_least_peak_by_a_seventh(pooled, monkeypatch):
     """The benchmark GPT (2 layers, h=256, s=256, batch 4): with 3-bit codes and randomized linears at
-    0.5 the least-peak plan approximates every site and its walked peak is 14.8% below the exact
-    least-peak plan's (21.80 against 25.58 MiB). Both unchunked, so that the approximations' own gain is
-    what is measured: allowed to chunk, the exact plan reaches 21.80 MiB by itself (its MLPs and loss in
-    chunks), and the approximating one keeps its unchunked plan, which ties it."""
+    0.5 the least-peak plan approximates every site. Both unchunked, so that the approximations' own
+    gain is what is measured: allowed to chunk, the exact plan reaches 21.80 MiB by itself (its MLPs and
+    loss in chunks), and the approximating one keeps its unchunked plan, which ties it.
+
+    With Inductor's buffer pool, as when the figure was set (issue 24), its walked peak is 14.8% below
+    the exact least-peak plan's (21.80 against 25.58 MiB). Without it, the setting under memory requests
+    since, the exact plan's peak held no dead buffers and falls more (24.55 against 21.78 MiB: 11.3%),
+    so there the approximating plan is only asked to be lower."""
+    from recompile_opt import compile_paths, planning
+
+    monkeypatch.setattr(planning, "pools_dead_buffers", lambda options: pooled)
+    monkeypatch.setattr(compile_paths, "pools_dead_buffers", lambda options: pooled)
     torch._dynamo.reset()
     cfg = models.GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=512)
     torch.manual_seed(0)
@@ -310,7 +319,9 @@ def test_on_the_benchmark_gpt_both_approximations_lower_the_least_peak_by_a_seve
     inputs = models.example_batch(cfg, 4)
     exact = _plan(model, inputs, 0.0, chunks=False)
     both = _plan(model, inputs, 0.0, approximate=BOTH, chunks=False)
-    assert both.approximated and both.predicted_peak_bytes < 0.86 * exact.predicted_peak_bytes
+    assert both.approximated and exact.solver["buffer_pool"] is both.solver["buffer_pool"] is pooled
+    bound = 0.86 if pooled else 1.0
+    assert both.predicted_peak_bytes < bound * exact.predicted_peak_bytes
 
 
 def test_hugging_face_gpt2s_conv1d_layers_are_randomized_as_linears():

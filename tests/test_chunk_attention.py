@@ -174,10 +174,10 @@ def test_attentions_candidate_is_keys_over_head_dim_with_a_floor_on_the_queries(
     assert all(c.below_floor for c in chunk_choice.candidates([], [], roofline, attention_regions=[short]))
 
 
-def test_attention_is_planned_only_where_its_probabilities_hold_half_the_walked_peak():
+def test_attention_is_planned_only_where_its_probabilities_hold_a_third_of_the_walked_peak():
     """Where the walk says what is alive at the peak, attention's chunks are planned only where its
-    ``[b, heads, s, s]`` buffers hold :data:`SHARE_FLOOR` of it (the demo GPT's 37% lost a planning);
-    without a walk, wherever they are alive (the simulated shapes)."""
+    ``[b, heads, s, s]`` buffers hold :data:`SHARE_FLOOR` of it (the demo GPT's 37%, Inductor's pool
+    off: 21.78 -> 17.79 MiB in 4 chunks); without a walk, wherever they are alive (the simulated shapes)."""
     from types import SimpleNamespace
 
     from recompile_opt.planner.chunk_choice import SHARE_FLOOR, Candidate
@@ -192,9 +192,10 @@ def test_attention_is_planned_only_where_its_probabilities_hold_half_the_walked_
             peak_breakdown={"shapes": [probs]}, walked_breakdown=breakdown if walked else {}
         )
 
-    assert SHARE_FLOOR["attention"] == 0.5
+    assert SHARE_FLOOR["attention"] == 1 / 3
     assert attention.alive_at_peak(plan(24 * mib))  # the s=512 GPT: 24 of 26 MiB
-    assert not attention.alive_at_peak(plan(8 * mib, total=22 * mib))  # the demo GPT: 8 of 22
+    assert attention.alive_at_peak(plan(8 * mib, total=22 * mib))  # the demo GPT: 8 of 22
+    assert not attention.alive_at_peak(plan(6 * mib, total=22 * mib))
     assert attention.alive_at_peak(plan(8 * mib, total=22 * mib, walked=False))
 
 

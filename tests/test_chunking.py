@@ -506,6 +506,57 @@ def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
     )  # tried though the kernel model's peak does not show it
 
 
+def test_at_the_least_peak_a_plan_recomputing_at_its_peak_probes_the_first_kind():
+    """Without Inductor's pool the GPT with vocabulary 2048 peaks unchunked in an attention backward, 7
+    of its 26.32 MiB recomputed and no loss or MLP tensor alive; chunked (loss and MLPs) it keeps more
+    and walks at 23.31. Where recomputed values hold :data:`GAIN` of the walked peak, the least-peak
+    choice tries its first kind anyway and the kinds passed over with it; not under a limit it meets,
+    and not where nothing is recomputed there."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner import chunk_choice
+    from recompile_opt.planner.chunk_choice import GAIN, Candidate
+
+    loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
+    at_attention = [[2, 4, 256, 256]]
+    peaks = {(): 100, (("loss", 4),): 99, (("loss", 4), ("mlp", 4)): 80}
+
+    def plan_with(recomputed):
+        def plan(chunks):
+            planned.append(chunks)
+            peak = peaks[tuple(sorted(chunks.items()))]
+            walked = {
+                "total": peak,
+                "bytes": {"recomputed": recomputed * peak, "kept": (1 - recomputed) * peak},
+            }
+            return SimpleNamespace(
+                peak_breakdown={"shapes": at_attention},
+                walked_breakdown=walked,
+                predicted_peak_bytes=peak,
+                chunks=list(chunks),
+                step_s=1.0,
+                recompute_s=0.0,
+            )
+
+        return plan
+
+    planned = []
+    unchunked = plan_with(0.27)({})
+    assert chunk_choice.recomputes_at_peak(unchunked) and not loss.alive_at_peak(unchunked)
+    assert chunk_choice.worth_trying([loss, mlp], unchunked, 100, None) is None
+    planned.clear()
+    taken, _, best, notes = chunk_choice.choose([loss, mlp], plan_with(0.27), None)
+    assert planned == [{}, {"loss": 4}, {"loss": 4, "mlp": 4}]
+    assert taken == {"loss": 4, "mlp": 4} and best.predicted_peak_bytes == 80, notes
+    for recomputed, limit in ((GAIN / 2, None), (0.27, 100)):
+        planned.clear()
+        plan = plan_with(recomputed)({})
+        assert chunk_choice.worth_trying([loss, mlp], plan, 100, limit) is not None
+        planned.clear()
+        assert chunk_choice.choose([loss, mlp], plan_with(recomputed), limit)[0] == {}
+        assert planned == [{}]
+
+
 def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step():
     """Issue 51: on an H200 the chunked least-peak plan stepped 5.8x slower than the unchunked one. A
     trial whose peak is the fraction g lower may take at most max(STEP_SLACK, g) more estimated time;

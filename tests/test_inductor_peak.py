@@ -235,7 +235,8 @@ def test_a_fraction_of_a_range_whose_search_walked_reports_the_walked_peak():
 def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
     """The walks are kept per graph and settings (``simulator.simulator_for``): compiled again, the 0.0
     plan (walked by its search) is not lowered again; another fraction's plan is, in this compile's
-    graph; under other Inductor settings the 0.0 plan is walked anew."""
+    graph, once a fraction's search (Inductor's pool on) has walked its ends; under other Inductor
+    settings the 0.0 plan is walked anew."""
     import torch
     from helpers import tiny_llama
 
@@ -258,6 +259,8 @@ def test_a_graph_planned_again_reuses_the_peaks_walked_for_it(monkeypatch):
     assert again.predicted_peak_bytes == first.predicted_peak_bytes
     # (the earlier compile's graph belongs to another fake mode: walked here, it failed "Mixing fake
     # modes" and the plan fell back to the simulated peak)
+    # a fraction plans with Inductor's pool, the least peak without: its search walks its own ends once
+    assert compiled_plan(0.5).solver["exact_peaks"] > 1
     mid = compiled_plan(0.3)
     assert mid.solver["exact_peaks"] == 1 and mid.solver["peak_from"] == "inductor-code"
     with torch._inductor.config.patch(max_fusion_size=8):
@@ -498,6 +501,25 @@ def test_the_backward_is_lowered_with_the_forward_for_every_plan_and_not_without
 
 
 # -- Inductor's buffer pool ----------------------------------------------------------------------------
+
+
+def test_the_pool_is_off_where_the_plans_goal_is_the_peak():
+    from recompile_opt.planning import pools_dead_buffers
+
+    for opts in (
+        {"memory_budget": 0.0},
+        {"peak_memory": "1MiB"},
+        {"peak_memory": "1MiB", "memory_budget": 0.5},
+    ):
+        assert not pools_dead_buffers(parse_options(opts)), opts
+    for opts in (
+        {},
+        {"policy": "full"},
+        {"policy": "save-all"},
+        {"memory_budget": 0.5},
+        {"memory_budget": "1MiB"},
+    ):
+        assert pools_dead_buffers(parse_options(opts)), opts
 
 
 @pytest.mark.slow

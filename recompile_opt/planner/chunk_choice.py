@@ -58,10 +58,11 @@ LAST = frozenset({"attention"})
 # kinds planned only where their full-length tensors hold at least this share of the walked peak. Why:
 # a chunked attention has buffers that do not shrink with k (a contiguous copy of Q, K and V each; the
 # K and V gradients' accumulators, two buffers each while a baddbmm runs), so its chunks lower a peak
-# only where the [b, heads, s, s] buffers dominate it: the demo GPT (s=256), 8 of 21.80 MiB, chunked
-# in 2 walked 21.30 MiB (not taken, one planning lost); a GPT with s=512, 24 of 26.04 MiB, chunked in
-# 8 walked 11.51 (docs/design.md, attention chunking)
-SHARE_FLOOR = {"attention": 0.5}
+# only where the [b, heads, s, s] buffers hold much of it. The demo GPT (s=256) least-peak plan with
+# its MLPs chunked, 8 of 21.78 MiB (Inductor's pool off, as at the peak goals): attention in 2 walked
+# 19.29 MiB, in 4 17.79 (with the pool on, 8 of 21.80 and 21.30 in 2: the pool held the gain); a GPT
+# with s=512, 24 of 26.04 MiB, chunked in 8 walked 11.51 (docs/design.md, attention chunking)
+SHARE_FLOOR = {"attention": 1 / 3}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
 # at the least peak, a chunked plan whose peak is the fraction g below the unchunked plan's may take
@@ -165,10 +166,27 @@ def worth_trying(candidates: list[Candidate], plan: Plan, peak: int, peak_limit:
     (:func:`recompile_opt.chunk_driver.compile_with_chunk_choice`)."""
     if peak_limit is not None:
         return None if peak > peak_limit else "chunks (auto): not tried: the unchunked plan meets peak_memory"
-    if any(c.alive_at_peak(plan) for c in candidates):
+    if any(c.alive_at_peak(plan) for c in candidates) or probes(candidates, plan, peak_limit):
         return None
     kinds = ", ".join(dict.fromkeys(FAMILY[c.kind] for c in candidates))
     return f"chunks (auto): {kinds} not tried: none of their full-length tensors is alive at the peak"
+
+
+def recomputes_at_peak(plan: Plan) -> bool:
+    """Whether recomputed values hold at least :data:`GAIN` of ``plan``'s walked peak (the kernel model's
+    where not walked): the plan balances keeping against recomputing there, so chunks that let it keep
+    more elsewhere may lower that peak though none of their tensors is alive at it. Why: without
+    Inductor's pool the GPT with vocabulary 2048 peaks unchunked in an attention backward (26.32 MiB, 7
+    of it recomputed, no loss or MLP tensor alive), and with its loss and MLPs chunked at 23.31."""
+    bd = getattr(plan, "walked_breakdown", None) or plan.peak_breakdown or {}
+    total = bd.get("total") or 0
+    return total > 0 and bd.get("bytes", {}).get("recomputed", 0) >= GAIN * total
+
+
+def probes(candidates: list[Candidate], plan: Plan, peak_limit: int | None) -> bool:
+    """Whether the least-peak choice tries its first candidate though none is alive at ``plan``'s peak
+    (:func:`recomputes_at_peak`); the kinds passed over are then tried with it (:func:`_combined`)."""
+    return peak_limit is None and bool(candidates) and recomputes_at_peak(plan)
 
 
 def choose(
@@ -188,8 +206,9 @@ def choose(
     notes, passed = [], []
     for late in (False, True):
         stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
+        probe = not late and not any(c.alive_at_peak(best) for c in stage) and probes(stage, best, peak_limit)
         taken, best, missed = _greedy(
-            stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, floor_first=late
+            stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, floor_first=late, probe=probe
         )
         if not late:
             passed, (taken, best) = _combined(
@@ -203,12 +222,16 @@ def choose(
     return taken, unchunked, best, notes
 
 
-def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, floor_first=False):
+def _greedy(
+    stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, floor_first=False, probe=False
+):
     """:func:`choose`'s loop over one stage's candidates; returns the chunks taken, the best plan and the
     trials not taken (``notes`` and ``passed`` grow). ``floor_first``: at the least peak, a kind's chunks
-    below the floor are tried only where its chunks at the floor were taken (each try is a planning)."""
+    below the floor are tried only where its chunks at the floor were taken (each try is a planning).
+    ``probe``: the first candidate is tried though none of its tensors is alive at the peak
+    (:func:`probes`)."""
     missed = []
-    for c in stage:
+    for i, c in enumerate(stage):
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
         if floor_first and peak_limit is None and c.below_floor and c.kind not in taken:
@@ -220,7 +243,7 @@ def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed,
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
         chunked = any(FAMILY[kind] == FAMILY[c.kind] for kind in taken)
-        if not chunked and not c.alive_at_peak(best):
+        if not chunked and not (probe and i == 0) and not c.alive_at_peak(best):
             passed.append(c)
             continue
         others = {kind: k for kind, k in taken.items() if FAMILY[kind] != FAMILY[c.kind]}
