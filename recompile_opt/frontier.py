@@ -155,6 +155,7 @@ class FrontierPartitioner:
         joint = read_joint_graph(gm, kwargs, self.options, MEMORY)  # as RecompilePartitioner
         jg, problem = joint.graph, joint.problem
         oracles = {pooled: oracle_pooled(joint, pooled, MEMORY) for pooled in (True, False)}
+        oracles[True].range_twin = oracles[False]  # a fraction's range: the least-peak plan's oracle
         nfo, static = joint.num_fwd_outputs, kwargs.get("static_lifetime_input_indices")  # torch's own
 
         def ours(**changes) -> tuple[_Figures, Plan]:

@@ -292,6 +292,14 @@ def demo_gpt(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4
     return GPT(cfg), example_batch(cfg, batch)
 
 
+def demo_gpt_vocab_2048():
+    """The benchmark GPT with vocabulary 2048 (``bench/compare.py --vocab 2048``): the logits, their
+    log-softmax and gradient each as large as a block's activations."""
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=2048)
+    torch.manual_seed(0)
+    return GPT(cfg), example_batch(cfg, 4)
+
+
 def demo_llama(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4):
     cfg = LlamaConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512)
     torch.manual_seed(0)

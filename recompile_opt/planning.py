@@ -35,7 +35,7 @@ from recompile_opt.planner import budget_split, chunk_choice
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.problem import Problem
-from recompile_opt.planner.search import make_plan
+from recompile_opt.planner.search import make_plan, range_oracle
 from recompile_opt.planner.solving import one_tensor_per_storage
 
 POOL_OFF_NOTE = (
@@ -134,6 +134,16 @@ def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSim
     return simulate
 
 
+def range_twin(joint: Joint, options: Options, memory: PlanningMemory) -> PeakSimulator | None:
+    """For a fraction planned with Inductor's buffer pool on, the oracle its range's 0.0 end is searched
+    with: the least-peak plan's, the pool off (:func:`pools_dead_buffers`); None where they agree."""
+    budget = options.memory_budget
+    if not (isinstance(budget, float) and 0.0 < budget < 1.0):
+        return None
+    pooled = pools_dead_buffers(dataclasses.replace(options, memory_budget=0.0, peak_memory=None))
+    return None if pooled == joint.simulate.pooled else oracle_pooled(joint, pooled, memory)
+
+
 def plan_joint_graph(
     gm: fx.GraphModule, kwargs: dict, options: Options, request: Request, memory: PlanningMemory
 ) -> Planned:
@@ -152,8 +162,9 @@ def _plan_joint_graph(
     joint = read_joint_graph(gm, kwargs, options, memory)
     simulate, problem = joint.simulate, joint.problem
     simulate.chunked, simulate.pooled = request.chunked, pools_dead_buffers(options)
-    used = simulate.usage()  # it shares the figures found by earlier compiles of this graph
     graph_options, split_note = budget_split.options_for_graph(memory, options, joint.gid)
+    simulate.range_twin = range_twin(joint, graph_options, memory)
+    used = usage(simulate)  # it shares the figures found by earlier compiles of this graph
     known = request.known.get(joint.gid)
     layout_note = _choose_layout(joint, options, request)
     if known is not None:
@@ -189,7 +200,7 @@ def _plan_joint_graph(
     searched = (
         fraction
         and graph_options.peak_memory is None
-        and range_walked(problem, graph_options, memory.range_ends, simulate.walk_setting)
+        and range_walked(problem, graph_options, memory.range_ends, range_oracle(simulate).walk_setting)
     )
     # walked: every plan Inductor compiles (its own code, once it exists: DeferredWalk), a plan made
     # without a compile that answers a memory request (walks_plan), one whose search walked this
@@ -370,14 +381,24 @@ def set_peak(plan: Plan, exact, simulate, used, seconds: float, graphs: tuple = 
     elif trace is not None:  # else a plan made earlier keeps its own (the chunk choice's)
         plan.walked_breakdown = trace.breakdown(recomputed, graphs[trace.phase == "backward"])
     plan.solver["plan_s"] = round(seconds, 3)
-    simulate.store()
-    simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(simulate.usage(), used))
+    for oracle in (simulate, getattr(simulate, "range_twin", None)):
+        if oracle is not None:
+            oracle.store()
+    simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(usage(simulate), used))
     plan.solver.update(
         simulations=simulations,
         simulate_s=round(simulate_s, 3),
         exact_peaks=exact_peaks,
         exact_s=round(exact_s, 3),
     )
+
+
+def usage(simulate) -> tuple:
+    """``simulate.usage()`` with its range twin's (:func:`range_twin`): the plans a planning simulated
+    and walked, and their seconds, whichever oracle it asked."""
+    twin = getattr(simulate, "range_twin", None)
+    own = simulate.usage()
+    return own if twin is None else tuple(a + b for a, b in zip(own, twin.usage()))
 
 
 def walks_plan(options: Options, request: Request) -> bool:

@@ -229,7 +229,8 @@ def test_plan_solver_flag(tmp_path, capsys):
         (
             ["plan", "recompile_opt.models:nope"],
             "recompile-opt plan: error: module 'recompile_opt.models' has no factory 'nope'; its functions "
-            "without required arguments: demo_gpt, demo_llama, demo_encoder, gpt3_175b_layer",
+            "without required arguments: demo_gpt, demo_gpt_vocab_2048, demo_llama, demo_encoder, "
+            "gpt3_175b_layer",
         ),
         (
             ["plan", "recompile_opt.models:demo_gpt", "--budget", "2 gigs"],

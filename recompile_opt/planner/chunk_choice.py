@@ -12,7 +12,9 @@ estimated step; under ``peak_memory``: fits where the other does not, or fits wi
 
 A kind not chunked yet is planned only where one of its full-length tensors is alive at the best plan's
 peak so far (:meth:`Candidate.alive_at_peak`): elsewhere chunking cannot lower that peak, and each try
-plans the graph again. Where a kind tried was not taken, the kinds passed over are tried with it once:
+plans the graph again; at the least peak, the first kind is tried anyway where recomputed values hold
+part of an unchunked peak (:func:`probes`: chunks elsewhere may let the plan keep them). Where a kind
+tried was not taken, the kinds passed over are tried with it once:
 its chunks may have moved the peak to them. The compile's own plan of the unchunked graph is the first
 (:func:`worth_trying`), so a graph where no kind is worth trying is planned once (``"auto"`` is the
 default).

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import warnings
 
+from recompile_opt import _torch_internals as ti
 from recompile_opt.options import Options
 from recompile_opt.plan import KEEP, OFFLOAD, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.planner import ilp, offload
@@ -128,9 +129,11 @@ def _solve_auto(
     if isinstance(budget, float):
         # the range's ends know no peak limit: a limit is applied below, by _fit_peak
         if simulate is not None and budget < 1.0:
-            ends = _range_search(
-                problem, reduction, kw, baseline, simulate, options, known_ranges=known_ranges
-            )
+            ranger = range_oracle(simulate)
+            with ti.buffer_pool(getattr(ranger, "pooled", ti.pools_buffers())):
+                ends = _range_search(
+                    problem, reduction, kw, baseline, ranger, options, known_ranges=known_ranges
+                )
             if problem.sites and budget == 0.0 and not fit_peak:
                 ends = _least_peak_approximating(
                     problem, reduction, kw, baseline, simulate, options, ends, known_ranges=known_ranges
@@ -170,6 +173,14 @@ def _solve_auto(
             + (f"{sol.gap:.2%}" if sol.gap is not None else "not reported by the solver")
         )
     return sol, solver_info(options, sol), budget, min_bytes
+
+
+def range_oracle(simulate: Simulate) -> Simulate:
+    """The oracle a fraction's range (its 0.0 end: the least-peak search) is searched with: the one the
+    least-peak plan itself is planned with (``simulate.range_twin``, set by the planning where Inductor's
+    buffer pool differs between the two: ``planning.pools_dead_buffers``), else ``simulate``. Why: a
+    fraction is a share of the way from the plan ``memory_budget=0.0`` gives to save-all."""
+    return getattr(simulate, "range_twin", None) or simulate
 
 
 def _leanest_as_fast(
