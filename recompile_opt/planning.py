@@ -14,6 +14,7 @@ one can read, not state set on an object from outside.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import time
@@ -120,6 +121,7 @@ def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSim
     Why two: the kernel model's and the walks' peaks depend on the setting, and an oracle keeps its
     figures by plan alone (a caller planning under both, the frontier sweep, would mix them)."""
     if joint.simulate.pooled == pooled and ti.pools_buffers() == pooled:
+        joint.simulate.walk_context = functools.partial(ti.buffer_pool, pooled)
         return joint.simulate
     with ti.buffer_pool(pooled):
         simulate = simulator_for(
@@ -130,6 +132,7 @@ def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSim
             found=memory.peaks,
         )
     simulate.pooled = pooled
+    simulate.walk_context = functools.partial(ti.buffer_pool, pooled)  # where the planner switches oracles
     simulate.offer(joint.problem.sites)
     return simulate
 

@@ -7,11 +7,11 @@ the least any plan can keep (found by a first, memory-minimising solve) and save
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
 
-from recompile_opt import _torch_internals as ti
 from recompile_opt.options import Options
 from recompile_opt.plan import KEEP, OFFLOAD, RECOMPUTE, Plan, PlanEntry, fmt_bytes
 from recompile_opt.planner import ilp, offload
@@ -130,7 +130,7 @@ def _solve_auto(
         # the range's ends know no peak limit: a limit is applied below, by _fit_peak
         if simulate is not None and budget < 1.0:
             ranger = range_oracle(simulate)
-            with ti.buffer_pool(getattr(ranger, "pooled", ti.pools_buffers())):
+            with getattr(ranger, "walk_context", contextlib.nullcontext)():
                 ends = _range_search(
                     problem, reduction, kw, baseline, ranger, options, known_ranges=known_ranges
                 )
@@ -178,8 +178,9 @@ def _solve_auto(
 def range_oracle(simulate: Simulate) -> Simulate:
     """The oracle a fraction's range (its 0.0 end: the least-peak search) is searched with: the one the
     least-peak plan itself is planned with (``simulate.range_twin``, set by the planning where Inductor's
-    buffer pool differs between the two: ``planning.pools_dead_buffers``), else ``simulate``. Why: a
-    fraction is a share of the way from the plan ``memory_budget=0.0`` gives to save-all."""
+    buffer pool differs between the two: ``planning.pools_dead_buffers``; searched inside its
+    ``walk_context``, the Inductor settings its walks lower under), else ``simulate``. Why: a fraction
+    is a share of the way from the plan ``memory_budget=0.0`` gives to save-all."""
     return getattr(simulate, "range_twin", None) or simulate
 
 
