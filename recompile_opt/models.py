@@ -285,9 +285,18 @@ def paper_layer(
 # -- factories: ``MODULE:FACTORY`` targets for ``recompile-opt plan`` (each returns model, inputs) --
 
 
-def demo_gpt(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4, dropout: float = 0.0):
+def demo_gpt(
+    n_layer: int = 2,
+    n_embd: int = 256,
+    seq: int = 256,
+    batch: int = 4,
+    dropout: float = 0.0,
+    vocab: int = 512,
+):
     """The demo's and the benchmark's GPT: 2 layers, h=256, s=256, b=4, fp32, on the CPU."""
-    cfg = GPTConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=512, dropout=dropout)
+    cfg = GPTConfig(
+        n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=seq, vocab_size=vocab, dropout=dropout
+    )
     torch.manual_seed(0)
     return GPT(cfg), example_batch(cfg, batch)
 
@@ -295,9 +304,7 @@ def demo_gpt(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4
 def demo_gpt_vocab_2048():
     """The benchmark GPT with vocabulary 2048 (``bench/compare.py --vocab 2048``): the logits, their
     log-softmax and gradient each as large as a block's activations."""
-    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=2048)
-    torch.manual_seed(0)
-    return GPT(cfg), example_batch(cfg, 4)
+    return demo_gpt(vocab=2048)
 
 
 def demo_llama(n_layer: int = 2, n_embd: int = 256, seq: int = 256, batch: int = 4):
