@@ -463,3 +463,26 @@ def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeyp
         unaided.recomputed_names(),
     )
     assert second.predicted_peak_bytes == unaided.predicted_peak_bytes
+
+
+def test_a_new_process_finds_where_the_last_one_walked_each_peak(monkeypatch, tmp_path):
+    """What is alive at each walked peak is kept on disk with the peak: planned again in a new process,
+    the least-peak plan says where it peaks as the first did, so the chunk choice (which reads it) makes
+    the same plan. Without it the demo GPT got 21.78 MiB from a warm cache, 18.53 cold."""
+    from collections import OrderedDict
+
+    from recompile_opt.partitioner import MEMORY
+
+    def new_process():
+        monkeypatch.setattr(MEMORY, "range_ends", {})
+        monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    new_process()
+    model, inputs = tiny_gpt()
+    first = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert first.solver["peak_from"] == "inductor-code" and first.walked_breakdown["bytes"]
+    new_process()
+    second = recompile_opt.plan(model, inputs, memory_budget=0.0)
+    assert second.walked_breakdown == first.walked_breakdown
+    assert (second.saved_names(), second.chunks) == (first.saved_names(), first.chunks)

@@ -9,6 +9,7 @@ simulated once, however often the searches meet it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs import walk_pool
-from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
+from recompile_opt.costs.inductor_peak import WalkedPeak, exact_peak, why_not_walkable
 from recompile_opt.costs.peak import peak_and_recomputed_at_peak, pool_rule
 from recompile_opt.ops import is_random_op
 from recompile_opt.passes import approximate
@@ -69,8 +70,8 @@ def simulator_for(
     found = OrderedDict() if found is None else found
     if key is not None:
         figures = found.pop(key, None) or _load(key)
-        if figures is not None:  # what is alive at each walked peak is this process's alone
-            simulate.results, simulate.exact_results, simulate.walk_traces = (*figures, {})[:3]
+        if figures is not None:
+            simulate.results, simulate.exact_results, simulate.walk_traces = figures
         simulate.disk_key, simulate.stored = key, len(simulate.results) + len(simulate.exact_results)
         found[key] = simulate.results, simulate.exact_results, simulate.walk_traces  # most recently used last
         while len(found) > GRAPHS_KEPT:
@@ -86,7 +87,11 @@ def _disk_path(key: str) -> Path:
     return Path(ti.cache_dir()) / "recompile_opt_peaks" / f"{key[:24]}-{code_hash()[:12]}.json"
 
 
-def _load(key: str) -> tuple[dict, dict] | None:
+def _load(key: str) -> tuple[dict, dict, dict] | None:
+    """The simulated peaks, the walked ones and what is alive at each walked peak, as :meth:`store` wrote
+    them. Why the last: the chunk choice reads where a plan peaks (``Plan.walked_breakdown``), so a
+    process that found the walked figure without it located the peak by the kernel model and chose
+    other chunks (the demo GPT: 21.78 MiB from a warm cache, 18.53 cold)."""
     try:
         data = json.loads(_disk_path(key).read_text())
     except (OSError, ValueError):
@@ -95,7 +100,11 @@ def _load(key: str) -> tuple[dict, dict] | None:
         (frozenset(saved), frozenset(rec)): (peak, names) for saved, rec, peak, names in data["simulated"]
     }
     exact = {(frozenset(saved), frozenset(rec)): peak for saved, rec, peak in data["walked"]}
-    return results, exact
+    traces = {
+        (frozenset(saved), frozenset(rec)): WalkedPeak(**{**trace, "alive": [tuple(a) for a in trace["alive"]]})
+        for saved, rec, trace in data.get("traces", [])
+    }
+    return results, exact, traces
 
 
 def _graph_key(gm: fx.GraphModule, num_fwd_outputs: int, static) -> str | None:
@@ -126,7 +135,7 @@ class PeakSimulator:
         self.results: dict[tuple, tuple[int, list[str]]] = {}
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
         self.exact_results: dict[tuple, int | None] = {}
-        self.walk_traces: dict[tuple, object] = {}  # what is alive at each walked peak (this process's)
+        self.walk_traces: dict[tuple, WalkedPeak] = {}  # what is alive at each walked peak
         self.unwalkable: str | None = None  # why the last walk gave no peak
         self.unwalked_why: dict[tuple, str] = {}  # why exact() gave a plan no peak
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
@@ -358,6 +367,10 @@ class PeakSimulator:
             ],
             "walked": [
                 [sorted(saved), sorted(rec), peak] for (saved, rec), peak in self.exact_results.items()
+            ],
+            "traces": [
+                [sorted(saved), sorted(rec), dataclasses.asdict(trace)]
+                for (saved, rec), trace in self.walk_traces.items()
             ],
         }
         path = _disk_path(key)
