@@ -101,8 +101,8 @@ def _load(key: str) -> tuple[dict, dict, dict] | None:
     }
     exact = {(frozenset(saved), frozenset(rec)): peak for saved, rec, peak in data["walked"]}
     traces = {
-        (frozenset(saved), frozenset(rec)): WalkedPeak(**{**trace, "alive": [tuple(a) for a in trace["alive"]]})
-        for saved, rec, trace in data.get("traces", [])
+        (frozenset(saved), frozenset(rec)): WalkedPeak(**{**t, "alive": [tuple(a) for a in t["alive"]]})
+        for saved, rec, t in data.get("traces", [])
     }
     return results, exact, traces
 
