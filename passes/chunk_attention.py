@@ -385,16 +385,20 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _operands(a, b, v):
-    """The three operands contiguous, each copied once for all chunks. Why: a view of them that a
-    batched matmul cannot read (the heads of a fused QKV projection) is copied per chunk otherwise, and
-    Inductor fuses the k copies of one source into one kernel, so all k are alive through the loop
-    (the demo GPT's chunked backward held 4 copies each of K, K^T and V, 10 of its 15 MiB of
-    temporaries)."""
+    """The three operands contiguous, each copied once for all chunks, in the forward; the backward reads
+    these copies. Why once: a view of them that a batched matmul cannot read (the heads of a fused QKV
+    projection) is copied per chunk otherwise, and Inductor fuses the k copies of one source into one
+    kernel, so all k are alive through the loop (the demo GPT's chunked backward held 4 copies each of
+    K, K^T and V, 10 of its 15 MiB of temporaries). Why saved: copied again in the backward from the
+    saved views, the copies were alive there beside the projection they view (3 MiB of the demo GPT's
+    attention backward); saved, the plan keeps them or recomputes them, the projection freed once
+    copied."""
     return a.contiguous(), b.contiguous(), v.contiguous()
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """The query chunks one after the other; kept: ``a``, ``b``, ``v``, the masks and the keep-mask.
+    """The query chunks one after the other; kept: ``a``, ``b``, ``v`` (contiguous: :func:`_operands`),
+    the masks and the keep-mask.
     The backward recomputes each chunk's probabilities and accumulates the gradients of ``b`` and ``v``
     with ``baddbmm`` (in fp32 where they are narrower)."""
 
@@ -402,7 +406,6 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, a, b, v, body, chunks, p, *externals):
         shape, queries = (*a.shape[:-1], b.shape[-1]), a.shape[-2]
         keep = keep_mask(shape, p, v) if p > 0 else None
-        a_whole, b_whole, v_whole = a, b, v
         a, b, v = _operands(a, b, v)
         outs = []
         for rows in _row_chunks(queries, chunks):
@@ -411,13 +414,12 @@ class _ChunkedAttention(torch.autograd.Function):
                 probs = _dropped(probs, keep[..., rows, :], p)
             outs.append(probs @ v)
         ctx.body, ctx.chunks, ctx.p = body, chunks, p
-        ctx.save_for_backward(a_whole, b_whole, v_whole, keep, *externals)
+        ctx.save_for_backward(a, b, v, keep, *externals)
         return torch.cat(outs, -2)
 
     @staticmethod
     def backward(ctx, grad_out):
         a, b, v, keep, *externals = ctx.saved_tensors
-        a, b, v = _operands(a, b, v)
         queries, acc = a.shape[-2], torch.promote_types(a.dtype, torch.float32)
         grad_b = _flat(b).new_zeros(_flat(b).shape, dtype=acc)
         grad_v = _flat(v).new_zeros(_flat(v).shape, dtype=acc)
