@@ -593,6 +593,44 @@ def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step()
     assert fits[0] == {"loss": 4}  # a limit met only chunked: taken, slow or not
 
 
+def test_at_the_least_peak_attention_tries_ligers_k_first_and_its_floors_k_only_where_that_is_refused():
+    """Each try is a planning: attention at Liger's k (below the floor of rows) is planned first, and its
+    k at the floor only where Liger's is not taken (here: a step too slow for its peak)."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner import chunk_choice
+    from recompile_opt.planner.chunk_choice import Candidate
+
+    floor = Candidate("attention", 2, tokens=2048, width=256)
+    liger = Candidate("attention", 4, below_floor=True, tokens=2048, width=256)
+
+    def planner(slow_at_4):
+        asked = []
+
+        def plan_with(chunks):
+            asked.append(chunks)
+            k = chunks.get("attention", 1)
+            peak, step = {1: (100, 1.0), 2: (85, 1.05), 4: (75, 3.0 if slow_at_4 else 1.1)}[k]
+            shapes = [[2, 4, 256, 256]] if k == 1 else []
+            return SimpleNamespace(
+                peak_breakdown={"shapes": shapes},
+                predicted_peak_bytes=peak,
+                chunks=[1] * (k > 1),
+                step_s=step,
+                recompute_s=0.0,
+            )
+
+        return plan_with, asked
+
+    plan_with, asked = planner(slow_at_4=False)
+    taken, _, best, notes = chunk_choice.choose([floor, liger], plan_with, None)
+    assert (taken, asked) == ({"attention": 4}, [{}, {"attention": 4}]), notes
+    assert notes[-1].endswith("not tried: 4 chunks (Liger's k, below the floor of rows) were taken"), notes
+    plan_with, asked = planner(slow_at_4=True)
+    taken, _, best, notes = chunk_choice.choose([floor, liger], plan_with, None)
+    assert (taken, asked) == ({"attention": 2}, [{}, {"attention": 4}, {"attention": 2}]), notes
+
+
 def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_or_a_limit_is_missed():
     """The lazy test of ``"auto"`` (the default) on the compile's own unchunked plan."""
     from types import SimpleNamespace
