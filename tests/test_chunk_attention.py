@@ -237,8 +237,10 @@ def test_through_inductor_gradients_equal_eager_with_fallback_random(build):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, attn", [("gpt2", "eager"), ("llama", "sdpa")])
+@pytest.mark.parametrize("name, attn", [("gpt2", "eager"), ("llama", "sdpa"), ("bert", "eager")])
 def test_hugging_face_attention_chunks_with_dropout(name, attn):
+    """GPT-2 (causal, eager), Llama (SDPA's math path) and BERT (bidirectional, eager) with dropout on
+    the probabilities: gradients equal eager's."""
     pytest.importorskip("transformers")
     from test_hf_models import build
 
