@@ -13,10 +13,11 @@ elementwise ops (scale, mask add, ``masked_fill``, ``where``, casts) from one ba
 a second matmul (``@ v``); or a ``scaled_dot_product_attention`` call where torch runs its math path (on
 the CPU with dropout, :func:`recompile_opt.passes.meta_attention.runs_math_path`). It becomes
 :func:`chunked_attention`, an autograd Function whose forward runs the chunks one after the other and keeps
-``a``, ``b``, ``v``, the masks and the dropout's keep-mask, and whose backward recomputes each chunk's scores
-and probabilities, differentiates the elementwise part and the softmax by autograd (any mask written as
-torch ops works) and accumulates the gradients of ``b`` and ``v`` with ``baddbmm`` (an extern kernel:
-Inductor fused pointwise sums of k chunk gradients into one kernel that held all k, see ``chunk_mlp``).
+``a``, ``b``, ``v`` (contiguous copies), the masks and the dropout's keep-mask, and whose backward
+recomputes each chunk's scores and probabilities, differentiates the elementwise part and the softmax
+by autograd (any mask written as torch ops works) and accumulates the gradients of ``b`` and ``v`` with
+``baddbmm`` (an extern kernel: Inductor fused pointwise sums of k chunk gradients into one kernel that
+held all k, see ``chunk_mlp``).
 
 Dropout: the keep-mask is drawn whole in the forward, once, as eager's ``dropout`` draws it (``bernoulli_``
 on a tensor of the probabilities' shape and dtype: the same numbers from the same generator state), and
