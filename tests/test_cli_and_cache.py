@@ -434,20 +434,26 @@ def test_frontier_measure(tmp_path, capsys):
         assert float(row[col["meas. peak MiB"]]) > 0 and float(row[col["meas. step ms"]]) > 0, row
 
 
-def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeypatch, tmp_path):
-    """The least-peak search's simulations and walks are kept on disk by graph: a later process
-    planning the same graph at another budget simulates nothing again, and plans what it would have."""
+@pytest.fixture
+def new_process(monkeypatch, tmp_path):
+    """Caches on disk under ``tmp_path``; calling the fixture forgets what this process keeps in memory,
+    as a new process would start."""
     from collections import OrderedDict
 
-    from recompile_opt.costs import simulator
-    from recompile_opt.partitioner import MEMORY
-
-    def new_process():  # what a process keeps in memory, forgotten
+    def forget():
         monkeypatch.setattr(MEMORY, "range_ends", {})
         monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    new_process()
+    forget()
+    return forget
+
+
+def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeypatch, tmp_path, new_process):
+    """The least-peak search's simulations and walks are kept on disk by graph: a later process
+    planning the same graph at another budget simulates nothing again, and plans what it would have."""
+    from recompile_opt.costs import simulator
+
     model, inputs = tiny_gpt()
     first = recompile_opt.plan(model, inputs, memory_budget=0.0)
     assert first.solver["simulations"] > 0 and list((tmp_path / "recompile_opt_peaks").glob("*.json"))
@@ -465,20 +471,10 @@ def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeyp
     assert second.predicted_peak_bytes == unaided.predicted_peak_bytes
 
 
-def test_a_new_process_finds_where_the_last_one_walked_each_peak(monkeypatch, tmp_path):
+def test_a_new_process_finds_where_the_last_one_walked_each_peak(new_process):
     """What is alive at each walked peak is kept on disk with the peak: planned again in a new process,
     the least-peak plan says where it peaks as the first did, so the chunk choice (which reads it) makes
     the same plan. Without it the demo GPT got 21.78 MiB from a warm cache, 18.53 cold."""
-    from collections import OrderedDict
-
-    from recompile_opt.partitioner import MEMORY
-
-    def new_process():
-        monkeypatch.setattr(MEMORY, "range_ends", {})
-        monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    new_process()
     model, inputs = tiny_gpt()
     first = recompile_opt.plan(model, inputs, memory_budget=0.0)
     assert first.solver["peak_from"] == "inductor-code" and first.walked_breakdown["bytes"]

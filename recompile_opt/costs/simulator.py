@@ -102,7 +102,7 @@ def _load(key: str) -> tuple[dict, dict, dict] | None:
     exact = {(frozenset(saved), frozenset(rec)): peak for saved, rec, peak in data["walked"]}
     traces = {
         (frozenset(saved), frozenset(rec)): WalkedPeak(**{**t, "alive": [tuple(a) for a in t["alive"]]})
-        for saved, rec, t in data.get("traces", [])
+        for saved, rec, t in data["traces"]
     }
     return results, exact, traces
 
