@@ -245,7 +245,7 @@ def _greedy(
     trials not taken (``notes`` and ``passed`` grow). ``liger_first``: the stage is ordered with Liger's k
     (below the floor) first, and a kind's chunks at the floor are tried only where Liger's were not taken.
     Why: each try is a planning; tried floor first, the demo GPT's attention took 2 chunks and then 4
-    (19.29 then 17.78 MiB, 44 of its 62 s of planning), and a k whose step is too slow is refused
+    (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is refused
     (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its tensors is
     alive at the peak (:func:`probes`)."""
     missed = []
