@@ -16,8 +16,9 @@ the CPU with dropout, :func:`recompile_opt.passes.meta_attention.runs_math_path`
 ``a``, ``b``, ``v`` (contiguous copies), the masks and the dropout's keep-mask, and whose backward
 recomputes each chunk's scores and probabilities, differentiates the elementwise part and the softmax
 by autograd (any mask written as torch ops works) and accumulates the gradients of ``b`` and ``v`` with
-``baddbmm`` (an extern kernel: Inductor fused pointwise sums of k chunk gradients into one kernel that
-held all k, see ``chunk_mlp``).
+one in-place product op a chunk (``precision.add_transposed_product_``: Inductor writes each into the
+accumulator's own buffer; pointwise sums of k chunk gradients it fused into one kernel that held all k,
+see ``chunk_mlp``).
 
 Dropout: the keep-mask is drawn whole in the forward, once, as eager's ``dropout`` draws it (``bernoulli_``
 on a tensor of the probabilities' shape and dtype: the same numbers from the same generator state), and
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from recompile_opt.passes import meta_attention
+from recompile_opt.passes import meta_attention, precision
 from recompile_opt.passes.chunking import arguments, value_of
 
 from recompile_opt import ops
@@ -401,7 +402,7 @@ class _ChunkedAttention(torch.autograd.Function):
     """The query chunks one after the other; kept: ``a``, ``b``, ``v`` (contiguous: :func:`_operands`),
     the masks and the keep-mask.
     The backward recomputes each chunk's probabilities and accumulates the gradients of ``b`` and ``v``
-    with ``baddbmm`` (in fp32 where they are narrower)."""
+    in place (:func:`precision.add_transposed_product`, in fp32 where they are narrower)."""
 
     @staticmethod
     def forward(ctx, a, b, v, body, chunks, p, *externals):
@@ -431,14 +432,14 @@ class _ChunkedAttention(torch.autograd.Function):
                 scores = (a_c @ b).detach().requires_grad_()
                 probs = ctx.body(scores, *_rows(externals, rows, queries))
             dropped = probs.detach() if keep is None else _dropped(probs.detach(), keep[..., rows, :], ctx.p)
-            grad_v = torch.baddbmm(grad_v, _flat(dropped).transpose(1, 2).to(acc), _flat(g_c).to(acc))
+            grad_v = precision.add_transposed_product(grad_v, _flat(dropped), _flat(g_c))
             grad_probs = g_c @ v.transpose(-2, -1)
             if keep is not None:
                 grad_probs = _dropped(grad_probs, keep[..., rows, :], ctx.p)
             (grad_scores,) = torch.autograd.grad(probs, scores, grad_probs.to(probs.dtype))
             grad_scores = grad_scores.to(a.dtype)
             grad_a.append(grad_scores @ b.transpose(-2, -1))
-            grad_b = torch.baddbmm(grad_b, _flat(a_c).transpose(1, 2).to(acc), _flat(grad_scores).to(acc))
+            grad_b = precision.add_transposed_product(grad_b, _flat(a_c), _flat(grad_scores))
         return (
             torch.cat(grad_a, -2),
             grad_b.to(b.dtype).view(b.shape),

@@ -14,8 +14,8 @@ Face's ``Conv1D`` (GPT-2: ``addmm(b, x.view(-1, in), W).view(...)``, ``W`` of sh
 linear of ``W.t()`` (:class:`Projection`). Nothing
 inside may be read outside it. The region becomes :func:`chunked_mlp`, an autograd Function whose
 forward runs the chunks one after the other and keeps only ``x``, and whose backward recomputes each
-chunk's up-projections and activation and accumulates the weights' gradients with ``addmm`` (an extern
-kernel: Inductor cannot fuse k weight-sized partial products into one sum, which letting autograd
+chunk's up-projections and activation and accumulates the weights' gradients in place with a product op
+(an extern kernel: Inductor cannot fuse k weight-sized partial products into one sum, which letting autograd
 differentiate a loop of chunks did). The elementwise part is differentiated by autograd, one chunk at a
 time, so any activation written as torch ops (Hugging Face's tanh GELU) works.
 
@@ -393,7 +393,7 @@ class _ChunkedMLPBackward:
         for x_c, g_c in zip(self.tokens.tensor_split(ctx.chunks), grad_out.tensor_split(ctx.chunks)):
             xs = [x_c.to(dt) for dt in dts[:-1]]
             hidden, activated = self._recompute(xs)
-            grad_down = precision.add_product(grad_down, g_c.t(), activated.detach().to(dts[-1]))
+            grad_down = precision.add_transposed_product(grad_down, g_c, activated.detach().to(dts[-1]))
             if down_has_bias:
                 grad_down_bias = add_column_sums(grad_down_bias, g_c)
             grad_activated = (g_c @ self.down_w).to(activated.dtype)
@@ -401,7 +401,7 @@ class _ChunkedMLPBackward:
             grad_x = None
             for i, (g_h, x_mm, (w, _)) in enumerate(zip(grad_hidden, xs, self.ups)):
                 g_h = g_h.to(dts[i])
-                grad_ups[i] = precision.add_product(grad_ups[i], g_h.t(), x_mm)
+                grad_ups[i] = precision.add_transposed_product(grad_ups[i], g_h, x_mm)
                 if up_bias[i]:
                     grad_up_biases[i] = add_column_sums(grad_up_biases[i], g_h)
                 grad_x = _add_input_gradient(grad_x, g_h, w, self.tokens.dtype)
@@ -446,5 +446,5 @@ def add_column_sums(total: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     Why: summed as a reduction, Inductor fuses the k chunks' bias-gradient sums into one kernel
     that reads every chunk's gradient, so all k are alive at once (seen in the generated code of a
     chunked MLP's backward); a matmul is an extern kernel that runs alone, one chunk at a time."""
-    ones = grad.new_ones(1, grad.shape[0])
-    return precision.add_product(total.unsqueeze(0), ones, grad).squeeze(0)
+    ones = grad.new_ones(grad.shape[0], 1)
+    return precision.add_transposed_product(total, ones, grad)

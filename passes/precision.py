@@ -7,13 +7,15 @@ weight gradient as one bf16 GEMM over every token: accumulated in fp32, rounded 
 over k chunks in bf16 it is rounded k times (a 0.2-0.6% gradient error on a 2-layer GPT, where plain
 ``torch.compile`` differs from eager by 3e-7). So the regions state their dtypes explicitly, read off
 Dynamo's example values (where autocast's choices are), run with autocast off, and accumulate reductions
-across chunks in fp32 with :func:`addmm_fp32`, rounding once at the end as eager's single GEMM does.
+across chunks in fp32 with :func:`add_transposed_product_` (on CUDA cuBLAS's bf16 GEMM with an fp32 output,
+elsewhere upcast operands), rounding once at the end as eager's single GEMM does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 
@@ -44,20 +46,6 @@ def autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False)
 
 
-@torch.library.custom_op("recompile_opt::addmm_fp32", mutates_args=())
-def addmm_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total + a @ b`` with ``a @ b`` accumulated in ``total``'s dtype (fp32) from low-precision
-    ``a`` and ``b``: on CUDA cuBLAS's GEMM with an fp32 output (bf16 speed), elsewhere the operands
-    upcast (bf16 and fp16 values are exact in fp32: the same products). One op, so that Inductor runs
-    each chunk's accumulation as its own extern kernel and never fuses k partial products into one
-    sum that holds all k alive."""
-    if a.dtype == total.dtype:
-        return torch.addmm(total, a, b)
-    if a.is_cuda and _gemm_out_dtype():
-        return torch.addmm(total, a, b, out_dtype=total.dtype)
-    return torch.addmm(total, a.to(total.dtype), b.to(total.dtype))
-
-
 @functools.cache
 def _gemm_out_dtype() -> bool:
     """Whether this torch's ``addmm`` takes ``out_dtype`` (a bf16 GEMM with an fp32 result: its
@@ -65,26 +53,43 @@ def _gemm_out_dtype() -> bool:
     return "dtype" in torch.ops.aten.addmm.overloads()
 
 
-@addmm_fp32.register_fake
+def add_transposed_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``total += a^T @ b`` (the last two dims transposed) for traced code, in place
+    (:func:`add_transposed_product_`), accumulated in ``total``'s dtype; returns ``total``, a fresh
+    accumulator of the traced code (Inductor then writes each chunk's product into its buffer)."""
+    torch.ops.recompile_opt.add_transposed_product_(total, a, b)
+    return total
+
+
+@torch.library.custom_op(
+    "recompile_opt::add_transposed_product_", mutates_args=("total",), tags=(torch.Tag.flexible_layout,)
+)
+def add_transposed_product_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a^T @ b`` in place, accumulated in ``total``'s dtype; ``a`` and ``b`` matrices or
+    batches of them (a ``total`` of one dim fewer takes the one-row product). Why an op that mutates:
+    Inductor reinplaces it into the accumulator's own buffer (its ``auto_functionalized`` pass), where
+    ``addmm(total, a.t(), b)`` allocates each chunk's sum while the last is alive: one accumulator
+    more at the demo GPT's peak (its attention backward). An extern kernel, so Inductor never fuses k
+    partial products into one sum that holds all k alive. Why ``a`` untransposed: a transposed view
+    is handed to a custom op as a buffer of its own, a copy of ``a`` (the attention's probabilities)."""
+    accumulate_(total if total.dim() == a.dim() else total.unsqueeze(0), a.transpose(-2, -1), b)
+
+
+@add_transposed_product_.register_fake
 def _(total, a, b):
-    return torch.empty_like(total)
+    return None
 
 
-@ti.register_flop_formula(torch.ops.recompile_opt.addmm_fp32)
-def _flops(total_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
-
-
-def add_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total + a @ b`` for traced code, accumulated in ``total``'s dtype: ``aten.addmm`` where the
-    dtypes agree, else :func:`addmm_fp32`; both extern kernels, one chunk at a time."""
-    if a.dtype == total.dtype:
-        return torch.addmm(total, a, b)
-    return torch.ops.recompile_opt.addmm_fp32(total, a, b)
+@ti.register_flop_formula(torch.ops.recompile_opt.add_transposed_product_)
+def _product_flops(total_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * math.prod(a_shape) * b_shape[-1]
 
 
 def accumulate_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``total += a @ b`` in place, eagerly (inside an op), accumulated in ``total``'s dtype."""
+    """``total += a @ b`` in place, eagerly (inside an op), accumulated in ``total``'s dtype; ``a``,
+    ``b`` matrices or batches of matrices."""
+    if a.dim() == 3:
+        return total.baddbmm_(a.to(total.dtype), b.to(total.dtype))
     if a.dtype == total.dtype:
         return total.addmm_(a, b)
     if a.is_cuda and _gemm_out_dtype():

@@ -213,6 +213,7 @@ __all__ = [
     "reordering_to_mimic_autograd_engine",
     "select_decomp_table",
     "schema_argument",
+    "functionalized_call",
     "is_collective_op",
     "collective_name",
     "is_all_gather",
@@ -395,6 +396,25 @@ def schema_argument(node, name: str) -> tuple[bool, object]:
         if arg.name == name:
             return True, node.kwargs.get(name, node.args[i] if i < len(node.args) else arg.default_value)
     return False, None
+
+
+def functionalized_call(node) -> tuple[object, list] | None:
+    """``(op, args)`` of a functionalised mutation (``auto_functionalized`` or its v2, as AOTAutograd
+    writes a custom op that mutates an input): the op it wraps and its arguments in the op's schema order,
+    a mutated one as the node it mutates (v2: its base); None for any other node. Why: a cost read off
+    the wrapped op (its FLOPs), which the higher-order op does not state."""
+    if getattr(node.target, "__name__", None) not in ("auto_functionalized", "auto_functionalized_v2"):
+        return None
+    op, kwargs = node.args[0], node.kwargs
+    bases = kwargs.get("_all_bases", [])
+    args = []
+    for arg in op._schema.arguments:
+        if arg.name in kwargs:
+            args.append(kwargs[arg.name])
+        else:
+            index = kwargs.get(f"_{arg.name}_base_index")
+            args.append(bases[index] if index is not None else arg.default_value)
+    return op, args
 
 
 def is_collective_op(target) -> bool:

@@ -264,3 +264,24 @@ def test_through_inductor_the_planner_chunks_attention_and_the_measured_peak_fal
     peaks, plan = least_peaks_without_and_with_auto_chunks(cfg, 2)
     assert any(c["kind"] == "attention" for c in plan.chunks), plan.summary()
     assert peaks["auto"] < 0.8 * peaks[False], peaks
+
+
+def test_through_inductor_the_k_and_v_gradients_accumulate_in_place():
+    """Each chunk's product is added into the K and V gradients' own buffers: one buffer each for all
+    chunks, in the code Inductor generates. Why: ``baddbmm(total, ...)`` allocated each chunk's sum
+    while the last was alive, one accumulator more at the demo GPT's peak (its attention backward)."""
+    from torch._inductor.utils import run_and_get_code
+
+    cfg = models.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
+    compiled = torch.compile(model, backend="recompile_opt", options={"chunks": {"attention": 4}})
+    _, codes = run_and_get_code(lambda: compiled(*inputs).backward())
+    calls = [
+        line.strip()
+        for code in codes
+        for line in code.splitlines()
+        if "add_transposed_product_.default(" in line and not line.strip().startswith("#")
+    ]
+    totals = {line.split("(", 1)[1].split(",", 1)[0] for line in calls}
+    assert len(calls) == 2 * 4 and len(totals) == 2, calls  # K's and V's: one buffer each, 4 chunks

@@ -17,6 +17,7 @@ from test_chunking import EAGER, _assert_runs_alike, _dynamo_graph
 
 import recompile_opt
 from recompile_opt import models
+from recompile_opt._torch_internals import functionalized_call
 from recompile_opt.compile_paths import compile_eager
 from recompile_opt.options import parse_options
 from recompile_opt.partitioner import RecompilePartitioner
@@ -85,7 +86,7 @@ def test_no_buffer_of_the_hidden_width_holds_more_than_one_chunk(chunks):
 
 def test_the_backward_accumulates_weight_and_bias_gradients_with_matmuls_only():
     """Why: Inductor fuses pointwise sums of k chunk-gradients into one kernel that reads all k (all
-    alive at once); ``addmm`` accumulations are extern kernels, one chunk at a time."""
+    alive at once); the product op's accumulations are extern kernels, one chunk at a time."""
     model, inputs = tiny_gpt()  # biases on: c_fc's bias gradient is accumulated too
     partitioner = RecompilePartitioner(parse_options({"chunks": {"mlp": 4}, **EAGER}))
     torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
@@ -99,13 +100,14 @@ def test_the_backward_accumulates_weight_and_bias_gradients_with_matmuls_only():
         and n.meta["val"].shape == (hidden,)
     ]
     assert not sums, f"bias gradients summed as reductions: {sums}"
+    products = [call for n in bw.nodes if (call := functionalized_call(n))]
     accumulations = [
-        n
-        for n in bw.nodes
-        if n.target == torch.ops.aten.addmm.default
-        and tuple(n.meta["val"].shape) in ((hidden, WIDTH), (WIDTH, hidden), (1, hidden))
+        args[0]
+        for op, args in products
+        if op is torch.ops.recompile_opt.add_transposed_product_.default
+        and tuple(args[0].meta["val"].shape) in ((hidden, WIDTH), (WIDTH, hidden), (hidden,))
     ]
-    assert len(accumulations) >= 2 * 3 * (4 - 1)  # two blocks, three accumulators, k - 1 addmm each
+    assert len(accumulations) >= 2 * 3 * 4  # two blocks, three accumulators, one product a chunk each
 
 
 class _MLP(torch.nn.Module):
@@ -216,8 +218,7 @@ def test_through_inductor_the_planner_chunks_the_mlp_and_the_measured_peak_falls
     small): the least-peak plan without chunks peaks in the MLP's backward. With ``chunks="auto"`` the
     planner chunks the MLP by itself; the measured peak falls below 0.8x, the predicted peak is the
     measured one within 10%, and the gradients are eager's. (Where the tokens are few for the width,
-    the weight-gradient accumulators, two weight-sized buffers each while ``addmm`` runs, eat much of
-    the gain.)"""
+    the weight-gradient accumulators, weight-sized, eat much of the gain.)"""
     from helpers import least_peaks_without_and_with_auto_chunks
 
     cfg = models.GPTConfig(n_layer=1, n_head=1, n_embd=128, block_size=128, vocab_size=128)

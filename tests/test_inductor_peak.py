@@ -568,3 +568,34 @@ def test_a_compile_pools_buffers_as_planned_and_says_what_holds_its_peak(budget)
     assert pooled or "pooled" not in walked["bytes"]
     assert "walked:" in plan.summary()
     assert peak_memory(step) == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
+
+
+def test_each_kept_value_alive_at_the_walked_peak_is_tried_recomputed_largest_first():
+    """A chunked graph's simulated peaks tie, so the walks decide: a value the plan keeps that is
+    alive at its walked peak is tried recomputed (one walk each), the largest first, but never one
+    the user tagged to save or one that cannot be recomputed (an input)."""
+    from recompile_opt.planner import ilp
+    from recompile_opt.planner.solving import Candidate
+
+    p = problem(
+        inp("x", 1),
+        op("small", ["x"], 1, 1),
+        op("large", ["x"], 2, 1),
+        op("tagged", ["x"], 4, 1, tag="must_save"),
+        inp("ids", 8, needed=True),
+    )
+    base = Candidate(0, 0.0, 0, ilp.Solution(recompute=set(), keep={"small", "large", "tagged"}))
+    alive = [(n, s * MiB, "kept", None) for n, s in (("small", 1), ("large", 2), ("tagged", 4), ("ids", 8))]
+
+    class Walked(SimulateOnly):
+        def __call__(self, saved, recomputed):
+            return 0
+
+        def walked_peak(self, saved, recomputed):
+            return inductor_peak.WalkedPeak(
+                "backward", 15 * MiB, alive=alive + [("buf0", MiB, "working", "y")]
+            )
+
+    moves = least_peak._recompute_moves(p, base, Walked())
+    assert [c.walked_moves for c in moves] == [("large",), ("small",)]
+    assert all(c.walked_moves[0] in c.sol.recompute and c.walked_moves[0] not in c.sol.keep for c in moves)

@@ -31,7 +31,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from recompile_opt._torch_internals import collective_name, concrete_size, flop_registry, group_size
+from recompile_opt._torch_internals import (
+    collective_name,
+    concrete_size,
+    flop_registry,
+    functionalized_call,
+    group_size,
+)
 from recompile_opt.ops import is_fusible_pointwise, is_view_node
 
 
@@ -201,11 +207,15 @@ def _numel(node: fx.Node) -> int | None:
 
 
 def _flops(node: fx.Node, out) -> int:
-    packet = getattr(node.target, "_overloadpacket", None)
+    target, args, kwargs = node.target, node.args, node.kwargs
+    wrapped = functionalized_call(node)  # a custom op that mutates: its own formula
+    if wrapped is not None:
+        (target, args), kwargs, out = wrapped, {}, None
+    packet = getattr(target, "_overloadpacket", None)
     formula = flop_registry.get(_SAME_FLOPS_AS.get(packet, packet))
     if formula is None:
         return 0
-    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
     try:
         return _hint(formula(*args, **kwargs, out_val=out))
     except Exception:  # a formula that cannot read these args: count it as memory-bound

@@ -68,6 +68,9 @@ EXACT_TIE = 0.05
 # vocabulary 2048, its loss and MLPs chunked: 25 plans simulated within 22.3..23.9 MiB walked 24.1..30.1,
 # the least simulated at 29.1): there the plans of least simulated peak are walked, up to this many.
 WIDE_WALKS = 8
+# Kept values alive at the least walked peak of a chunked graph's search, each tried recomputed
+# (_recompute_moves): one walk each, in parallel.
+WALKED_MOVES = 2
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 # Between the first level that fits and the one above it, probes this far apart.
@@ -274,6 +277,11 @@ def _walked_widely(
     if not walked:
         return best, None
     lowest = min(walked, key=lambda c: (c.peak, c.recompute_s))
+    moved = {_as_compiled(problem, c): c for c in _recompute_moves(problem, lowest, simulate)}
+    moved = {sets: c for sets, c in moved.items() if sets not in plans}
+    simulate.walk_ahead(list(moved))
+    walked += [c._replace(peak=peak) for sets, c in moved.items() if (peak := exact(*sets)) is not None]
+    lowest = min(walked, key=lambda c: (c.peak, c.recompute_s))
     least = lowest.peak
     chosen = min(
         (c for c in walked if _worth_its_peak(problem, (c.peak, c.recompute_s), (least, lowest.recompute_s))),
@@ -284,7 +292,52 @@ def _walked_widely(
         f"Inductor's generated code: least {fmt_bytes(least)}; this plan peaks at "
         f"{fmt_bytes(chosen.peak)} for {_ms(chosen)}{_share_saved(problem, lowest, chosen)} (a peak up to "
         f"{EXACT_TIE:.0%} higher is taken for at least as large a share of the est. step saved)"
+        + (
+            f"; recomputed on top of the ILP's choice, kept and alive at its walked peak: "
+            f"{', '.join(chosen.walked_moves)}"
+            if chosen.walked_moves
+            else ""
+        )
     )
+
+
+def _recompute_moves(problem: Problem, base: Candidate, simulate: Simulate) -> list[Candidate]:
+    """``base`` with one more value recomputed, for each value it keeps that is alive at its walked
+    peak (the largest ``WALKED_MOVES`` of them).
+
+    Why: on a chunked graph the simulated peaks tie (every plan of the demo GPT's search at 20.34 MiB)
+    and the walks go to the cheapest of the ties; the least walked peak (17.78 MiB) kept the embedding
+    sum, 1 MiB alive under the first block's attention backward, where recomputing it with the norm
+    that reads it costs an elementwise pass (16.78 MiB walked)."""
+    trace = simulate.walked_peak(*_as_compiled(problem, base))
+    if trace is None:
+        return []
+    feasible = problem.recomputable()
+    kept = [
+        origin or buf for buf, _, role, origin in sorted(trace.alive, key=lambda a: -a[1]) if role == "kept"
+    ]
+    moves = [
+        n
+        for n in kept
+        if n in feasible and problem.values[n].tag not in ("must_save", "prefer_save")  # the user's word
+    ]
+    out = []
+    for name in moves[:WALKED_MOVES]:
+        trial = dataclasses.replace(
+            base.sol, recompute=base.sol.recompute | {name}, keep=base.sol.keep - {name}
+        )
+        saved, recomputed = problem.needed_closure(trial.recompute, trial.keep)
+        if name in recomputed:
+            out.append(
+                base._replace(
+                    peak=simulate(saved, recomputed),
+                    recompute_s=problem.recompute_seconds(recomputed),
+                    kept=problem.kept_bytes(saved, recomputed),
+                    sol=trial,
+                    walked_moves=(*base.walked_moves, name),
+                )
+            )
+    return out
 
 
 def _worth_its_peak(problem: Problem, rival: tuple[int, float], least: tuple[int, float]) -> bool:

@@ -30,6 +30,7 @@ class Candidate(NamedTuple):
     level: float | None = None
     refined: tuple[str, ...] = ()
     mirrored: int | None = None  # the block whose decisions every identical block took
+    walked_moves: tuple[str, ...] = ()  # kept values alive at a walked peak, recomputed on top
 
 
 class Simulate(Protocol):
@@ -57,6 +58,9 @@ class Simulate(Protocol):
 
     def why_unwalked(self, saved: set, recomputed: set) -> str: ...  # why exact() gave no peak
 
+    # what is alive at this plan's walked peak (costs.inductor_peak.WalkedPeak), where walked; else None
+    def walked_peak(self, saved: set, recomputed: set): ...
+
     def mark_asked(self, keys) -> None: ...  # plans walked by an earlier search count as this compile's
 
     def walked_keys(self, since: int = 0) -> frozenset: ...  # the plans walked since asked_log[since]
@@ -82,6 +86,9 @@ class SimulateOnly:
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
         return "no walk for this graph"
+
+    def walked_peak(self, saved: set, recomputed: set):
+        return None
 
     def mark_asked(self, keys) -> None:
         pass
