@@ -427,7 +427,7 @@ class _ChunkedAttention(torch.autograd.Function):
         grad_v = _flat(v).new_zeros(_flat(v).shape, dtype=acc)
         grad_a = []
         for rows in _row_chunks(queries, ctx.chunks):
-            a_c, g_c = a[..., rows, :], grad_out[..., rows, :]
+            a_c, g_c = a[..., rows, :], grad_out[..., rows, :].contiguous()  # one copy, two readers
             with torch.enable_grad():
                 scores = (a_c @ b).detach().requires_grad_()
                 probs = ctx.body(scores, *_rows(externals, rows, queries))
