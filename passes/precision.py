@@ -81,8 +81,10 @@ def _(total, a, b):
 
 
 @ti.register_flop_formula(torch.ops.recompile_opt.add_transposed_product_)
-def _product_flops(total_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    return 2 * math.prod(a_shape) * b_shape[-1]
+def _product_flops(total=None, a=(), b=(0,), *args, out_shape=None, **kwargs) -> int:
+    """``a`` and ``b`` are shapes here (the formula's wrapper passes them so), by position or by the
+    op's argument names (Inductor's flop count of a fallback kernel names them)."""
+    return 2 * math.prod(a) * b[-1]
 
 
 def accumulate_(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -349,3 +349,28 @@ def test_rockmate_runner_loads_measure_without_our_package():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(MiB), "False"]
+
+
+def test_the_chunks_in_place_products_count_their_flops():
+    """A chunked MLP's backward accumulates its weights' gradients with a custom op that mutates
+    (functionalised in the graph): each counts as its matmul, so the benchmark's recompute figure
+    is not short of them (it raised on them before)."""
+    import torch
+    from helpers import tiny_gpt
+    from test_chunking import EAGER
+
+    from recompile_opt._torch_internals import functionalized_call
+    from recompile_opt.compile_paths import compile_eager
+    from recompile_opt.options import parse_options
+    from recompile_opt.partitioner import RecompilePartitioner
+
+    model, inputs = tiny_gpt()
+    partitioner = RecompilePartitioner(parse_options({"chunks": {"mlp": 4}, **EAGER}))
+    torch.compile(model, backend=lambda gm, ex: compile_eager(gm, ex, partitioner))(*inputs).backward()
+    products = [n for n in partitioner.last_backward.graph.nodes if functionalized_call(n)]
+    assert products
+    for n in products:
+        _, (total, a, b) = functionalized_call(n)
+        rows, m = a.meta["val"].shape[-2:]
+        want = 2 * rows * m * b.meta["val"].shape[-1]
+        assert compare.node_flops(n) == want, (n.name, compare.node_flops(n), want)

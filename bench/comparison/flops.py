@@ -39,18 +39,23 @@ def _flop_mapping() -> dict:
 def node_flops(node) -> int:
     """FLOPs of one node of an FX graph from its fake values, by ``torch.utils.flop_counter``'s formulas.
 
-    An op run inside an RNG-state higher-order op (``run_and_save_rng_state``, ``run_with_rng_state``,
+    A custom op that mutates (``auto_functionalized``: the chunks' in-place products), or an op run
+    inside an RNG-state higher-order op (``run_and_save_rng_state``, ``run_with_rng_state``,
     ``graphsafe_run_with_rng_state``: a random op saved or replayed, e.g. SDPA, which takes a
-    dropout_p) counts as that op."""
+    dropout_p), counts as that op."""
     import torch
     import torch.fx as fx
     import torch.utils._pytree as pytree
     from torch.utils.flop_counter import flop_registry
 
+    from recompile_opt._torch_internals import functionalized_call
+
     if node.op != "call_function":
         return 0
     op, args, kwargs = node.target, node.args, dict(node.kwargs)
-    if not isinstance(op, torch._ops.OpOverload):  # a HOP: find the op it runs
+    if functionalized_call(node) is not None:  # a custom op that mutates, functionalised
+        (op, args), kwargs = functionalized_call(node), {}
+    elif not isinstance(op, torch._ops.OpOverload):  # a HOP: find the op it runs
         inner = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
         if not inner:
             return 0
