@@ -573,7 +573,8 @@ def test_a_compile_pools_buffers_as_planned_and_says_what_holds_its_peak(budget)
 def test_each_kept_value_alive_at_the_walked_peak_is_tried_recomputed_largest_first():
     """A chunked graph's simulated peaks tie, so the walks decide: a value the plan keeps that is
     alive at its walked peak is tried recomputed (one walk each), the largest first, but never one
-    the user tagged to save or one that cannot be recomputed (an input)."""
+    the user tagged to save, one that cannot be recomputed (an input) or one within the walk's tie
+    (``EXACT_TIE`` of the peak)."""
     from recompile_opt.planner import ilp
     from recompile_opt.planner.solving import Candidate
 
@@ -583,9 +584,13 @@ def test_each_kept_value_alive_at_the_walked_peak_is_tried_recomputed_largest_fi
         op("large", ["x"], 2, 1),
         op("tagged", ["x"], 4, 1, tag="must_save"),
         inp("ids", 8, needed=True),
+        op("tiny", ["x"], 0.5, 1),
     )
-    base = Candidate(0, 0.0, 0, ilp.Solution(recompute=set(), keep={"small", "large", "tagged"}))
-    alive = [(n, s * MiB, "kept", None) for n, s in (("small", 1), ("large", 2), ("tagged", 4), ("ids", 8))]
+    base = Candidate(0, 0.0, 0, ilp.Solution(recompute=set(), keep={"small", "large", "tagged", "tiny"}))
+    alive = [
+        (n, s * MiB, "kept", None)
+        for n, s in (("small", 1), ("large", 2), ("tagged", 4), ("ids", 8), ("tiny", 0.5))
+    ]
 
     class Walked(SimulateOnly):
         def __call__(self, saved, recomputed):

@@ -303,7 +303,8 @@ def _walked_widely(
 
 def _recompute_moves(problem: Problem, base: Candidate, simulate: Simulate) -> list[Candidate]:
     """``base`` with one more value recomputed, for each value it keeps that is alive at its walked
-    peak (the largest ``WALKED_MOVES`` of them).
+    peak (the largest ``WALKED_MOVES`` of them, each at least ``EXACT_TIE`` of the peak: a smaller
+    one lowers the peak by less than the tie that :func:`_worth_its_peak` trades for recompute).
 
     Why: on a chunked graph the simulated peaks tie (every plan of the demo GPT's search at 20.34 MiB)
     and the walks go to the cheapest of the ties; the least walked peak (17.78 MiB) kept the embedding
@@ -314,7 +315,9 @@ def _recompute_moves(problem: Problem, base: Candidate, simulate: Simulate) -> l
         return []
     feasible = problem.recomputable()
     kept = [
-        origin or buf for buf, _, role, origin in sorted(trace.alive, key=lambda a: -a[1]) if role == "kept"
+        origin or buf
+        for buf, size, role, origin in sorted(trace.alive, key=lambda a: -a[1])
+        if role == "kept" and size >= EXACT_TIE * trace.peak  # less: within the tie, not taken for its peak
     ]
     moves = [
         n
