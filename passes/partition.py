@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 
 import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.ops import is_random_op
-from recompile_opt.planner.problem import offloaded_values
+from recompile_opt.ops import is_fusible_pointwise, is_random_op, is_view_node, op_name
+from recompile_opt.planner.problem import offloaded_values, twice_values
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,92 @@ def partition(
         if replayed:
             fw, bw = _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes, saved_opaque)
         bw = _reorder_in_place(bw) if for_simulation else ti.reordering_to_mimic_autograd_engine(bw)
+        twice = twice_values(recomputed)
+        if twice:
+            _recompute_twice(bw, twice)
         offloaded = offloaded_values(recomputed)
         if offloaded:  # torch's own offloading, where torch's partitioners call it
             _offload(fw, bw, offloaded, num_fwd_outputs, info)
         return ti.raise_getitems(fw), ti.raise_getitems(bw)
+
+
+# ops cheap enough to run twice besides elementwise ones and views: a norm's statistics
+_CHEAP_REDUCTIONS = frozenset({"var_mean", "mean", "sum", "amax", "native_layer_norm"})
+
+
+def _recompute_twice(bw: fx.GraphModule, names: set[str]) -> None:
+    """Each named value the backward recomputes is made a second time for its late readers: those
+    after the longest stretch of the backward in which none reads it. The copy runs just before the
+    first late reader, from what is alive there anyway; the inputs that would be dead by then are made
+    again with it (a norm's output again from its input). A value made by anything but elementwise
+    ops, views and a norm's reductions, or by a random op, is left made once.
+
+    Why: a block's normalised input is recomputed for its QKV projection, which the attention's
+    backward reads, and read again by the QKV weight's gradient after it: made once, it is alive
+    through the attention backward, where the demo GPT's step peaks (1 of its 16.54 MiB)."""
+    graph = bw.graph
+    by_name = {n.name: n for n in graph.nodes}
+    for name in sorted(names):
+        x = by_name.get(name)
+        if x is None or x.op != "call_function":
+            continue  # kept: nothing to make twice
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        reads = sorted(_reads(x), key=lambda r: order[r[0]])
+        if len(reads) < 2 or any(r[0].op == "output" for r in reads):
+            continue
+        gaps = [order[b[0]] - order[a[0]] for a, b in zip(reads, reads[1:])]
+        late = reads[gaps.index(max(gaps)) + 1 :]
+        chain = _made_again(x, order[late[0][0]], order)
+        if chain is None:
+            continue
+        env: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(late[0][0]):
+            for n in chain + [v for _, path in late for v in path]:
+                if n not in env:
+                    env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+        for reader, path in late:
+            read = path[-1] if path else x
+            reader.replace_input_with(read, env[read])
+        for view in reversed(
+            list(dict.fromkeys(v for _, path in late for v in path))
+        ):  # the late readers' only
+            if not view.users:
+                graph.erase_node(view)
+    graph.lint()
+    bw.recompile()
+
+
+def _reads(x: fx.Node) -> list[tuple[fx.Node, list[fx.Node]]]:
+    """The nodes that read ``x`` or a view of it, each with the views from ``x`` to what it reads."""
+    out, todo = [], [(x, [])]
+    while todo:
+        node, path = todo.pop()
+        for user in node.users:
+            if is_view_node(user):
+                todo.append((user, path + [user]))
+            else:
+                out.append((user, path))
+    return out
+
+
+def _made_again(x: fx.Node, start: int, order: dict) -> list[fx.Node] | None:
+    """``x`` and the inputs it is made from that are dead before position ``start`` (a tuple's
+    producer always: its outputs die with their reads), in graph order; None where one is not cheap."""
+    chain, todo, seen = [], [x], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        cheap = n.target is operator.getitem or is_view_node(n) or is_fusible_pointwise(n)
+        if is_random_op(n) or not (cheap or op_name(n) in _CHEAP_REDUCTIONS):
+            return None
+        chain.append(n)
+        for a in n.all_input_nodes:
+            tuple_of = n.target is operator.getitem and a is n.args[0]
+            if a.op != "placeholder" and (tuple_of or max(order[u] for u in a.users) < start):
+                todo.append(a)
+    return sorted(chain, key=order.__getitem__)
 
 
 def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info) -> None:

@@ -72,6 +72,9 @@ class Plan:
     # value's), kept_as (the values read instead) and kept_as_bytes, choice (its name in the plan's
     # recomputed set), marker, cost_s (the time it adds), module, source
     approximated: list[dict] = field(default_factory=list)
+    # values the backward recomputes twice: for the recomputation that reads them, and again for their
+    # late readers (passes/partition.py, _recompute_twice); chosen by the least-peak search's walks
+    recomputed_twice: list[str] = field(default_factory=list)
     # offload (option ``offload``, user CPU_OFFLOAD tags): one entry per offloaded value: value, op, shape,
     # dtype, bytes (moved each way), forward_window_s / backward_window_s (the compute its copies may
     # overlap: after its last forward use, before its first backward use), module, source
@@ -89,12 +92,14 @@ class Plan:
         return {e.name for e in self.saved}
 
     def recomputed_names(self) -> set[str]:
-        """The recomputed values, and the choice of each approximated site (its name, as the planner's
-        sets hold it: :class:`recompile_opt.planner.problem.Site`)."""
+        """The recomputed values, the choice of each approximated site (its name, as the planner's
+        sets hold it: :class:`recompile_opt.planner.problem.Site`), of each offloaded value and of each
+        value recomputed twice."""
         return (
             {e.name for e in self.recomputed}
             | {a["choice"] for a in self.approximated}
             | {"offload:" + e.name for e in self.saved if e.action == OFFLOAD}
+            | {"twice:" + name for name in self.recomputed_twice}
         )
 
     # -- JSON -------------------------------------------------------------------------------------
@@ -154,6 +159,14 @@ class Plan:
             *self._peak_lines(),
             *self._communication_lines(),
             *self._chunk_lines(),
+            *(
+                [
+                    f"  recomputed twice  : {', '.join(self.recomputed_twice)} (for the recomputation that "
+                    "reads it, and again for its readers after the longest stretch without one)"
+                ]
+                if self.recomputed_twice
+                else []
+            ),
             *self._approximation_lines(),
             *self._offload_lines(),
             f"  solver            : {self.solver.get('name', '-')} {self.solver.get('status', '-')}"

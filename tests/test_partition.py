@@ -1,6 +1,8 @@
 """The backward graph reads exactly the plan's kept values, and what the compiled step saves (measured
 with saved_tensors_hooks, storages deduplicated, parameters excluded) is the plan's byte count."""
 
+import operator
+
 import pytest
 import torch
 from helpers import forget_searches, partitioned, tiny_gpt, tiny_llama
@@ -152,3 +154,73 @@ def test_no_two_kept_tensors_share_an_activations_storage(make, budget):
     # planner kept one tensor per storage, the GPT kept div, view_8 and permute_61 here at 0.2 and 0.5,
     # the Llama an SDPA output and its view at every budget.
     assert _saved_storages_shared(make, budget) == {}
+
+
+def _one_value_read_early_and_late() -> torch.fx.GraphModule:
+    """``y = x * 2`` read at once and again after a stretch of ops that do not read it; ``m`` a norm's
+    statistics (a tuple op) that ``y2`` is made from and that nothing reads late."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    stats = g.call_function(torch.ops.aten.var_mean.correction, (x, [1]), {"correction": 0, "keepdim": True})
+    mean = g.call_function(operator.getitem, (stats, 1))
+    centred = g.call_function(torch.ops.aten.sub.Tensor, (x, mean))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (centred, 2.0))
+    early = g.call_function(torch.ops.aten.sin.default, (y,))
+    z = early
+    for _ in range(6):  # the stretch
+        z = g.call_function(torch.ops.aten.cos.default, (z,))
+    view = g.call_function(torch.ops.aten.view.default, (y, [-1]))
+    late = g.call_function(
+        torch.ops.aten.add.Tensor, (g.call_function(torch.ops.aten.view.default, (z, [-1])), view)
+    )
+    g.output(late)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_value_made_twice_is_made_again_just_before_its_late_readers_from_what_is_alive_there():
+    """The late reader (after the longest stretch without one) reads a copy made just before it, with
+    the inputs that are dead by then (the centred input, the norm's statistics) made again too, and
+    the graph computes what it did."""
+    from recompile_opt.passes.partition import _recompute_twice
+
+    gm = _one_value_read_early_and_late()
+    x = torch.randn(4, 8)
+    want = gm(x)
+    _recompute_twice(gm, {"mul_tensor"})
+    nodes = list(gm.graph.nodes)
+    y, late = next(n for n in nodes if n.name == "mul_tensor"), nodes[-2]
+    assert [u.name for u in y.users] == ["sin_default"]  # the early reader only
+    copies = [n for n in nodes if n.target == torch.ops.aten.mul.Tensor and n is not y]
+    assert len(copies) == 1 and nodes.index(copies[0]) > nodes.index(y) + 6  # after the stretch
+    assert sum(n.target == torch.ops.aten.var_mean.correction for n in nodes) == 2
+    assert late.target == torch.ops.aten.add.Tensor
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_values_made_twice_train_as_eager_with_dropout(compiler, monkeypatch):
+    """Every value of the tiny GPT's least-peak plan that can be made twice is (the partition asked
+    for all of them; random ops are not made twice): gradients equal eager's with dropout on, through
+    both compilers, and the backward does make some values twice."""
+    from helpers import train_side_by_side
+
+    from recompile_opt import planning
+    from recompile_opt.planner.problem import TWICE
+
+    made = []
+
+    def all_twice(gm, *, recomputed, **kw):
+        fw, bw = partition(gm, recomputed=set(recomputed) | {TWICE + n for n in recomputed}, **kw)
+        made.append(len(bw.graph.nodes) - len(partition(gm, recomputed=recomputed, **kw)[1].graph.nodes))
+        return fw, bw
+
+    monkeypatch.setattr(planning, "partition", all_twice)
+    forget_searches(monkeypatch)
+    model, inputs = tiny_gpt(dropout=0.1)
+    options = {"memory_budget": 0.0, "chunks": False, "compiler": compiler}
+    with (  # a cached artifact would skip the partition asked for here
+        torch._inductor.config.patch(fallback_random=True, fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        train_side_by_side(model, inputs, options=options, rtol=1e-4, atol=1e-5)
+    assert made and max(made) > 0

@@ -28,6 +28,7 @@ from recompile_opt.costs.peak import peak_and_recomputed_at_peak, pool_rule
 from recompile_opt.ops import is_random_op
 from recompile_opt.passes import approximate
 from recompile_opt.passes.partition import partition
+from recompile_opt.planner.problem import TWICE, twice_values
 from recompile_opt.provenance import code_hash
 
 log = logging.getLogger(__name__)
@@ -148,9 +149,10 @@ class PeakSimulator:
         self.asked_log: list[
             tuple
         ] = []  # each question to exact(), in order, answered from exact_results or not
-        # the partition reads the recomputed set only for its random ops (replayed) and the users of
-        # symbols (saved symbols): the exact peaks are keyed by those alone, so the plan as finally
-        # described (which lists every recomputed value) finds the candidate it was checked as
+        # the partition reads the recomputed set only for its random ops (replayed), the users of
+        # symbols (saved symbols) and the values made twice: the exact peaks are keyed by those alone,
+        # so the plan as finally described (which lists every recomputed value) finds the candidate it
+        # was checked as
         self.partition_reads = {n.name for n in gm.graph.nodes if is_random_op(n)} | {
             u.name for n in gm.graph.nodes if ti.is_sym_node(n) for u in n.users
         }
@@ -408,4 +410,5 @@ class PeakSimulator:
         return frozenset(self.asked_log[since:])
 
     def _exact_key(self, saved: set, recomputed: set) -> tuple:
-        return frozenset(saved), frozenset(recomputed) & self.partition_reads
+        twice = {TWICE + n for n in twice_values(recomputed)}  # the partition makes these twice
+        return frozenset(saved), frozenset(recomputed) & self.partition_reads | twice

@@ -19,7 +19,7 @@ from recompile_opt.options import Options
 from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner import ilp
 from recompile_opt.planner.blocks import BlockMirror, block_mirror
-from recompile_opt.planner.problem import Problem
+from recompile_opt.planner.problem import TWICE, Problem, twice_values
 from recompile_opt.planner.solving import (
     Candidate,
     InfeasibleBudget,
@@ -68,9 +68,11 @@ EXACT_TIE = 0.05
 # vocabulary 2048, its loss and MLPs chunked: 25 plans simulated within 22.3..23.9 MiB walked 24.1..30.1,
 # the least simulated at 29.1): there the plans of least simulated peak are walked, up to this many.
 WIDE_WALKS = 8
-# Kept values alive at the least walked peak of a chunked graph's search, each tried recomputed
-# (_recompute_moves): one walk each, in parallel.
-WALKED_MOVES = 2
+# Values alive at the least walked peak of a chunked graph's search, each tried recomputed (kept ones)
+# or recomputed twice (recomputed ones): one walk each, in parallel (_recompute_moves); rounds of them
+# while a round lowers the least walked peak (the demo GPT: the embedding sum recomputed, then the
+# first block's normalised input twice)
+WALKED_MOVES, MOVE_ROUNDS = 2, 2
 # Kept-byte levels, from the byte budget down to the least possible, searched for a peak_memory limit.
 PEAK_SEARCH = tuple(i / 10 for i in range(10, -1, -1))
 # Between the first level that fits and the one above it, probes this far apart.
@@ -277,11 +279,16 @@ def _walked_widely(
     if not walked:
         return best, None
     lowest = min(walked, key=lambda c: (c.peak, c.recompute_s))
-    moved = {_as_compiled(problem, c): c for c in _recompute_moves(problem, lowest, simulate)}
-    moved = {sets: c for sets, c in moved.items() if sets not in plans}
-    simulate.walk_ahead(list(moved))
-    walked += [c._replace(peak=peak) for sets, c in moved.items() if (peak := exact(*sets)) is not None]
-    lowest = min(walked, key=lambda c: (c.peak, c.recompute_s))
+    for _ in range(MOVE_ROUNDS):  # moves on the least walked plan, while they lower its walked peak
+        moved = {_as_compiled(problem, c): c for c in _recompute_moves(problem, lowest, simulate)}
+        moved = {sets: c for sets, c in moved.items() if sets not in plans}
+        plans.update(moved)
+        simulate.walk_ahead(list(moved))
+        walked += [c._replace(peak=peak) for sets, c in moved.items() if (peak := exact(*sets)) is not None]
+        better = min(walked, key=lambda c: (c.peak, c.recompute_s))
+        if better.peak >= lowest.peak:
+            break
+        lowest = better
     least = lowest.peak
     chosen = min(
         (c for c in walked if _worth_its_peak(problem, (c.peak, c.recompute_s), (least, lowest.recompute_s))),
@@ -293,8 +300,11 @@ def _walked_widely(
         f"{fmt_bytes(chosen.peak)} for {_ms(chosen)}{_share_saved(problem, lowest, chosen)} (a peak up to "
         f"{EXACT_TIE:.0%} higher is taken for at least as large a share of the est. step saved)"
         + (
-            f"; recomputed on top of the ILP's choice, kept and alive at its walked peak: "
-            f"{', '.join(chosen.walked_moves)}"
+            "; on top of the ILP's choice, moved where alive at the walked peak: "
+            + ", ".join(
+                f"{m[len(TWICE) :]} recomputed twice" if m.startswith(TWICE) else f"{m} recomputed"
+                for m in chosen.walked_moves
+            )
             if chosen.walked_moves
             else ""
         )
@@ -302,42 +312,48 @@ def _walked_widely(
 
 
 def _recompute_moves(problem: Problem, base: Candidate, simulate: Simulate) -> list[Candidate]:
-    """``base`` with one more value recomputed, for each value it keeps that is alive at its walked
-    peak (the largest ``WALKED_MOVES`` of them, each at least ``EXACT_TIE`` of the peak: a smaller
-    one lowers the peak by less than the tie that :func:`_worth_its_peak` trades for recompute).
+    """``base`` with one value more recomputed, or recomputed twice, for each value alive at its walked
+    peak that it keeps (then recomputed) or recomputes (then twice: :data:`problem.TWICE`), the largest
+    ``WALKED_MOVES`` of them, each at least ``EXACT_TIE`` of the peak: a smaller one lowers the peak by
+    less than the tie that :func:`_worth_its_peak` trades for recompute.
 
     Why: on a chunked graph the simulated peaks tie (every plan of the demo GPT's search at 20.34 MiB)
     and the walks go to the cheapest of the ties; the least walked peak (17.78 MiB) kept the embedding
     sum, 1 MiB alive under the first block's attention backward, where recomputing it with the norm
-    that reads it costs an elementwise pass (16.78 MiB walked)."""
-    trace = simulate.walked_peak(*_as_compiled(problem, base))
+    that reads it costs an elementwise pass (16.78 MiB walked). And a value is recomputed once: the
+    block's normalised input, recomputed for the QKV projection the attention's backward reads, was
+    alive through that backward until its QKV weight's gradient read it (16.54 -> 15.54 MiB made
+    twice)."""
+    saved, recomputed = _as_compiled(problem, base)
+    trace = simulate.walked_peak(saved, recomputed)
     if trace is None:
         return []
-    feasible = problem.recomputable()
-    kept = [
-        origin or buf
-        for buf, size, role, origin in sorted(trace.alive, key=lambda a: -a[1])
-        if role == "kept" and size >= EXACT_TIE * trace.peak  # less: within the tie, not taken for its peak
-    ]
-    moves = [
-        n
-        for n in kept
-        if n in feasible and problem.values[n].tag not in ("must_save", "prefer_save")  # the user's word
-    ]
+    feasible, twice = problem.recomputable(), twice_values(recomputed)
+    moves = []
+    for buf, size, role, origin in sorted(trace.alive, key=lambda a: -a[1]):
+        name = origin or buf
+        if size < EXACT_TIE * trace.peak or name not in problem.values:
+            continue
+        if problem.values[name].tag in ("must_save", "prefer_save"):  # the user's word
+            continue
+        if role == "kept" and name in feasible:
+            moves.append((name, {name}))
+        elif role == "working" and name in recomputed and name not in twice:
+            moves.append((TWICE + name, set()))
     out = []
-    for name in moves[:WALKED_MOVES]:
+    for move, unkept in moves[:WALKED_MOVES]:
         trial = dataclasses.replace(
-            base.sol, recompute=base.sol.recompute | {name}, keep=base.sol.keep - {name}
+            base.sol, recompute=base.sol.recompute | {move}, keep=base.sol.keep - unkept
         )
-        saved, recomputed = problem.needed_closure(trial.recompute, trial.keep)
-        if name in recomputed:
+        s2, r2 = problem.needed_closure(trial.recompute, trial.keep)
+        if move in r2:
             out.append(
                 base._replace(
-                    peak=simulate(saved, recomputed),
-                    recompute_s=problem.recompute_seconds(recomputed),
-                    kept=problem.kept_bytes(saved, recomputed),
+                    peak=simulate(s2, r2),
+                    recompute_s=problem.recompute_seconds(r2),
+                    kept=problem.kept_bytes(s2, r2),
                     sol=trial,
-                    walked_moves=(*base.walked_moves, name),
+                    walked_moves=(*base.walked_moves, move),
                 )
             )
     return out

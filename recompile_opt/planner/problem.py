@@ -11,10 +11,18 @@ import dataclasses
 from dataclasses import dataclass, field
 
 OFFLOAD = "offload:"  # a plan offloads value v when "offload:v" is in its recomputed set (see Problem)
+# a plan recomputes value v a second time for its late readers when "twice:v" is in its recomputed set
+# (passes/partition.py, _recompute_twice)
+TWICE = "twice:"
 
 
 def offload_choice(name: str) -> str:
     return OFFLOAD + name
+
+
+def twice_values(recomputed) -> set[str]:
+    """The values a plan's recomputed set recomputes twice."""
+    return {n[len(TWICE) :] for n in recomputed if n.startswith(TWICE)}
 
 
 def offloaded_values(recomputed) -> set[str]:
@@ -177,6 +185,8 @@ class Problem:
                 saved.add(name)
         # an offloaded value is kept (on the host): its choice holds where it is kept
         recomputed |= {offload_choice(n) for n in offloaded & saved}
+        # a value recomputed twice: its choice holds where it is recomputed
+        recomputed |= {TWICE + n for n in twice_values(recompute) & recomputed}
         return saved, recomputed
 
     def recomputable(self) -> set[str]:
@@ -209,7 +219,12 @@ class Problem:
         """Summed in the values' (graph) order, not the set's: a set of names iterates in an order that
         varies with each process's string hash seed, float sums then differ in the last bit, and two
         ranks broke a tie between equal plans differently (tests/test_parallel_rewrite.py)."""
-        return sum(v.recompute_s for n, v in self.values.items() if n in recomputed and v.in_forward)
+        twice = twice_values(recomputed)
+        return sum(
+            v.recompute_s * (1 + (n in twice))
+            for n, v in self.values.items()
+            if n in recomputed and v.in_forward
+        )
 
 
 def exposed_seconds(windows: list[tuple[float, int]], bytes_per_s: float) -> float:

@@ -19,7 +19,7 @@ from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
 from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
-from recompile_opt.planner.problem import Problem, offloaded_values
+from recompile_opt.planner.problem import Problem, offloaded_values, twice_values
 from recompile_opt.planner.solving import (
     InfeasibleBudget,
     Simulate,
@@ -90,6 +90,7 @@ def make_plan(
         notes=notes,
     )
     plan.approximated = _approximated(problem, recomputed)
+    plan.recomputed_twice = sorted(twice_values(recomputed))
     plan.offloaded = offload.offloaded_entries(problem, saved, recomputed)
     plan.offload = problem.offload_figures(saved, recomputed) if plan.offloaded else {}
     log.info(
