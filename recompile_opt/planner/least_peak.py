@@ -283,6 +283,7 @@ def _walked_widely(
         moved = {_as_compiled(problem, c): c for c in _recompute_moves(problem, lowest, simulate)}
         moved = {sets: c for sets, c in moved.items() if sets not in plans}
         plans.update(moved)
+        found += moved.values()  # met by the search: a peak_memory limit may take one
         simulate.walk_ahead(list(moved))
         walked += [c._replace(peak=peak) for sets, c in moved.items() if (peak := exact(*sets)) is not None]
         better = min(walked, key=lambda c: (c.peak, c.recompute_s))

@@ -391,6 +391,7 @@ def _describe(
                     )
                 )
     forward_recomputed = {n for n in recomputed if n in problem.values and problem.values[n].in_forward}
+    twice = twice_values(recomputed)  # made twice: counted twice
     kept = problem.kept_bytes(saved, recomputed)
     return Plan(
         graph=graph,
@@ -402,7 +403,7 @@ def _describe(
         min_bytes=min_bytes,
         budget_bytes=budget,
         peak_limit_bytes=options.peak_memory,
-        recompute_flops=sum(problem.values[n].flops for n in forward_recomputed),
+        recompute_flops=sum(problem.values[n].flops * (1 + (n in twice)) for n in forward_recomputed),
         recompute_s=problem.recompute_seconds(recomputed),
         step_s=problem.step_s,
         predicted_peak_bytes=0,
