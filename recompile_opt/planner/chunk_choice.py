@@ -62,10 +62,11 @@ LAST = frozenset({"attention"})
 # kinds planned only where their full-length tensors hold at least this share of the walked peak. Why:
 # a chunked attention has buffers that do not shrink with k (a contiguous copy of Q, K and V each; the
 # K and V gradients' accumulators, two buffers each while a baddbmm ran: one each, added in place), so
-# its chunks lower a peak only where the [b, heads, s, s] buffers hold much of it. The demo GPT (s=256) least-peak plan with
-# its MLPs chunked, 8 of 21.78 MiB (Inductor's pool off, as at the peak goals): attention in 2 walked
-# 19.29 MiB, in 4 17.79 (with the pool on, 8 of 21.80 and 21.30 in 2: the pool held the gain); a GPT
-# with s=512, 24 of 26.04 MiB, chunked in 8 walked 11.51 (docs/design.md, attention chunking)
+# its chunks lower a peak only where the [b, heads, s, s] buffers hold much of it. The demo GPT (s=256)
+# least-peak plan with its MLPs chunked, 8 of 21.78 MiB (Inductor's pool off, as at the peak goals):
+# attention in 2 walked 19.29 MiB, in 4 17.79 (with the pool on, 8 of 21.80 and 21.30 in 2: the pool
+# held the gain); a GPT with s=512, 24 of 26.04 MiB, chunked in 8 walked 11.51 (docs/design.md, attention
+# chunking)
 SHARE_FLOOR = {"attention": 1 / 3}
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8

@@ -278,7 +278,7 @@ def _walked_widely(
     walked = [c._replace(peak=peak) for sets, c in plans.items() if (peak := exact(*sets)) is not None]
     if not walked:
         return best, None
-    lowest = min(walked, key=lambda c: (c.peak, c.recompute_s))
+    lowest, unmoved = min(walked, key=lambda c: (c.peak, c.recompute_s)), len(walked)
     for _ in range(MOVE_ROUNDS):  # moves on the least walked plan, while they lower its walked peak
         moved = {_as_compiled(problem, c): c for c in _recompute_moves(problem, lowest, simulate)}
         moved = {sets: c for sets, c in moved.items() if sets not in plans}
@@ -295,8 +295,11 @@ def _walked_widely(
         (c for c in walked if _worth_its_peak(problem, (c.peak, c.recompute_s), (least, lowest.recompute_s))),
         key=lambda c: (c.recompute_s, c.peak),
     )
+    moves = len(walked) - unmoved
     return chosen, (
-        f"then, the graph chunked, its {len(walked)} plans of least simulated peak checked in "
+        f"then, the graph chunked, its {len(walked) - moves} plans of least simulated peak"
+        + (f" and {moves} moved ones" if moves else "")
+        + " checked in "
         f"Inductor's generated code: least {fmt_bytes(least)}; this plan peaks at "
         f"{fmt_bytes(chosen.peak)} for {_ms(chosen)}{_share_saved(problem, lowest, chosen)} (a peak up to "
         f"{EXACT_TIE:.0%} higher is taken for at least as large a share of the est. step saved)"
