@@ -6,9 +6,10 @@ that the backward recomputes are replayed from an RNG state the forward saves (t
 ``functionalize_rng_ops``: ``run_and_save_rng_state`` / ``run_with_rng_state``, which have CPU
 implementations), so the recomputed dropout mask is this step's mask, not a fresh one. Finally the
 backward is reordered as the autograd engine would run it, so each recomputation happens just before
-its first use instead of all at the start (what the peak model assumes). Values the plan offloads
-(``offload:<value>`` in its recomputed set) go through torch's own activation offloading, called where
-torch's partitioners call it (``_torch_internals.offload_activations``).
+its first use instead of all at the start (what the peak model assumes). Values the plan recomputes
+twice (``twice:<value>`` in its recomputed set) are made again for their late readers
+(:func:`_recompute_twice`). Values the plan offloads (``offload:<value>``) go through torch's own
+activation offloading, called where torch's partitioners call it (``_torch_internals.offload_activations``).
 
 The planner's searches partition one graph 20-30 times only to read the graphs
 (``for_simulation``); that path builds the same graphs with a third of the node copies.
