@@ -119,17 +119,16 @@ def _recompute_twice(bw: fx.GraphModule, names: set[str]) -> None:
         chain = _made_again(x, order[late[0][0]], order)
         if chain is None:
             continue
+        views = list(dict.fromkeys(v for _, path in late for v in path))  # what the late readers read through
         env: dict[fx.Node, fx.Node] = {}
         with graph.inserting_before(late[0][0]):
-            for n in chain + [v for _, path in late for v in path]:
+            for n in chain + views:
                 if n not in env:
                     env[n] = graph.node_copy(n, lambda a: env.get(a, a))
         for reader, path in late:
             read = path[-1] if path else x
             reader.replace_input_with(read, env[read])
-        for view in reversed(
-            list(dict.fromkeys(v for _, path in late for v in path))
-        ):  # the late readers' only
+        for view in reversed(views):  # erased where only the late readers read it
             if not view.users:
                 graph.erase_node(view)
     graph.lint()

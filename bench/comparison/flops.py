@@ -53,8 +53,9 @@ def node_flops(node) -> int:
     if node.op != "call_function":
         return 0
     op, args, kwargs = node.target, node.args, dict(node.kwargs)
-    if functionalized_call(node) is not None:  # a custom op that mutates, functionalised
-        (op, args), kwargs = functionalized_call(node), {}
+    wrapped = functionalized_call(node)  # a custom op that mutates, functionalised
+    if wrapped is not None:
+        (op, args), kwargs = wrapped, {}
     elif not isinstance(op, torch._ops.OpOverload):  # a HOP: find the op it runs
         inner = [i for i, a in enumerate(args) if isinstance(a, torch._ops.OpOverload)]
         if not inner:

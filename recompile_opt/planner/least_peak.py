@@ -297,7 +297,7 @@ def _walked_widely(
     )
     moves = len(walked) - unmoved
     return chosen, (
-        f"then, the graph chunked, its {len(walked) - moves} plans of least simulated peak"
+        f"then, the graph chunked, its {unmoved} plans of least simulated peak"
         + (f" and {moves} moved ones" if moves else "")
         + " checked in "
         f"Inductor's generated code: least {fmt_bytes(least)}; this plan peaks at "
