@@ -214,6 +214,7 @@ __all__ = [
     "select_decomp_table",
     "schema_argument",
     "functionalized_call",
+    "functionalized_writes",
     "is_collective_op",
     "collective_name",
     "is_all_gather",
@@ -415,6 +416,28 @@ def functionalized_call(node) -> tuple[object, list] | None:
             index = kwargs.get(f"_{arg.name}_base_index")
             args.append(bases[index] if index is not None else arg.default_value)
     return op, args
+
+
+def functionalized_writes(node) -> dict[int, object]:
+    """``{output index: the node it is the new value of}`` for a functionalised mutation
+    (``auto_functionalized``: the mutated arguments; v2: its bases); ``{}`` for any other node. Its
+    outputs are the op's own, then one per mutated buffer, in that order (the last ones of ``val``).
+    Why: Inductor writes the op over that buffer where nothing reads it afterwards
+    (``reinplace_inplaceable_ops``), so the peak model allocates nothing for it there."""
+    name = getattr(node.target, "__name__", None)
+    if name not in ("auto_functionalized", "auto_functionalized_v2"):
+        return {}
+    if name == "auto_functionalized_v2":
+        written = list(node.kwargs.get("_all_bases", []))
+    else:
+        schema = node.args[0]._schema
+        written = [node.kwargs[a.name] for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    val = node.meta.get("val")
+    count = len(val) if isinstance(val, (tuple, list)) else 0
+    offset = count - len(written)
+    if offset < 0:
+        return {}
+    return {offset + j: w for j, w in enumerate(written) if isinstance(w, torch.fx.Node)}
 
 
 def is_collective_op(target) -> bool:

@@ -593,9 +593,11 @@ def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step()
     assert fits[0] == {"loss": 4}  # a limit met only chunked: taken, slow or not
 
 
-def test_at_the_least_peak_attention_tries_ligers_k_first_and_its_floors_k_only_where_that_is_refused():
-    """Each try is a planning: attention at Liger's k (below the floor of rows) is planned first, and its
-    k at the floor only where Liger's is not taken (here: a step too slow for its peak)."""
+def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_only_where_refused():
+    """Each try is a planning: attention in its most chunks (MAX_CHUNKS) is planned first, then Liger's k
+    (both below the floor of rows), then the floor's k, each only where the finer one is not taken (here:
+    a step too slow for its peak). Under a peak limit the order is the other way: the fewest chunks
+    that meet it."""
     from types import SimpleNamespace
 
     from recompile_opt.planner import chunk_choice
@@ -603,32 +605,62 @@ def test_at_the_least_peak_attention_tries_ligers_k_first_and_its_floors_k_only_
 
     floor = Candidate("attention", 2, tokens=2048, width=256)
     liger = Candidate("attention", 4, below_floor=True, tokens=2048, width=256)
+    finest = Candidate("attention", 8, below_floor=True, finest=True, tokens=2048, width=256)
 
-    def planner(slow_at_4):
+    def planner(slow):
         asked = []
 
         def plan_with(chunks):
             asked.append(chunks)
             k = chunks.get("attention", 1)
-            peak, step = {1: (100, 1.0), 2: (85, 1.05), 4: (75, 3.0 if slow_at_4 else 1.1)}[k]
+            peak, step = {1: (100, 1.0), 2: (85, 1.05), 4: (75, 1.1), 8: (70, 1.2)}[k]
             shapes = [[2, 4, 256, 256]] if k == 1 else []
             return SimpleNamespace(
                 peak_breakdown={"shapes": shapes},
                 predicted_peak_bytes=peak,
                 chunks=[1] * (k > 1),
-                step_s=step,
+                step_s=3.0 if k in slow else step,
                 recompute_s=0.0,
             )
 
         return plan_with, asked
 
-    plan_with, asked = planner(slow_at_4=False)
-    taken, _, best, notes = chunk_choice.choose([floor, liger], plan_with, None)
-    assert (taken, asked) == ({"attention": 4}, [{}, {"attention": 4}]), notes
-    assert notes[-1].endswith("not tried: 4 chunks (Liger's k, below the floor of rows) were taken"), notes
-    plan_with, asked = planner(slow_at_4=True)
-    taken, _, best, notes = chunk_choice.choose([floor, liger], plan_with, None)
-    assert (taken, asked) == ({"attention": 2}, [{}, {"attention": 4}, {"attention": 2}]), notes
+    plan_with, asked = planner(slow=())
+    taken, _, best, notes = chunk_choice.choose([floor, liger, finest], plan_with, None)
+    assert (taken, asked) == ({"attention": 8}, [{}, {"attention": 8}]), notes
+    assert notes[-1].endswith("not tried: 8 chunks (finer) were taken"), notes
+    plan_with, asked = planner(slow=(8,))
+    taken, _, best, notes = chunk_choice.choose([floor, liger, finest], plan_with, None)
+    assert (taken, asked) == ({"attention": 4}, [{}, {"attention": 8}, {"attention": 4}]), notes
+    plan_with, asked = planner(slow=(8, 4))
+    taken, _, best, notes = chunk_choice.choose([floor, liger, finest], plan_with, None)
+    assert taken == {"attention": 2} and asked[-1] == {"attention": 2}, notes
+    plan_with, asked = planner(slow=())
+    taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 90)
+    assert (taken, asked) == ({"attention": 2}, [{}, {"attention": 2}])
+
+
+def test_attention_offers_its_most_chunks_beside_ligers_k_and_the_mlp_does_not():
+    """Beside Liger's k and the floor's, attention (``FINEST``) offers ``MAX_CHUNKS``, below the floor
+    as its Liger's k is; the MLP keeps to its floor's and Liger's k."""
+    from types import SimpleNamespace
+
+    from recompile_opt.planner import chunk_choice
+    from recompile_opt.planner.chunk_choice import MAX_CHUNKS
+
+    roofline = parse_options({}).roofline_for("cpu")
+    floor = chunk_choice.min_rows(4, roofline)
+    attention = SimpleNamespace(
+        why_not=None, keys=2 * floor, head_dim=64, queries=2 * floor, tokens=8 * floor, itemsize=4
+    )
+    mlp = SimpleNamespace(why_not=None, hidden=1024, width=256, tokens=8 * floor, itemsize=4)
+    out = chunk_choice.candidates([], [mlp], roofline, attention_regions=[attention])
+    assert [(c.kind, c.chunks, c.below_floor, c.finest) for c in out] == [
+        ("mlp", 4, False, False),
+        ("attention", 2, False, False),
+        ("attention", 4, True, False),
+        ("attention", MAX_CHUNKS["attention"], True, True),
+    ]
 
 
 def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_or_a_limit_is_missed():

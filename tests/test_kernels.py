@@ -55,6 +55,33 @@ def test_an_output_is_written_over_the_input_only_it_reads():
     assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == 3 * UNIT
 
 
+def test_a_custom_op_that_mutates_its_dying_input_allocates_nothing():
+    """The chunked regions' accumulators (``recompile_opt::add_transposed_product_``) reach the graph
+    functionalised (``auto_functionalized_v2``); Inductor's reinplace pass runs them on the buffer
+    itself, so its new value is no buffer of its own: two products into one accumulator, one buffer."""
+    from functorch.compile import make_boxed_func
+    from recompile_opt.passes import precision  # noqa: F401 - registers the op
+    from torch._functorch.aot_autograd import aot_function
+
+    captured = []
+
+    def accumulate(a, b):
+        total = torch.zeros(256, 256)
+        torch.ops.recompile_opt.add_transposed_product_(total, a, b)
+        torch.ops.recompile_opt.add_transposed_product_(total, b, a)
+        return (total,)
+
+    def keep(gm, example):
+        captured.append(gm)
+        return make_boxed_func(gm.forward)
+
+    aot_function(accumulate, fw_compiler=keep)(torch.randn(256, 256), torch.randn(256, 256))
+    targets = [str(n.target) for n in captured[0].graph.nodes]
+    assert sum("auto_functionalized" in t for t in targets) == 2, targets
+    order, sizes, outs = kernels.schedule(captured[0])
+    assert peak.sweep_kernels(order, sizes, keep=outs, live=0)[1] == UNIT
+
+
 def test_a_kernels_reads_are_in_the_order_its_nodes_read_them():
     # a set of fx nodes iterates in the order of their addresses, so buffer reuse that walked it
     # differed from process to process (three Llama plans in three runs of one search)

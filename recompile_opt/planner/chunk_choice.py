@@ -68,6 +68,13 @@ LAST = frozenset({"attention"})
 # held the gain); a GPT with s=512, 24 of 26.04 MiB, chunked in 8 walked 11.51 (docs/design.md, attention
 # chunking)
 SHARE_FLOOR = {"attention": 1 / 3}
+# kinds that also offer their most chunks (MAX_CHUNKS), below the floor of rows, tried first at the least
+# peak, each coarser k only where a finer one is refused. Why: one chunk's s x s buffers are what a
+# chunked attention still holds at the floor: the demo GPT's least peak with its attention in 4 chunks
+# (Liger's k) walked 15.54 MiB, in 8 14.66 (measured the same, 3% more step), and tried first, 8 costs no
+# planning where it is taken. Not the MLP: the GPT's MLPs in 8 chunks (128 rows each) walked 23.57 MiB
+# where 4 walked 21.78, and then cost two plannings more
+FINEST = frozenset({"attention"})
 # the share of a chunk's matmul time its passes over the weights may take at the floor of rows
 OVERHEAD = 1 / 8
 # at the least peak, a chunked plan whose peak is the fraction g below the unchunked plan's may take
@@ -81,6 +88,7 @@ class Candidate:
     kind: str  # "loss", "loss_recompute", "mlp" or "attention"
     chunks: int
     below_floor: bool = False  # chunks of fewer rows than min_rows: which goals try them, see for_goal
+    finest: bool = False  # the most chunks, above Liger's k (FINEST): tried first at the least peak
     tokens: int = 0  # the widest region's tokens and width (vocabulary, MLP hidden, attention's keys): its
     width: int = 0  # full-length tensors have tokens x width elements (logits, hidden, probabilities, ...)
 
@@ -124,11 +132,11 @@ def candidates(
     loss_regions: list, mlp_regions: list, roofline: dict, *, attention_regions: list = ()
 ) -> list[Candidate]:
     """Per region kind whose regions can all be chunked (the loss first; both its ways where the forward
-    goes on after it; attention last), Liger's k for its widest
-    region, capped by the floor on rows; where the floor lowered it, Liger's k as a second candidate
-    below the floor, after every kind's first. Attention's rows are its queries (each chunk passes over
-    a head's K and V as the MLP's over its weights) and its k is keys / head dim (a chunk's scores no
-    larger than the queries)."""
+    goes on after it; attention last), Liger's k for its widest region, capped by the floor on rows;
+    where the floor lowered it, Liger's k as a second candidate below the floor, after every kind's
+    first; for a kind in :data:`FINEST`, its most chunks where more than both. Attention's rows are its
+    queries (each chunk passes over a head's K and V as the MLP's over its weights) and its k is keys /
+    head dim (a chunk's scores no larger than the queries)."""
     out = []
     for kind, regions, width, model_width, rows in (
         ("loss", loss_regions, lambda r: r.vocab, lambda r: r.width, lambda r: r.tokens),
@@ -139,6 +147,7 @@ def candidates(
             r = max(regions, key=width)
             liger = chunks_for(kind, width(r), model_width(r), rows(r))
             floored = min(liger, 2 ** int(math.log2(max(rows(r) // min_rows(r.itemsize, roofline), 1))))
+            finest = min(MAX_CHUNKS[kind], 2 ** int(math.log2(max(rows(r), 1)))) if kind in FINEST else 0
             # where more of the forward runs after the loss, its gradients made in the forward wait
             # through it: the head recomputed in the backward is costed too
             kinds = [kind] if kind != "loss" or all(r.last for r in regions) else [kind, "loss_recompute"]
@@ -147,6 +156,10 @@ def candidates(
                     out.append(Candidate(way, floored, tokens=r.tokens, width=width(r)))
                 if liger > floored:
                     out.append(Candidate(way, liger, below_floor=True, tokens=r.tokens, width=width(r)))
+                if finest > max(liger, floored):
+                    out.append(
+                        Candidate(way, finest, below_floor=True, finest=True, tokens=r.tokens, width=width(r))
+                    )
     return sorted(out, key=lambda c: c.below_floor)  # stable: the floor's candidates first, the loss first
 
 
@@ -211,9 +224,9 @@ def choose(
     notes, passed = [], []
     for late in (False, True):
         stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
-        liger_first = late and peak_limit is None
-        if liger_first:
-            stage.sort(key=lambda c: not c.below_floor)  # stable
+        finest_first = peak_limit is None
+        if finest_first:
+            stage = _finest_first(stage)
         probe = not late and not any(c.alive_at_peak(best) for c in stage) and probes(stage, best, peak_limit)
         taken, best, missed = _greedy(
             stage,
@@ -224,7 +237,7 @@ def choose(
             unchunked,
             notes,
             passed,
-            liger_first=liger_first,
+            finest_first=finest_first,
             probe=probe,
         )
         if not late:
@@ -240,24 +253,20 @@ def choose(
 
 
 def _greedy(
-    stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, liger_first=False, probe=False
+    stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, finest_first=False, probe=False
 ):
     """:func:`choose`'s loop over one stage's candidates; returns the chunks taken, the best plan and the
-    trials not taken (``notes`` and ``passed`` grow). ``liger_first``: the stage is ordered with Liger's k
-    (below the floor) first, and a kind's chunks at the floor are tried only where Liger's were not taken.
-    Why: each try is a planning; tried floor first, the demo GPT's attention took 2 chunks and then 4
-    (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is refused
-    (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its tensors is
-    alive at the peak (:func:`probes`)."""
+    trials not taken (``notes`` and ``passed`` grow). ``finest_first``: the stage is ordered so
+    (:func:`_finest_first`), and a :data:`FINEST` kind's coarser chunks are tried only where finer ones
+    were not taken. Why: each try is a planning; tried floor first, the demo GPT's attention took 2
+    chunks and then 4 (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is
+    refused (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its
+    tensors is alive at the peak (:func:`probes`)."""
     missed = []
     for i, c in enumerate(stage):
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue  # small chunks cost time: under a limit, only to meet it
-        if liger_first and not c.below_floor and c.kind in taken:
-            notes.append(
-                f"chunks (auto): {c.kind} in {c.chunks} chunks not tried: {taken[c.kind]} chunks (Liger's "
-                "k, below the floor of rows) were taken"
-            )
+        if finest_first and _finer_taken(c, taken, notes):
             continue
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
@@ -275,6 +284,32 @@ def _greedy(
         else:
             missed.append((chunks, trial))
     return taken, best, missed
+
+
+def _finest_first(stage: list[Candidate]) -> list[Candidate]:
+    """``stage`` with each :data:`FINEST` kind's candidates most chunks first, in the place of the kind's
+    first; the others as they are."""
+    first: dict[str, int] = {}
+    for i, c in enumerate(stage):
+        first.setdefault(c.kind, i)
+    return [
+        c
+        for _, c in sorted(
+            enumerate(stage),
+            key=lambda ic: (first[ic[1].kind], -ic[1].chunks) if ic[1].kind in FINEST else (ic[0], 0),
+        )
+    ]
+
+
+def _finer_taken(c: Candidate, taken: dict, notes: list[str]) -> bool:
+    """Whether a :data:`FINEST` kind is taken already (in more chunks than ``c``: tried finest first);
+    says so in ``notes``."""
+    if c.kind not in FINEST or c.kind not in taken:
+        return False
+    notes.append(
+        f"chunks (auto): {c.kind} in {c.chunks} chunks not tried: {taken[c.kind]} chunks (finer) were taken"
+    )
+    return True
 
 
 def _combined(
