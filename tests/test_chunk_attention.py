@@ -206,9 +206,9 @@ def test_attention_is_planned_only_where_its_probabilities_hold_a_third_of_the_w
     "build, budget, k",
     [
         pytest.param(tiny_gpt, None, 3, id="gpt"),
-        pytest.param(tiny_gpt, 0.0, 8, id="gpt-least-peak-8"),  # the least peak's first k (FINEST)
+        pytest.param(tiny_gpt, None, 8, id="gpt-8"),  # 8: the benchmark GPT's first try at 0.0
         pytest.param(tiny_llama, None, 3, id="llama"),
-        pytest.param(tiny_gpt, 0.0, 3, id="gpt-least-peak", marks=pytest.mark.slow),
+        pytest.param(tiny_gpt, 0.0, 8, id="gpt-least-peak-8", marks=pytest.mark.slow),
     ],
 )
 def test_gradients_equal_eager_with_dropout(build, budget, k):

@@ -57,8 +57,9 @@ def test_an_output_is_written_over_the_input_only_it_reads():
 
 def test_a_custom_op_that_mutates_its_dying_input_allocates_nothing():
     """The chunked regions' accumulators (``recompile_opt::add_transposed_product_``) reach the graph
-    functionalised (``auto_functionalized_v2``); Inductor's reinplace pass runs them on the buffer
-    itself, so its new value is no buffer of its own: two products into one accumulator, one buffer."""
+    functionalised (``auto_functionalized``, its v2 on these torches); Inductor's reinplace pass runs
+    them on the buffer itself, so its new value is no buffer of its own: two products into one
+    accumulator, one buffer."""
     from functorch.compile import make_boxed_func
     from recompile_opt.passes import precision  # noqa: F401 - registers the op
     from torch._functorch.aot_autograd import aot_function

@@ -442,9 +442,13 @@ def _mutated_in_place(k: Kernel, i: int, size: dict, last: dict, keep: set, keys
     for node in k.nodes:
         for index, written in ti.functionalized_writes(node).items():
             base = keys.get(base_of(written), base_of(written))
-            result = next((n for n in k.outputs if n.args[:2] == (node, index)), None)
+            result = next(
+                (n for n in k.outputs if n.target is operator.getitem and n.args[:2] == (node, index)), None
+            )
             if (
                 result is not None
+                and isinstance(base, fx.Node)
+                and base.op != "placeholder"  # a graph input: Inductor copies rather than mutate it
                 and last.get(base) == i
                 and base not in keep
                 and _key(base, size) == _key(result, size)
