@@ -225,8 +225,8 @@ def choose(
     for late in (False, True):
         stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
         finest_first = peak_limit is None
-        if finest_first:
-            stage = _finest_first(stage)
+        if finest_first:  # a FINEST kind's candidates most chunks first, ahead of the rest (stable)
+            stage.sort(key=lambda c: -c.chunks if c.kind in FINEST else 0)
         probe = not late and not any(c.alive_at_peak(best) for c in stage) and probes(stage, best, peak_limit)
         taken, best, missed = _greedy(
             stage,
@@ -256,11 +256,11 @@ def _greedy(
     stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, finest_first=False, probe=False
 ):
     """:func:`choose`'s loop over one stage's candidates; returns the chunks taken, the best plan and the
-    trials not taken (``notes`` and ``passed`` grow). ``finest_first``: the stage is ordered so
-    (:func:`_finest_first`), and a :data:`FINEST` kind's coarser chunks are tried only where finer ones
-    were not taken. Why: each try is a planning; tried floor first, the demo GPT's attention took 2
-    chunks and then 4 (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is
-    refused (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its
+    trials not taken (``notes`` and ``passed`` grow). ``finest_first``: a :data:`FINEST` kind's
+    candidates come most chunks first, its coarser chunks tried only where finer ones were not taken.
+    Why: each try is a planning; tried floor first, the demo GPT's attention took 2 chunks and then 4
+    (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is refused
+    (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its
     tensors is alive at the peak (:func:`probes`)."""
     missed = []
     for i, c in enumerate(stage):
@@ -284,21 +284,6 @@ def _greedy(
         else:
             missed.append((chunks, trial))
     return taken, best, missed
-
-
-def _finest_first(stage: list[Candidate]) -> list[Candidate]:
-    """``stage`` with each :data:`FINEST` kind's candidates most chunks first, in the place of the kind's
-    first; the others as they are."""
-    first: dict[str, int] = {}
-    for i, c in enumerate(stage):
-        first.setdefault(c.kind, i)
-    return [
-        c
-        for _, c in sorted(
-            enumerate(stage),
-            key=lambda ic: (first[ic[1].kind], -ic[1].chunks) if ic[1].kind in FINEST else (ic[0], 0),
-        )
-    ]
 
 
 def _finer_taken(c: Candidate, taken: dict, notes: list[str]) -> bool:
