@@ -399,6 +399,8 @@ def test_where_the_logits_dominate_the_least_peak_plan_chunks_by_itself():
     assert any(n.startswith("chunks (auto): loss in ") and n.endswith("taken") for n in auto.notes), (
         auto.notes
     )
+    tried = [n for n in auto.notes if n.startswith("chunks (auto): loss in ") and "est. step" in n]
+    assert tried and all(", planned in " in n for n in tried), tried  # each trial's planning time
     # the plan's planning line counts the trials' planning too (the unchunked plan and the loss's trial;
     # their simulations and walks are those not found on disk already, so may be none here)
     choice = auto.solver["chunk_choice"]
