@@ -283,11 +283,17 @@ class Plan:
 
     def _peak_lines(self) -> list[str]:
         """One line: the kernel at the peak and the bytes alive there by kind (which of them a lower
-        budget could still remove: kept and recomputed; the rest is the floor any plan pays there)."""
+        budget could still remove: kept and recomputed; the rest is the floor any plan pays there),
+        and always the share of dead buffers Inductor's pool holds there for a later allocation (where
+        the pool is off, none: the line says so rather than leaving it out)."""
         bd = self.walked_breakdown or self.peak_breakdown
         if not bd.get("bytes"):
             return []
-        kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in bd["bytes"].items() if n)
+        alive = {kind: n for kind, n in bd["bytes"].items() if n and kind != "pooled"}
+        kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in alive.items())
+        total = bd.get("total") or sum(bd["bytes"].values())
+        pooled = bd["bytes"].get("pooled", 0)
+        kinds += f"; pooled {fmt_bytes(pooled)} ({pooled / total:.1%} of the peak)" if total else ""
         ops = "+".join(bd.get("kernel_ops", [])[:4]) or "-"
         where = (
             f"{bd['phase']} kernel {bd['kernel'] + 1}/{bd['kernels']} ({ops})"

@@ -567,6 +567,8 @@ def test_a_compile_pools_buffers_as_planned_and_says_what_holds_its_peak(budget)
     assert walked["total"] == plan.predicted_peak_bytes and sum(walked["bytes"].values()) == walked["total"]
     assert pooled or "pooled" not in walked["bytes"]
     assert "walked:" in plan.summary()
+    # the pooled share at the peak is printed, none where the pool is off
+    assert pooled or "; pooled 0 B (0.0% of the peak)" in plan.summary(), plan.summary()
     assert peak_memory(step) == pytest.approx(plan.predicted_peak_bytes, rel=0.01)
 
 

@@ -661,3 +661,17 @@ def test_a_peak_limit_needs_a_simulator():
     bare Problem under peak_memory is refused rather than answered with an unchecked plan."""
     with pytest.raises(ValueError, match="peak_memory needs plans simulated"):
         plan_for(peak_memory="8MiB")
+
+
+def test_the_peak_line_always_gives_the_pooled_share(plans):
+    """Issue 48: the share of the peak that Inductor's pool holds (dead buffers kept for a later
+    allocation) is printed, also where it is none (the pool off at the peak goals)."""
+    p = plans["6MiB"]
+    at = {"phase": "backward", "kernel": 3, "kernels": 10, "kernel_ops": ["bmm"], "total": 4 * MiB}
+    held = dataclasses.replace(
+        p, walked_breakdown={**at, "bytes": {"kept": 2 * MiB, "pooled": MiB, "temporaries": MiB}}
+    )
+    line = next(line for line in held.summary().splitlines() if "at the peak" in line)
+    assert line.endswith("walked: kept 2.00 MiB, temporaries 1.00 MiB; pooled 1.00 MiB (25.0% of the peak)")
+    none = dataclasses.replace(p, walked_breakdown={**at, "bytes": {"kept": 3 * MiB, "temporaries": MiB}})
+    assert "; pooled 0 B (0.0% of the peak)" in none.summary()
