@@ -291,7 +291,7 @@ class Plan:
             return []
         alive = {kind: n for kind, n in bd["bytes"].items() if n and kind != "pooled"}
         kinds = ", ".join(f"{kind} {fmt_bytes(n)}" for kind, n in alive.items())
-        total = bd.get("total") or sum(bd["bytes"].values())
+        total = bd.get("total")  # both breakdowns carry it
         pooled = bd["bytes"].get("pooled", 0)
         kinds += f"; pooled {fmt_bytes(pooled)} ({pooled / total:.1%} of the peak)" if total else ""
         ops = "+".join(bd.get("kernel_ops", [])[:4]) or "-"

@@ -437,6 +437,7 @@ def test_a_region_is_planned_chunked_only_where_its_full_length_tensors_are_aliv
             chunks=[],
             step_s=1.0,
             recompute_s=0.0,
+            solver={},
         )
     assert loss.alive_at_peak(plan["loss"]) and not mlp.alive_at_peak(plan["loss"])
     assert not loss.alive_at_peak(plan["attention"])
@@ -491,6 +492,7 @@ def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
             chunks=list(chunks),
             step_s=1.0,
             recompute_s=0.0,
+            solver={},
         )
 
     taken, unchunked, best, notes = chunk_choice.choose([loss, mlp], plan_with, None)
@@ -538,6 +540,7 @@ def test_at_the_least_peak_a_plan_recomputing_at_its_peak_probes_the_first_kind(
                 chunks=list(chunks),
                 step_s=1.0,
                 recompute_s=0.0,
+                solver={},
             )
 
         return plan
@@ -577,6 +580,7 @@ def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step()
             chunks=[],
             step_s=step,
             recompute_s=0.0,
+            solver={},
         )
 
     for peak, step, taken in (
@@ -623,6 +627,7 @@ def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_o
                 chunks=[1] * (k > 1),
                 step_s=3.0 if k in slow else step,
                 recompute_s=0.0,
+                solver={},
             )
 
         return plan_with, asked

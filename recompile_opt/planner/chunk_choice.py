@@ -361,7 +361,7 @@ def _planned_in(trial: Plan) -> str:
     chunked graph's planning costs more than the unchunked one's (the demo GPT's attention trial: 43.2 of
     its least-peak planning's 68.7 s, ``print(recompile_opt.plan(*models.demo_gpt(), memory_budget=0.0))``),
     so the user sees where the compile's time went."""
-    seconds = (getattr(trial, "solver", None) or {}).get("plan_s")
+    seconds = trial.solver.get("plan_s")
     return "" if seconds is None else f", planned in {seconds:.1f} s"
 
 
