@@ -746,6 +746,8 @@ def functional_collectives() -> FunctionalCollectives:
     is not in every build."""
     import torch.distributed._functional_collectives as funcol
 
+    _trace_into_view_chunk_cat()
+
     def named(new: str, old: str):
         return getattr(funcol, new, None) or getattr(funcol, old)
 
@@ -756,6 +758,24 @@ def functional_collectives() -> FunctionalCollectives:
         funcol.all_reduce,
         funcol.AsyncCollectiveTensor,
     )
+
+
+_VIEW_CHUNK_CAT = "torch._utils._maybe_view_chunk_cat"
+
+
+def _trace_into_view_chunk_cat() -> None:
+    """Let Dynamo trace into ``torch._utils._maybe_view_chunk_cat``, as torch 2.13's trace rules do; once,
+    nothing where the rule is there.
+
+    Why: the functional all-gather along a dimension other than 0 (the sequence gather) calls it, and
+    torch 2.11's Dynamo skips it, so a compiled sequence-parallel model broke into a graph per gather."""
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import UserFunctionVariable
+
+    if _VIEW_CHUNK_CAT in trace_rules.manual_torch_name_rule_map:
+        return
+    trace_rules.manual_torch_name_rule_map[_VIEW_CHUNK_CAT] = UserFunctionVariable
+    trace_rules.get_torch_obj_rule_map.cache_clear()
 
 
 def strided_shard(dim: int, pieces: int):

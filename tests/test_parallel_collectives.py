@@ -5,6 +5,7 @@ in the graph, none lost or duplicated by the planner)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -60,6 +61,13 @@ def _sequence_parallel(x, p, group):
     return x + C.reduce_scatter_sequence(partial, group) + C.copy_to_tensor_parallel(p["b2"], group)
 
 
+def _sequence_parallel_gathered(x, p, group, rank: int):
+    """TP + SP, then the output gathered whole for a computation every rank repeats (an LM head's): the
+    all-gather along the sequence that is no autograd collective (torch 2.11's Dynamo skipped the
+    chunk-and-concatenate inside it: a graph break, an error under ``fullgraph``)."""
+    return C.gather_sequence_for_replicated(_sequence_parallel(x, p, group), group, size=WORLD, rank=rank)
+
+
 def _shard(p: dict, rank: int) -> dict:
     rows = slice(rank * FF // WORLD, (rank + 1) * FF // WORLD)
     return {"ln": p["ln"], "w1": p["w1"][rows], "b1": p["b1"][rows], "w2": p["w2"][:, rows], "b2": p["b2"]}
@@ -70,6 +78,8 @@ def _shard(p: dict, rank: int) -> dict:
 COUNTS = {
     "tp": {"all_reduce": 2},
     "sp": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2},
+    # and the output's gather (its backward keeps this rank's slice: no collective)
+    "sp-gathered": {"all_gather_into_tensor": 3, "reduce_scatter_tensor": 2, "all_reduce": 2},
 }
 
 
@@ -91,7 +101,11 @@ def _worker(rank: int, layout: str, compiled: bool, options: dict, out: str):
     with gloo_rank(rank, WORLD, out):
         group = dist.group.WORLD
         params = {k: v.clone().requires_grad_() for k, v in _shard(_weights(), rank).items()}
-        fn = {"tp": _tensor_parallel, "sp": _sequence_parallel}[layout]
+        fn = {
+            "tp": _tensor_parallel,
+            "sp": _sequence_parallel,
+            "sp-gathered": functools.partial(_sequence_parallel_gathered, rank=rank),
+        }[layout]
         parts = []
 
         def backend(gm, example_inputs):  # our partitioner, its graphs kept for counting
@@ -121,6 +135,7 @@ CASES = {
     "tp-save-all": ("tp", True, {"memory_budget": 1.0}),
     "sp-budget-0.0": ("sp", True, {"memory_budget": 0.0}),
     "sp-full": ("sp", True, {"policy": "full"}),
+    "sp-gathered-0.0": ("sp-gathered", True, {"memory_budget": 0.0}),
 }
 
 
@@ -134,7 +149,8 @@ def test_a_block_laid_out_by_hand_equals_one_process(case, tmp_path):
     (ref**2).sum().backward()
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt")
-        expected_out = ref if layout == "tp" else ref[:, rank * S // WORLD : (rank + 1) * S // WORLD]
+        whole = layout in ("tp", "sp-gathered")  # every rank's output (and loss) the whole one
+        expected_out = ref if whole else ref[:, rank * S // WORLD : (rank + 1) * S // WORLD]
         torch.testing.assert_close(res["out"], expected_out.detach(), rtol=1e-5, atol=1e-6)
         if layout == "tp":  # every rank computes the whole loss: its gradients are the whole ones
             expected = _shard({k: v.grad for k, v in p.items()}, rank)
