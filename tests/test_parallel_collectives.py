@@ -152,10 +152,10 @@ def test_a_block_laid_out_by_hand_equals_one_process(case, tmp_path):
         whole = layout in ("tp", "sp-gathered")  # every rank's output (and loss) the whole one
         expected_out = ref if whole else ref[:, rank * S // WORLD : (rank + 1) * S // WORLD]
         torch.testing.assert_close(res["out"], expected_out.detach(), rtol=1e-5, atol=1e-6)
-        if layout == "tp":  # every rank computes the whole loss: its gradients are the whole ones
-            expected = _shard({k: v.grad for k, v in p.items()}, rank)
-        else:  # each rank's loss is its shard's: the sharded gradients are its slices, f sums the rest
-            expected = _shard({k: v.grad for k, v in p.items()}, rank)
+        # every layout gives each rank its slices of the whole gradients: where every rank computes the
+        # whole loss (tp, sp-gathered) they are the whole ones sliced; where each rank's loss is its
+        # shard's (sp), the sharded weights' are its slices and f sums the rest
+        expected = _shard({k: v.grad for k, v in p.items()}, rank)
         for name, grad in res["grads"].items():
             torch.testing.assert_close(
                 grad, expected[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}"
