@@ -77,31 +77,38 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
-# Tests of 80 s or more on the 2-core machine (pytest -n 2 --durations=0, torch 2.13, 2026-11-30), sent
-# out first: started last, one of them kept a worker busy for minutes after the other had finished. A
-# name here that no longer exists only loses its place in the order.
-LONG = {
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[llama-2-dropout]",
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-4]",
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-2-inductor]",
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-gpt2-2]",
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-llama-2]",
-    "test_parallel_shapes.py::test_a_compiled_parallel_model_resumes_from_its_checkpoint_and_loads_into_a_plain_one",
-    "test_parallel_shapes.py::test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout",
+# Tests of 40 s or more on the 2-core machine, longest first (pytest -n 2 --durations=80, the default
+# run and then -m slow, torch 2.13, 2026-12-01; seconds beside each), sent out first in that order:
+# started last, one of them kept a worker busy for minutes after the other had finished. A name here
+# that no longer exists only loses its place in the order.
+LONG = (
+    "test_peak_memory.py::test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet",  # 322
+    "test_kernels.py::test_predicted_peak_within_ten_percent_of_measured[0.0-gpt]",  # 227
     "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"
-    "[inductor-budgets1]",
+    "[inductor-budgets1]",  # 211, slow
+    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-2-inductor]",  # 189
     "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"
-    "[eager-budgets0]",
+    "[eager-budgets0]",  # 112
+    "test_chunk_attention.py::test_through_inductor_the_planner_chunks_attention_and_the_measured_peak_falls",
+    "test_chunk_autocast.py::test_through_inductor_chunks_train_eagers_loss_and_gradients_under_autocast[fp16]",
+    "test_peak_memory.py::test_a_peak_limit_below_any_plan_warns_or_raises",  # 96
+    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-4]",  # 90
+    "test_hf_layers.py::test_every_plan_is_walked_and_its_peak_is_the_measured_steps[whisper-bytes]",  # 86
+    "test_parallel_hf.py::test_hugging_face_models_equal_one_process[llama-searched]",  # 84
+    "test_chunk_autocast.py::test_through_inductor_chunks_train_eagers_loss_and_gradients_under_autocast[bf16]",
+    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[llama-2-dropout]",  # 73
     "test_peak_memory.py::test_a_deep_stacks_limit_is_checked_in_inductors_code_and_held_on_the_measured_step",
-    "test_peak_memory.py::test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet",
-    "test_peak_memory.py::test_a_peak_limit_below_any_plan_warns_or_raises",
-    "test_kernels.py::test_predicted_peak_within_ten_percent_of_measured[0.0-gpt]",
-    "test_parallel_fsdp.py::test_fsdp_per_block_on_tensor_parallel_blocks_equals_one_process[llama]",
-}
+    "test_parallel_fsdp.py::test_fsdp_per_block_on_tensor_parallel_blocks_equals_one_process[llama]",  # 55
+    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-llama-2]",  # 55
+    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-gpt2-2]",  # 50
+    "test_parallel_shapes.py::test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout",  # 47
+    "test_parallel_shapes.py::test_a_compiled_parallel_model_resumes_from_its_checkpoint_and_loads_into_a_plain_one",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: f"{item.path.name}::{item.name}" not in LONG)  # stable: LONG first
+    first = {name: i for i, name in enumerate(LONG)}
+    items.sort(key=lambda item: first.get(f"{item.path.name}::{item.name}", len(LONG)))  # stable
     found = set()
     for item in items:
         key = f"{item.path.name}::{item.name}"
