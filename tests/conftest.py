@@ -78,9 +78,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 # Tests of 40 s or more on the 2-core machine, longest first (pytest -n 2 --durations=80, the default
-# run and then -m slow, torch 2.13, 2026-12-01; seconds beside each), sent out first in that order:
-# started last, one of them kept a worker busy for minutes after the other had finished. A name here
-# that no longer exists only loses its place in the order.
+# run and then -m slow, torch 2.13, 2026-12-01; the seconds beside each name that leaves room), sent out
+# first in that order: started last, one of them kept a worker busy for minutes after the other had
+# finished. A name here that no longer exists only loses its place in the order.
 LONG = (
     "test_peak_memory.py::test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet",  # 322
     "test_kernels.py::test_predicted_peak_within_ten_percent_of_measured[0.0-gpt]",  # 227
