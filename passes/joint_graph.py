@@ -445,12 +445,9 @@ def _make_value(
         inputs=tuple(a.name for a in node.all_input_nodes if _is_value(a) and a not in jg.bwd_set),
         needed=any(u in pos and not _is_marker(u) for u in node.users),  # a marker: see Site
         can_save=is_tensor and not _unwaited(node),
-        can_recompute=not (
-            is_primal
-            or node.op == "get_attr"
-            or impure
-            or _unrepeatable_collective(node)
-            or _upcasts_low_precision(node)
+        can_recompute=not (is_primal or node.op == "get_attr" or impure or _unrepeatable_collective(node)),
+        recompute_with=tuple(
+            a.name for a in _low_precision_inputs(node) if _is_value(a) and a not in jg.bwd_set
         ),
         in_forward=_made_by_forward(jg, node),
         random=node.op == "call_function" and is_random_op(node),
@@ -495,20 +492,34 @@ def _made_by_forward(jg: JointGraph, node: fx.Node) -> bool:
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _upcasts_low_precision(node: fx.Node) -> bool:
-    """Mixed-precision arithmetic: an op that reads a computed bf16/fp16 float and a wider float and
+def _low_precision_inputs(node: fx.Node) -> list[fx.Node]:
+    """Mixed-precision arithmetic: where ``node`` reads a computed bf16/fp16 float and a wider float and
     makes the wider one (under autocast: the fp32 residual add of a bf16 projection; an upcast, or a
-    bf16 parameter times an fp32 value, is not one). Kept, never recomputed: Inductor can fuse the
-    producer's rounding away in the forward (its bias add done in fp32) while a recompute reads the
-    rounded kept value, so the backward would see a different value than the forward made (a tiny GPT
-    under bf16 autocast through Inductor failed tests/test_mixed_precision.py's bf16 tolerance; the
-    eager compiler path was exact)."""
+    bf16 parameter times an fp32 value, is not one), the computed narrow inputs and the views between
+    each and its buffer; else none. ``node`` is recomputed only with them (``Value.recompute_with``).
+
+    Why: Inductor can fuse the producer's rounding away in the forward (its bias add done in fp32,
+    unrounded into the fp32 sum), while a recompute that read the kept narrow value would read it
+    rounded: the backward would see a different value than the forward made (a tiny GPT under bf16
+    autocast through Inductor failed tests/test_mixed_precision.py's bf16 tolerance; the eager
+    compiler path was exact). Recomputed together, the backward runs the forward's own fusion. It was
+    kept, never recomputed, until the performance GPT's least-peak plan kept both fp32 residual sums
+    of every block for it (16 x 64 MiB at 8 layers, its whole floor)."""
     out = node.meta.get("val")
     if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dtype in _LOW_PRECISION:
-        return False
+        return []
     tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    low = [a for a in tensors if a.meta["val"].dtype in _LOW_PRECISION and base_of(a).op == "call_function"]
-    return bool(low) and any(a.meta["val"].dtype == out.dtype for a in tensors)
+    if not any(a.meta["val"].dtype == out.dtype for a in tensors):
+        return []
+    chain = []
+    for a in tensors:
+        if a.meta["val"].dtype in _LOW_PRECISION and base_of(a).op == "call_function":
+            while True:  # the input, the views it is made by, and their buffer
+                chain.append(a)
+                if not is_view_node(a):
+                    break
+                a = a.all_input_nodes[0]
+    return list(dict.fromkeys(chain))
 
 
 def _fuses_when_recomputed(jg: JointGraph, node: fx.Node) -> bool:

@@ -225,6 +225,27 @@ def test_value_that_cannot_be_recomputed():
     assert p.needed_closure({"a", "c"}) == ({"x", "c"}, {"a"})
 
 
+def test_a_value_is_recomputed_only_with_its_recompute_with():
+    """a (4 MiB, 1 us) is recomputed only with p (``recompute_with``: a mixed-precision sum and its
+    narrow operand). Without that, 5 MiB would keep p and recompute a for 1 us; with it, a is kept
+    and p recomputed (100 us). The closure keeps a where a recompute of it would read p kept, and the
+    greedy fallback's moves recompute p with a."""
+    p = problem(
+        inp("x", 1, needed=True),
+        op("p", ["x"], 4, 100),
+        op("a", ["p", "x"], 4, 1, recompute_with=("p",)),
+    )
+    _, saved, recomputed, kept = solve_ok(p, budget=5 * MiB)
+    assert recomputed == {"p"} and saved == {"x", "a"} and kept == 5 * MiB
+    _, saved, recomputed, kept = solve_ok(p, budget=1 * MiB)
+    assert recomputed == {"p", "a"} and kept == 1 * MiB
+    assert p.needed_closure({"a"}) == ({"x", "p", "a"}, set())
+    assert p.needed_closure({"a", "p"}) == ({"x"}, {"a", "p"})
+    saved, recomputed = p.needed_closure(greedy_recompute(p, 5 * MiB))
+    assert "a" not in recomputed or "p" in recomputed, (saved, recomputed)
+    assert p.kept_bytes(saved, recomputed) <= 5 * MiB
+
+
 def test_random_op_keeps_its_rng_state():
     """Recomputing dropout d (4 MiB) replays a saved RNG state (1 MiB here, to see it in whole MiB)."""
     p = problem(inp("w"), op("d", ["w"], 4, 1, random=True), rng_state_bytes=MiB)

@@ -5,9 +5,10 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_gpt
+from helpers import partitioned, tiny_gpt
 
 import recompile_opt
+from recompile_opt.costs.cost_model import base_of
 from recompile_opt.costs.measure import SavedTensorsMeter, storage_ptrs
 
 ITEMSIZE = {"bfloat16": 2, "float32": 4}
@@ -116,3 +117,51 @@ def test_autocast_bf16_through_inductor(budget):
     measured_bf16 = sum(b for _, dt, b in report.breakdown if dt == torch.bfloat16)
     planned_bf16 = sum(e.bytes for e in plan.saved if e.dtype == "bfloat16")
     assert measured_bf16 == pytest.approx(planned_bf16, rel=0.02), report.summary(40)
+
+
+class _UnderAutocast(torch.nn.Module):
+    """``model`` run under bf16 autocast inside its forward (so Dynamo captures the autocast region)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        with _autocast():
+            return self.model(*inputs)
+
+
+def _mixed_reads(graph) -> list[tuple]:
+    """(fp32 node, its computed bf16 operand's buffer) for each op of ``graph`` that adds a bf16 value
+    into an fp32 one."""
+    found = []
+    for n in graph.nodes:
+        out = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            continue
+        ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if not any(a.meta["val"].dtype == torch.float32 for a in ins):
+            continue
+        for a in ins:
+            if a.meta["val"].dtype == torch.bfloat16:
+                found.append((n, base_of(a)))
+    return found
+
+
+@pytest.mark.parametrize("budget", ["48KiB", "24KiB"])
+def test_a_recomputed_fp32_sum_recomputes_its_bf16_operand(budget):
+    """At byte budgets that recompute the residual sums (of the tiny GPT's 144 KiB save-all), every
+    recomputed fp32 op that reads a computed bf16 value recomputes that value as well: the backward
+    never reads it kept. Why: Inductor's forward may fuse the bf16 projection's rounding away (its
+    bias add done in fp32), so a kept copy, rounded, is not the value the forward summed
+    (passes/joint_graph._low_precision_inputs); the ILP and the closure hold them together."""
+    model, inputs = tiny_gpt()
+    partitioner = partitioned(_UnderAutocast(model), inputs, {"memory_budget": budget})
+    plan = partitioner.plans[-1]
+    bw = partitioner.last_backward.graph
+    recomputed_sums = _mixed_reads(bw)
+    assert recomputed_sums, "no fp32 sum of a bf16 value recomputed at this budget:\n" + str(plan)
+    kept = {n.name for n in bw.find_nodes(op="placeholder")}
+    read_kept = [(n.name, base.name) for n, base in recomputed_sums if base.name in kept]
+    assert not read_kept, f"recomputed sums read their bf16 operand kept: {read_kept}\n{plan}"
+    assert plan.saved_bytes <= plan.budget_bytes

@@ -170,7 +170,10 @@ def _signature(problem: Problem, names: list[str], local: dict) -> list[tuple]:
     for n in names:
         v = problem.values[n]
         block = local[n][0]
-        refs = tuple(("in", local[u][1]) if local.get(u, (None,))[0] == block else ("out",) for u in v.inputs)
+        refs = tuple(
+            tuple(("in", local[u][1]) if local.get(u, (None,))[0] == block else ("out",) for u in names)
+            for names in (v.inputs, v.recompute_with)
+        )
         storage = ("in", local[v.storage][1]) if local.get(v.storage, (None,))[0] == block else ("out",)
         sig.append(
             (
@@ -207,6 +210,7 @@ def _build(
         values[name] = replace(
             v,
             inputs=inputs,
+            recompute_with=tuple(to_template.get(u, u) for u in v.recompute_with),
             recompute_s=v.recompute_s * k,
             flops=v.flops * k,
             storage=to_template.get(v.storage, v.storage),

@@ -28,6 +28,7 @@ Objective (lexicographic, by weights)
 Constraints
     s_v + r_v ≥ 1                 for v read by the backward                 → add_availability()
     r_v ≤ s_u + r_u               for u ∈ in(v): a recompute needs its inputs → add_dependencies()
+    r_v ≤ r_u                     for u ∈ with(v): recomputed together (mixed precision)
     z_S ≥ s_v                     for S(v) = S: a kept view keeps its base    → add_storages()
     Σ_S b_S z_S - Σ_v b_v o_v + ρ Σ_{v random} r_v ≤ B                       → add_budget()
         (ρ: the RNG state a replayed random op keeps; an offloaded buffer is off the device between
@@ -218,6 +219,8 @@ class _Model:
                 continue
             for u in v.inputs:
                 self.lp += self.r[v.name] <= self.avail(u), self.row("dep")
+            for u in v.recompute_with:
+                self.lp += self.r[v.name] <= self.r.get(u, 0), self.row("with")
 
     def add_storages(self):
         for v in self.p.values.values():

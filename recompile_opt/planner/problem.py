@@ -38,6 +38,10 @@ class Value:
     needed: bool = False  # read directly by the backward
     can_save: bool = True
     can_recompute: bool = True
+    # values recomputed whenever this one is (never read kept by its recompute): a mixed-precision op's
+    # computed low-precision inputs, which Inductor's forward may not have rounded as a kept copy is
+    # (passes/joint_graph._low_precision_inputs)
+    recompute_with: tuple[str, ...] = ()
     in_forward: bool = True  # the forward computes it anyway; False: only the backward needs it
     random: bool = False  # recompute replays a saved RNG state (charged rng_state_bytes)
     recompute_s: float = 0.0
@@ -161,8 +165,26 @@ class Problem:
 
         Values only the backward uses (``in_forward=False``, e.g. a transposed weight or an upcast for a
         backward formula) are computed in the backward, as eager autograd would, unless they cannot be.
-        ``feasible``: :meth:`recomputable`, passed in by callers that ask many times.
+        A value whose ``recompute_with`` would be read kept is kept itself (the ILP never asks for that;
+        a hand policy or a search's move may). ``feasible``: :meth:`recomputable`, passed in by callers
+        that ask many times.
         """
+        feasible = self.recomputable() if feasible is None else feasible
+        for _ in range(len(self.values) + 1):
+            saved, recomputed = self._closure(recompute, keep, feasible)
+            coupled = {
+                n
+                for n in recomputed & set(recompute)
+                if n in self.values  # not a site's or an offload's choice
+                and self.values[n].can_save
+                and any(u in saved for u in self.values[n].recompute_with)
+            }
+            if not coupled:
+                break
+            recompute = set(recompute) - coupled
+        return saved, recomputed
+
+    def _closure(self, recompute: set[str], keep, feasible: set[str]) -> tuple[set[str], set[str]]:
         saved, recomputed, todo = set(), set(), [n for n, v in self.values.items() if v.needed]
         for site in self.sites:  # an approximated site reads its codes or projection instead
             if site.choice in recompute:
@@ -170,7 +192,6 @@ class Problem:
                 todo.extend(site.approx)
             else:
                 todo.extend(site.exact)
-        feasible = self.recomputable() if feasible is None else feasible
         offloaded = offloaded_values(recompute)
         while todo:
             name = todo.pop()
@@ -194,7 +215,11 @@ class Problem:
         (a tuple output of a keep-only op, e.g. a random op without replay, cannot be kept)."""
         ok: set[str] = set()
         for name, v in self.values.items():  # topological order
-            if v.can_recompute and all(self.values[u].can_save or u in ok for u in v.inputs):
+            if (
+                v.can_recompute
+                and all(self.values[u].can_save or u in ok for u in v.inputs)
+                and all(u in ok for u in v.recompute_with)
+            ):
                 ok.add(name)
         return ok
 

@@ -31,6 +31,7 @@ class Candidate(NamedTuple):
     refined: tuple[str, ...] = ()
     mirrored: int | None = None  # the block whose decisions every identical block took
     walked_moves: tuple[str, ...] = ()  # kept values alive at a walked peak, recomputed on top
+    policy: str | None = None  # the hand policy whose plan it is (least_peak._policy_plans)
 
 
 class Simulate(Protocol):
@@ -224,23 +225,25 @@ MAX_MOVE = 64  # values one greedy move may recompute (bounds the search in long
 
 
 def _move(problem: Problem, start: set[str], saved: set[str], rec: set[str]):
-    """``start`` and its ancestors up to kept or recomputed values, and the storages of the inputs that
-    would become kept; None when one of ``start`` cannot be recomputed or the move grows too large."""
-    move, fresh, todo = set(), set(), list(start)
+    """``start`` and its ancestors up to kept or recomputed values (and what each must be recomputed
+    with: ``Value.recompute_with``, kept or not), and the storages of the inputs that would become
+    kept; None when one of those cannot be recomputed or the move grows too large."""
+    move, fresh, todo, forced = set(), set(), list(start), set(start)
     while todo:
         n = todo.pop()
         if n in move or n in rec:
             continue
         v = problem.values[n]
-        if (n in saved and n not in start) or not v.can_recompute:
-            if n in start:
+        if (n in saved and n not in forced) or not v.can_recompute:
+            if n in forced:
                 return None, set()
             fresh.add(v.storage)  # stays kept, or becomes kept
             continue
         move.add(n)
         if len(move) > MAX_MOVE:
             return None, set()
-        todo.extend(v.inputs)
+        forced.update(v.recompute_with)
+        todo.extend((*v.inputs, *v.recompute_with))
     return move, fresh
 
 
