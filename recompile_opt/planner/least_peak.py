@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from recompile_opt.options import Options
 from recompile_opt.plan import fmt_bytes
-from recompile_opt.planner import ilp
+from recompile_opt.planner import ilp, policies
 from recompile_opt.planner.blocks import BlockMirror, block_mirror
 from recompile_opt.planner.problem import TWICE, Problem, twice_values
 from recompile_opt.planner.solving import (
@@ -167,6 +167,7 @@ def _least_peak(
             if 0 <= f <= 1
         ]
         found += candidates(probes, solving(probes))
+    found += _policy_plans(problem, found[0].sol, simulate)
     best = _least_of(found)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
     # and its two rounds cost 12 s
@@ -198,6 +199,7 @@ def _least_peak(
         f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
         "block's kernels"
     )
+    policy = f"; the {best.policy!r} policy's plan, met beside the ILP's"
     # the plan's predicted peak is walked in Inductor's code where the search walked this graph (the
     # backend walks the plan taken too): a figure of the kernel model's says it is one
     peak = (
@@ -211,6 +213,7 @@ def _least_peak(
         f"(least {fmt_bytes(least)}; within {PEAK_TIE:.0%} are ties, the least recompute wins"
         + (refined if best.refined else "")
         + (same if best.mirrored is not None else "")
+        + (policy if best.policy else "")
         + ")"
         + (f"; {checked}" if checked else "")
     )
@@ -426,6 +429,39 @@ def _mirrored(
                 source,
             )
     return list(out.values())
+
+
+def _policy_plans(problem: Problem, template: ilp.Solution, simulate: Simulate) -> list[Candidate]:
+    """The hand policies' plans (``policies.SEARCHED``: each block recomputed from its outputs,
+    Megatron's attention cores) as candidates of the least-peak search; none where the user tagged a
+    value (the ILP holds tags, the policies do not). ``template``: a solution of the search's whose
+    solver figures they carry.
+
+    Why: the ILP minimises recompute under a byte budget, so at any budget it keeps the bytes that are
+    cheapest to keep, wherever they are; a plan that keeps only the blocks' outputs and recomputes
+    each block in its own backward is never its answer, yet it can peak lowest. On the performance
+    GPT (8 layers, bf16 autocast, its loss chunked, planned on the CPU) the ladders' least walked peak
+    kept 1.25 GiB and peaked at 1.49 GiB at the forward's end; the ``full`` plan, its MLPs chunked
+    too, keeps 837 MiB and walks to 1.20 GiB (docs/design.md, "Hand policies in the search")."""
+    if any(v.tag for v in problem.values.values()):
+        return []
+    out = []
+    for name in policies.SEARCHED:
+        recompute = policies.POLICIES[name](problem)
+        if not recompute:
+            continue
+        saved, recomputed = problem.needed_closure(recompute)
+        sol = dataclasses.replace(template, recompute=set(recompute), keep=set())
+        out.append(
+            Candidate(
+                simulate(saved, recomputed),
+                problem.recompute_seconds(recomputed),
+                problem.kept_bytes(saved, recomputed),
+                sol,
+                policy=name,
+            )
+        )
+    return out
 
 
 def _least_of(candidates: list[Candidate]) -> Candidate:

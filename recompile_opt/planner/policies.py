@@ -204,3 +204,5 @@ def _with_private_inputs(problem: Problem, users, core: set[str]) -> set[str]:
 
 
 POLICIES = {"save-all": save_all, "full": full, "megatron-selective": megatron_selective}
+# the policies whose plans the least-peak search meets beside the ILP's (planner/least_peak.py)
+SEARCHED = ("full", "megatron-selective")
