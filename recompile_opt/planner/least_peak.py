@@ -133,17 +133,7 @@ def _least_peak(
             for (ladder, f), future in zip(points, futures):  # simulate each while later ones solve
                 sol = future.result()
                 if sol.status in ("optimal", "feasible"):
-                    saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-                    out.append(
-                        Candidate(
-                            simulate(saved, recomputed),
-                            problem.recompute_seconds(recomputed),
-                            problem.kept_bytes(saved, recomputed),
-                            sol,
-                            ladder,
-                            f,
-                        )
-                    )
+                    out.append(_met(problem, simulate, sol, ladder=ladder, level=f))
             return out
 
         points = [((problem, reduction, min_bytes, baseline), f) for f in PEAK_LADDER]
@@ -398,6 +388,23 @@ def _ms(c: Candidate) -> str:
     return f"{c.recompute_s * 1e3:.3g} ms"
 
 
+def _met(
+    problem: Problem, simulate: Simulate, sol: ilp.Solution, closure: tuple[set, set] | None = None, **where
+) -> Candidate:
+    """``sol`` as a candidate of the search: the peak, recompute seconds and kept bytes of its closure
+    (``closure``: ``problem.needed_closure`` of it, where the caller has it), ``where`` the candidate's
+    other fields (its ladder and level, refinement, mirror or policy). One place that says what a
+    candidate's figures are, for the five ways the search meets plans."""
+    saved, recomputed = closure or problem.needed_closure(sol.recompute, sol.keep)
+    return Candidate(
+        simulate(saved, recomputed),
+        problem.recompute_seconds(recomputed),
+        problem.kept_bytes(saved, recomputed),
+        sol,
+        **where,
+    )
+
+
 def _mirrored(
     problem: Problem, mirror: BlockMirror, found: list[Candidate], simulate: Simulate
 ) -> list[Candidate]:
@@ -417,16 +424,15 @@ def _mirrored(
                 continue
             if recompute != mirrored:  # an entry kept: the closure changes
                 saved, recomputed = problem.needed_closure(recompute, keep)
-            sol = dataclasses.replace(c.sol, recompute=recompute, keep=keep)
-            out[key] = Candidate(
-                simulate(saved, recomputed),
-                problem.recompute_seconds(recomputed),
-                problem.kept_bytes(saved, recomputed),
-                sol,
-                c.ladder,
-                c.level,
-                tuple(sorted(mirror.mirror(set(c.refined), source))),
-                source,
+            out[key] = _met(
+                problem,
+                simulate,
+                dataclasses.replace(c.sol, recompute=recompute, keep=keep),
+                (saved, recomputed),
+                ladder=c.ladder,
+                level=c.level,
+                refined=tuple(sorted(mirror.mirror(set(c.refined), source))),
+                mirrored=source,
             )
     return list(out.values())
 
@@ -450,17 +456,8 @@ def _policy_plans(problem: Problem, template: ilp.Solution, simulate: Simulate) 
         recompute = policies.POLICIES[name](problem)
         if not recompute:
             continue
-        saved, recomputed = problem.needed_closure(recompute)
         sol = dataclasses.replace(template, recompute=set(recompute), keep=set())
-        out.append(
-            Candidate(
-                simulate(saved, recomputed),
-                problem.recompute_seconds(recomputed),
-                problem.kept_bytes(saved, recomputed),
-                sol,
-                policy=name,
-            )
-        )
+        out.append(_met(problem, simulate, sol, policy=name))
     return out
 
 
@@ -499,16 +496,7 @@ def _keep_moves(problem: Problem, base: Candidate, simulate: Simulate) -> list[C
     out = []
     for name in moves[:REFINE_MOVES]:
         trial = dataclasses.replace(sol, recompute=sol.recompute - {name}, keep=sol.keep | {name})
-        s2, r2 = problem.needed_closure(trial.recompute, trial.keep)
-        out.append(
-            Candidate(
-                simulate(s2, r2),
-                problem.recompute_seconds(r2),
-                problem.kept_bytes(s2, r2),
-                trial,
-                refined=(*base.refined, name),
-            )
-        )
+        out.append(_met(problem, simulate, trial, refined=(*base.refined, name)))
     return out
 
 
@@ -658,13 +646,8 @@ def _fit_peak(
         sol = solve_reduced(problem, reduction, int(min_bytes + f * max(top - min_bytes, 0)), kw, [])
         if sol.status not in ("optimal", "feasible"):
             return None
-        saved, recomputed = problem.needed_closure(sol.recompute, sol.keep)
-        kept = problem.kept_bytes(saved, recomputed)
-        if budget is not None and kept > budget:
-            return None
-        return Candidate(
-            simulate(saved, recomputed), problem.recompute_seconds(recomputed), kept, sol, None, f
-        )
+        c = _met(problem, simulate, sol, level=f)
+        return None if budget is not None and c.kept > budget else c
 
     tried: list[Candidate] = []
     for above, f in zip((None, *PEAK_SEARCH), PEAK_SEARCH):
