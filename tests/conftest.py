@@ -4,11 +4,16 @@ import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    # pytest -n N: each worker's share of the cores (2 workers of 2 OpenMP threads each on 2 cores spent
-    # a tenth of test_gradients.py waiting on each other); subprocesses inherit it
-    os.environ.setdefault(
-        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    )
+    # pytest -n N: each worker's share of the cores, for its OpenMP threads (2 workers of 2 threads each
+    # on 2 cores spent a tenth of test_gradients.py waiting on each other) and for the processes a
+    # least-peak search spreads its walks over (recompile_opt/costs/walk_pool.py; forked onto a core the
+    # other worker holds, they cost more than they save: test_kernels.py's GPT at 0.0, its peaks not on
+    # disk, on one core took 190 and 193 s walked by 2 processes, 166 s by 1:
+    # taskset -c 0 with RECOMPILE_OPT_WALK_WORKERS=2 / 1, 2026-12-02); subprocesses inherit them.
+    # The walk pool's own tests set their number
+    share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    os.environ.setdefault("RECOMPILE_OPT_WALK_WORKERS", share)
 
 import pytest
 import torch
