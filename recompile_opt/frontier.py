@@ -59,7 +59,7 @@ from recompile_opt.partitioner import MEMORY
 from recompile_opt.passes.joint_graph import JointGraph
 from recompile_opt.plan import Plan, fmt_bytes
 from recompile_opt.planner.search import make_plan
-from recompile_opt.planning import oracle_pooled, pools_dead_buffers, read_joint_graph
+from recompile_opt.planning import oracle_pooled, pools_dead_buffers, read_joint_graph, solves_kept
 
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(21))
 POLICIES = ("save-all", "full", "megatron-selective")
@@ -162,7 +162,7 @@ class FrontierPartitioner:
             opts = dataclasses.replace(self.options, **changes)
             pooled = pools_dead_buffers(opts)  # as the plan compiles: the pool off at the peak goals
             oracle = oracles[pooled]
-            with ti.buffer_pool(pooled):
+            with ti.buffer_pool(pooled), solves_kept():
                 plan = make_plan(problem, opts, graph=joint.gid, simulate=oracle, memory=MEMORY)
             saved = {e.name for e in plan.saved if e.op != "rng_state"}  # as RecompilePartitioner
             figures = _Figures(

@@ -55,7 +55,8 @@ class Plan:
     # name, status, solve_s (the final solve), gap, n_vars, n_constraints; plan_s: all our planning for
     # the graph (cost model, every solve and simulation of the search, partition), when compiled;
     # solves / solves_s: every ILP solve of the planning and their summed time (on a pool: they
-    # overlap); simulations / simulate_s: the plans partitioned and simulated for their peak
+    # overlap), solves_recalled of them answered by an earlier process's (planner/solutions.py);
+    # simulations / simulate_s: the plans partitioned and simulated for their peak
     solver: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
@@ -191,6 +192,7 @@ class Plan:
             if s.get("exact_peaks")
             else ""
         )
+        recalled = f" ({s['solves_recalled']} read from disk)" if s.get("solves_recalled") else ""
         choice = s.get("chunk_choice")  # the trials' own planning: the figures before count only the last
         tried = (
             (
@@ -201,7 +203,7 @@ class Plan:
             else ""
         )
         return (
-            f" ({n} solve{'s' * (n != 1)}, {s.get('solves_s', 0.0):.2f} s summed; "
+            f" ({n} solve{'s' * (n != 1)}{recalled}, {s.get('solves_s', 0.0):.2f} s summed; "
             f"{m} plan{'s' * (m != 1)} simulated, {s.get('simulate_s', 0.0):.2f} s{walks}{tried})"
         )
 

@@ -19,6 +19,7 @@ import hashlib
 import re
 import time
 import warnings
+from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -32,12 +33,13 @@ from recompile_opt.options import Options
 from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.partition import partition
 from recompile_opt.plan import Plan, fmt_bytes
-from recompile_opt.planner import budget_split, chunk_choice
+from recompile_opt.planner import budget_split, chunk_choice, solutions
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.problem import Problem
 from recompile_opt.planner.search import make_plan, range_oracle
 from recompile_opt.planner.solving import one_tensor_per_storage
+from recompile_opt.provenance import code_hash
 
 POOL_OFF_NOTE = (
     "Inductor's buffer pool off for this memory request (allow_buffer_reuse=False): each dead buffer is "
@@ -113,6 +115,12 @@ def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory:
     )
     simulate.offer(problem.sites)
     return Joint(gm, num_fwd_outputs, static, jg, problem, simulate, graph_id(gm))
+
+
+def solves_kept():
+    """Within the block, the planning's ILP answers are kept on disk beside Inductor's caches and read
+    from there (:mod:`recompile_opt.planner.solutions`), as its peaks are (:func:`simulator_for`)."""
+    return solutions.kept_in(Path(ti.cache_dir()) / "recompile_opt_solves", code_hash())
 
 
 def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSimulator:
@@ -250,9 +258,10 @@ def _new_plan(
     plan and that release (None where nothing is held)."""
 
     def plan_with(opts: Options) -> Plan:
-        return ti.on_fresh_stack(
-            make_plan, joint.problem, opts, graph=joint.gid, simulate=joint.simulate, memory=memory
-        )
+        with solves_kept():
+            return ti.on_fresh_stack(
+                make_plan, joint.problem, opts, graph=joint.gid, simulate=joint.simulate, memory=memory
+            )
 
     if not (request.candidates and options.peak_memory is not None):
         return plan_with(options), None

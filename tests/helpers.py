@@ -129,7 +129,7 @@ def partitioned_and_compiled(model, inputs, options: dict):
 
 def forget_searches(monkeypatch) -> None:
     """Plan as if no earlier test had: forget every graph's least-peak search and the peaks simulated
-    and walked for its plans (both are kept per graph for the process)."""
+    and walked for its plans (both are kept per graph for the process), and solve every ILP anew."""
     from collections import OrderedDict
 
     from recompile_opt.costs import simulator
@@ -138,6 +138,15 @@ def forget_searches(monkeypatch) -> None:
     monkeypatch.setattr(MEMORY, "range_ends", {})
     monkeypatch.setattr(MEMORY, "peaks", OrderedDict())
     monkeypatch.setattr(simulator, "_load", lambda key: None)  # nor what an earlier test left on disk
+    solve_anew(monkeypatch)
+
+
+def solve_anew(monkeypatch) -> None:
+    """Every ILP of a planning solved by the solver, none read from what an earlier test's planning
+    kept on disk (``planner/solutions.py``): for the tests that fake the solver or count its work."""
+    from recompile_opt.planner import solutions
+
+    monkeypatch.setattr(solutions, "recall", lambda key: None)
 
 
 def least_peaks_without_and_with_auto_chunks(cfg: GPTConfig, batch: int) -> tuple[dict, object]:

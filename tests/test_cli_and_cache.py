@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_gpt, tiny_mlp
+from helpers import solve_anew, tiny_gpt, tiny_mlp
 from test_graph_breaks import TwoHalves, _inputs
 
 import recompile_opt
@@ -450,20 +450,26 @@ def new_process(monkeypatch, tmp_path):
 
 
 def test_a_new_process_finds_the_peaks_the_last_one_simulated_and_walked(monkeypatch, tmp_path, new_process):
-    """The least-peak search's simulations and walks are kept on disk by graph: a later process
-    planning the same graph at another budget simulates nothing again, and plans what it would have."""
+    """The least-peak search's simulations and walks are kept on disk by graph, and its ILP answers by
+    model: a later process planning the same graph at another budget simulates nothing again, solves
+    only its own budget's models, and plans what it would have."""
     from recompile_opt.costs import simulator
 
     model, inputs = tiny_gpt()
     first = recompile_opt.plan(model, inputs, memory_budget=0.0)
     assert first.solver["simulations"] > 0 and list((tmp_path / "recompile_opt_peaks").glob("*.json"))
+    assert first.solver["solves_recalled"] == 0 and list((tmp_path / "recompile_opt_solves").rglob("*.json"))
     new_process()
     second = recompile_opt.plan(model, inputs, memory_budget=0.5)
     assert second.solver["simulations"] == 0, second.solver
+    # the range's ends (the least bytes, the least-peak search) were solved by the first process
+    assert 0 < second.solver["solves_recalled"] < second.solver["solves"], second.solver
+    assert f"({second.solver['solves_recalled']} read from disk)" in str(second)
     new_process()
     monkeypatch.setattr(simulator, "_load", lambda key: None)
+    solve_anew(monkeypatch)
     unaided = recompile_opt.plan(model, inputs, memory_budget=0.5)
-    assert unaided.solver["simulations"] > 0
+    assert unaided.solver["simulations"] > 0 and unaided.solver["solves_recalled"] == 0
     assert (second.saved_names(), second.recomputed_names()) == (
         unaided.saved_names(),
         unaided.recomputed_names(),

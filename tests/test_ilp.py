@@ -766,3 +766,41 @@ def test_no_budget_recomputes_what_costs_less_than_the_solvers_gap_of_the_step()
     assert plan.saved_bytes == 5 * MiB
     plan = make_plan(p, Options(mip_gap=0.0))  # no tolerance: the fastest plan itself
     assert not plan.recomputed and plan.saved_bytes == 9 * MiB
+
+
+def test_a_planning_reads_the_answer_an_earlier_one_gave_the_same_model(monkeypatch, tmp_path):
+    """Within ``solutions.kept_in`` a solve's answer is kept on disk and read back for the same model,
+    without solving; any change to what the model is built from (a cost, the budget, the limits, the
+    salt: the package's code) is solved anew; a failed solve is not kept; outside, nothing is kept."""
+    from recompile_opt.planner import solutions
+
+    first = ilp.solve(chain(), budget=4 * MiB)
+    assert not list(tmp_path.rglob("*.json"))
+    log = ilp.SolveLog()
+    with solutions.kept_in(tmp_path, "code-a"):
+        kept = ilp.solve(chain(), budget=4 * MiB, log=log)
+        assert len(list(tmp_path.rglob("*.json"))) == 1 and log.recalled == 0
+        with monkeypatch.context() as no_solver:
+            no_solver.setattr(ilp, "_run", mock.Mock(side_effect=AssertionError("solved again")))
+            again = ilp.solve(chain(), budget=4 * MiB, log=log)
+        assert (again.recompute, again.keep, again.status, again.gap) == (
+            kept.recompute,
+            kept.keep,
+            kept.status,
+            kept.gap,
+        )
+        assert (again.recompute, again.status) == (first.recompute, "optimal") and log.recalled == 1
+        slower = chain()
+        slower.values["b"] = dataclasses.replace(slower.values["b"], recompute_s=1.0)
+        with monkeypatch.context() as failing:
+            failing.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
+            for p, budget, limit in (
+                (slower, 4 * MiB, 30.0),
+                (chain(), 3 * MiB, 30.0),
+                (chain(), 4 * MiB, 7.0),
+            ):
+                assert ilp.solve(p, budget=budget, time_limit_s=limit).status.startswith("error")
+    with solutions.kept_in(tmp_path, "code-b"), monkeypatch.context() as failing:
+        failing.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
+        assert ilp.solve(chain(), budget=4 * MiB).status.startswith("error")
+    assert len(list(tmp_path.rglob("*.json"))) == 1  # the failures were not kept

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_gpt, tiny_mlp, train_side_by_side
+from helpers import solve_anew, tiny_gpt, tiny_mlp, train_side_by_side
 
 import recompile_opt
 from recompile_opt.options import (
@@ -238,6 +238,7 @@ def solver_calls(monkeypatch):
         return original(solver, time_limit_s, mip_gap, *args, **kwargs)
 
     monkeypatch.setattr(ilp, "_command", spy)
+    solve_anew(monkeypatch)  # every solve reaches the solver
     return calls
 
 

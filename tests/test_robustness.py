@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
+from helpers import solve_anew, tiny_gpt, tiny_llama, tiny_mlp, train_side_by_side
 
 import recompile_opt
 from recompile_opt.planner import ilp
@@ -10,6 +10,7 @@ from recompile_opt.planner import ilp
 
 def test_solver_failure_falls_back_to_a_correct_plan_with_a_warning(monkeypatch):
     monkeypatch.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
+    solve_anew(monkeypatch)
     model, inputs = tiny_gpt(dropout=0.1)
     with (
         torch._inductor.config.patch(fallback_random=True),
@@ -82,6 +83,7 @@ def test_a_failed_search_is_not_remembered_for_the_next_plan(monkeypatch):
     model, inputs = tiny_gpt()
     with monkeypatch.context() as failing:
         failing.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
+        solve_anew(failing)
         with pytest.warns(UserWarning, match="the ILP solver failed"):
             recompile_opt.plan(model, inputs, memory_budget=0.3)
     plan = recompile_opt.plan(model, inputs, memory_budget=0.0)

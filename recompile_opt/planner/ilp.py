@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
+from recompile_opt.planner import solutions
 from recompile_opt.planner.problem import Problem, offload_choice
 
 # HiGHS solves that may run at once (each HiGHS solve uses one thread; the least-peak search keeps
@@ -95,12 +96,14 @@ class SolveLog:
     user sees where the planning time went."""
 
     def __init__(self):
-        self.solves, self.seconds, self._lock = 0, 0.0, threading.Lock()
+        self.solves, self.seconds, self.recalled, self._lock = 0, 0.0, 0, threading.Lock()
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, *, recalled: bool = False) -> None:
+        """One solve of ``seconds``; ``recalled``: its answer was read from disk (``solutions``)."""
         with self._lock:
             self.solves += 1
             self.seconds += seconds
+            self.recalled += recalled
 
 
 def solve(
@@ -119,10 +122,24 @@ def solve(
     ``log`` counts the solve and its time (``Solution.solve_s``). ``max_nodes``: stop the branch and
     bound after this many nodes with the best plan found ("feasible", with its gap), a limit that,
     unlike time, gives the same plan on every machine. ``time_cap_s``: a limit on the recompute and
-    saving time (the objective's time terms), for the least bytes within a time."""
-    sol = _solve(problem, budget, solver, (time_limit_s, mip_gap, max_nodes), minimize_memory, time_cap_s)
+    saving time (the objective's time terms), for the least bytes within a time. Within a planning
+    that keeps its solves (:mod:`solutions`), the answer an earlier process gave the same model is
+    read instead of solving (``solve_s`` is then the read's)."""
+    start = time.perf_counter()
+    limits = (time_limit_s, mip_gap, max_nodes)
+    key = solutions.model_key(problem, (budget, solver, limits, minimize_memory, time_cap_s))
+    kept = solutions.recall(key)
+    if kept is not None:
+        sol = Solution(set(kept["recompute"]), set(kept["keep"]), kept["status"], 0.0, *kept["figures"])
+        sol.solve_s = time.perf_counter() - start
+    else:
+        sol = _solve(problem, budget, solver, limits, minimize_memory, time_cap_s)
+        if not sol.status.startswith("error"):
+            figures = [sol.gap, sol.n_vars, sol.n_constraints]
+            answer = {"recompute": sorted(sol.recompute), "keep": sorted(sol.keep), "status": sol.status}
+            solutions.keep(key, {**answer, "figures": figures})
     if log is not None:
-        log.add(sol.solve_s)
+        log.add(sol.solve_s, recalled=kept is not None)
     return sol
 
 

@@ -63,7 +63,9 @@ def make_plan(
         sol, solver_info, budget, min_bytes = _solve_auto(
             problem, options, baseline, notes, simulate, solves, memory.range_ends
         )
-        solver_info.update(solves=solves.solves, solves_s=round(solves.seconds, 3))
+        solver_info.update(
+            solves=solves.solves, solves_s=round(solves.seconds, 3), solves_recalled=solves.recalled
+        )
         recompute, keep = sol.recompute, sol.keep
     else:  # the user's MUST_* tags hold under a fixed policy too
         tagged = {
