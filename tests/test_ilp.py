@@ -771,7 +771,8 @@ def test_no_budget_recomputes_what_costs_less_than_the_solvers_gap_of_the_step()
 def test_a_planning_reads_the_answer_an_earlier_one_gave_the_same_model(monkeypatch, tmp_path):
     """Within ``solutions.kept_in`` a solve's answer is kept on disk and read back for the same model,
     without solving; any change to what the model is built from (a cost, the budget, the limits, the
-    salt: the package's code) is solved anew; a failed solve is not kept; outside, nothing is kept."""
+    salt: the package's code; a price changed at run time) is solved anew; a failed solve is not kept;
+    outside, nothing is kept."""
     from recompile_opt.planner import solutions
 
     first = ilp.solve(chain(), budget=4 * MiB)
@@ -800,6 +801,8 @@ def test_a_planning_reads_the_answer_an_earlier_one_gave_the_same_model(monkeypa
                 (chain(), 4 * MiB, 7.0),
             ):
                 assert ilp.solve(p, budget=budget, time_limit_s=limit).status.startswith("error")
+            failing.setattr(ilp, "APPROXIMATION_PRICE", -1e3)  # a price the code's hash does not see
+            assert ilp.solve(chain(), budget=4 * MiB).status.startswith("error")
     with solutions.kept_in(tmp_path, "code-b"), monkeypatch.context() as failing:
         failing.setattr(ilp, "_run", lambda *a, **k: ("error: solver exploded", None))
         assert ilp.solve(chain(), budget=4 * MiB).status.startswith("error")

@@ -127,7 +127,10 @@ def solve(
     read instead of solving (``solve_s`` is then the read's)."""
     start = time.perf_counter()
     limits = (time_limit_s, mip_gap, max_nodes)
-    key = solutions.model_key(problem, (budget, solver, limits, minimize_memory, time_cap_s))
+    # the prices are read here, not only through the code's hash: a caller may change them (the tests
+    # that pay for every approximation), and an answer found under other prices is another model's
+    prices = (APPROXIMATION_PRICE, OFFLOAD_PRICE, US)
+    key = solutions.model_key(problem, (budget, solver, limits, minimize_memory, time_cap_s, prices))
     kept = solutions.recall(key)
     if kept is not None:
         sol = Solution(set(kept["recompute"]), set(kept["keep"]), kept["status"], 0.0, *kept["figures"])
