@@ -15,8 +15,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", share)
     os.environ.setdefault("RECOMPILE_OPT_WALK_WORKERS", share)
 
+import contextlib
+
 import pytest
 import torch
+import torch._inductor.config as inductor_config
+from multiprocess import SCALAR_KERNELS, scalar_kernels_where_asked
 
 import recompile_opt
 
@@ -24,11 +28,36 @@ if "OMP_NUM_THREADS" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 
 
+# Scalar C++ kernels. Inductor writes each CPU kernel twice, vectorised and as a scalar tail, and
+# builds each with g++: the builds were 64% of an Inductor test's time (test_chunk_autocast.py's two
+# through Inductor, one process, empty cache: 178 of 278 s; with cpp.simdlen = 1, 115 of 192 s;
+# 2026-12-02). What a plan decides and what the step allocates do not depend on it (the walks already
+# lower scalar kernels: _torch_internals._scalar_cpp_kernels), so every test runs them but those that
+# hold the walk against a step of the vectorised kernels users run (VECTORIZED). The ranks of
+# multi-process tests read it from the environment (tests/multiprocess.py); a subprocess running the
+# package (the CLI, the demo) is vectorised as users run it.
+os.environ.setdefault(SCALAR_KERNELS, "1")
+scalar_kernels_where_asked()
+# modules, or module::test names, whose tests compile the kernels vectorised
+VECTORIZED = {
+    "test_kernels.py::test_predicted_peak_within_ten_percent_of_measured",
+    "test_inductor_peak.py",
+    "test_peak_accuracy_bench.py",
+    "test_docs.py",
+}
+
+
+def _vectorized(item) -> bool:
+    return item.path.name in VECTORIZED or f"{item.path.name}::{item.originalname}" in VECTORIZED
+
+
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(request):
     torch._dynamo.reset()
     recompile_opt.reset_plans()
-    yield
+    vectorized = _vectorized(request.node) and inductor_config.cpp.simdlen == 1
+    with inductor_config.patch({"cpp.simdlen": None}) if vectorized else contextlib.nullcontext():
+        yield
     torch._dynamo.reset()
 
 
@@ -126,6 +155,11 @@ def pytest_collection_modifyitems(config, items):
     ):  # a renamed test would drop out silently
         raise pytest.UsageError(
             f"tests/conftest.py HEAVY names tests that do not exist: {sorted(HEAVY - found)}"
+        )
+    vectorized = {item.path.name for item in items} | {f"{i.path.name}::{i.originalname}" for i in items}
+    if whole_suite and config.option.markexpr in ("", "not slow") and VECTORIZED - vectorized:
+        raise pytest.UsageError(
+            f"tests/conftest.py VECTORIZED names no test: {sorted(VECTORIZED - vectorized)}"
         )
     if whole_suite and SHARED_FIXTURE_MODULES - {item.path.name for item in items}:
         raise pytest.UsageError(

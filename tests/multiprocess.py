@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -25,6 +26,8 @@ import torch.multiprocessing as mp
 # up to 80 s here, so both are generous)
 COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 JOIN_DEADLINE_S = 480
+# set by tests/conftest.py for the whole run: ranks write scalar C++ kernels as their test worker does
+SCALAR_KERNELS = "RECOMPILE_OPT_TESTS_SCALAR_KERNELS"
 
 # (a module that does not import is skipped by the server: transformers is a test extra)
 mp.set_forkserver_preload(
@@ -42,6 +45,13 @@ mp.set_forkserver_preload(
 )
 
 
+def scalar_kernels_where_asked() -> None:
+    """Inductor's C++ kernels as scalar loops where the test run asks (``tests/conftest.py``, "Scalar
+    C++ kernels"): the setting lives in the process, and a rank's process is the fork server's."""
+    if os.environ.get(SCALAR_KERNELS) == "1":
+        inductor_config.cpp.simdlen = 1
+
+
 def progress(out: str, rank: int, step: str) -> None:
     """A line in the rank's progress file: a rank killed at the deadline is reported with its last one."""
     with open(os.path.join(out, f"rank{rank}.progress"), "a") as f:
@@ -52,6 +62,7 @@ def init_gloo(rank: int, world: int, out: str) -> None:
     """The rank's process group, met through a file of the test's own (not a TCP port another test could
     take meanwhile); its stacks dumped near the deadline."""
     faulthandler.enable()  # a crash (SIGSEGV) prints the rank's Python stacks
+    scalar_kernels_where_asked()  # the fork server imported Inductor without the test worker's setting
     faulthandler.dump_traceback_later(JOIN_DEADLINE_S - 30, exit=False)
     dist.init_process_group(
         "gloo",
