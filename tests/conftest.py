@@ -30,12 +30,13 @@ if "OMP_NUM_THREADS" in os.environ:
 
 # Scalar C++ kernels. Inductor writes each CPU kernel twice, vectorised and as a scalar tail, and
 # builds each with g++: the builds were 64% of an Inductor test's time (test_chunk_autocast.py's two
-# through Inductor, one process, empty cache: 178 of 278 s; with cpp.simdlen = 1, 115 of 192 s;
-# 2026-12-02). What a plan decides and what the step allocates do not depend on it (the walks already
-# lower scalar kernels: _torch_internals._scalar_cpp_kernels), so every test runs them but those that
-# hold the walk against a step of the vectorised kernels users run (VECTORIZED). The ranks of
-# multi-process tests read it from the environment (tests/multiprocess.py); a subprocess running the
-# package (the CLI, the demo) is vectorised as users run it.
+# through Inductor, one process, empty cache: 178 of 278 s; scalar, TORCHINDUCTOR_VEC_ISA_OK=0, which
+# writes the same kernels as cpp.simdlen = 1: 115 of 192 s; 2026-12-02). What a plan decides and what
+# the step allocates do not depend on it (the walks already lower scalar kernels:
+# _torch_internals._scalar_cpp_kernels), so every test runs them but those that hold the walk against
+# a step of the vectorised kernels users run (VECTORIZED). The ranks of multi-process tests read it
+# from the environment (tests/multiprocess.py); a subprocess running the package (the CLI, the demo)
+# is vectorised as users run it.
 os.environ.setdefault(SCALAR_KERNELS, "1")
 scalar_kernels_where_asked()
 # modules, or module::test names, whose tests compile the kernels vectorised
