@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt import kept_files
 from recompile_opt.options import Options
 from recompile_opt.partitioner import RecompilePartitioner
 from recompile_opt.plan import Plan
@@ -72,13 +73,9 @@ def record(partitioner: RecompilePartitioner, key: str, opts: Options) -> None:
     path = _plan_cache_dir() / f"{key}.json"
     plans = partitioner.plans
     if plans:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps([p.to_dict() for p in plans]))
-        except OSError as e:
-            log.debug("recompile_opt: could not store plan %s: %s", path, e)
-    elif path.exists():
-        plans = [Plan.from_json(json.dumps(d)) for d in json.loads(path.read_text())]
+        kept_files.write_json(path, [p.to_dict() for p in plans])
+    elif (stored := kept_files.read_json(path)) is not None:
+        plans = [Plan.from_json(json.dumps(d)) for d in stored]
         for p in plans:
             p.notes.append("replayed from the plan cache (Inductor cache hit)")
     publish(plans)

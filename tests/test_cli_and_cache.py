@@ -14,7 +14,7 @@ from helpers import solve_anew, tiny_gpt, tiny_mlp
 from test_graph_breaks import TwoHalves, _inputs
 
 import recompile_opt
-from recompile_opt import frontier
+from recompile_opt import frontier, kept_files
 from recompile_opt.cli import build_parser, main, parse_budget_arg
 from recompile_opt.partitioner import MEMORY
 from recompile_opt.plan import Plan
@@ -90,6 +90,40 @@ def test_inductor_cache_hit_replays_the_plan_and_options_change_the_key(tmp_path
     (other,) = compile_and_run({"memory_budget": 1.0})
     assert not any("plan cache" in n for n in other.notes)
     assert other.saved_bytes > cold.saved_bytes
+
+
+def test_a_stored_plan_cut_short_is_read_as_missing_and_the_step_still_runs(tmp_path, monkeypatch):
+    """A plan file cut short (a killed process, a full disk, or one read while another rank writes it)
+    must not stop a compile that hits Inductor's cache: it read the file with ``json.loads`` and raised."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model, inputs = tiny_mlp()
+
+    def step():
+        torch._dynamo.reset()
+        recompile_opt.reset_plans()
+        model.zero_grad()
+        torch.compile(model, backend="recompile_opt", options={"memory_budget": 0.0})(*inputs).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    cold = step()
+    (stored,) = (tmp_path / "recompile_opt_plans").glob("*.json")
+    stored.write_text(stored.read_text()[:40])
+    hit = step()
+    assert all(torch.equal(a, b) for a, b in zip(hit, cold, strict=True))
+    assert recompile_opt.last_plans() == [], "a plan cut short is not replayed"
+
+
+def test_kept_files_are_written_whole_or_not_at_all(tmp_path):
+    """The files kept beside Inductor's caches: what cannot be written leaves the old file as it was and
+    no temporary file; what cannot be read is missing."""
+    path = tmp_path / "kept" / "answer.json"
+    assert kept_files.write_json(path, {"x": [1, 2]}) and kept_files.read_json(path) == {"x": [1, 2]}
+    assert not kept_files.write_json(path, {"x": object()})  # not JSON-able, found mid-write
+    assert kept_files.read_json(path) == {"x": [1, 2]}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["answer.json"]
+    path.write_text('{"x": [1,')
+    assert kept_files.read_json(path) is None
+    assert kept_files.read_json(tmp_path / "none.json") is None
 
 
 def test_a_cache_hit_replays_the_plan_of_its_own_autocast_state(tmp_path, monkeypatch):

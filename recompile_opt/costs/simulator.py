@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt import kept_files
 from recompile_opt.costs import walk_pool
 from recompile_opt.costs.inductor_peak import WalkedPeak, exact_peak, why_not_walkable
 from recompile_opt.costs.peak import peak_and_recomputed_at_peak, pool_rule
@@ -93,9 +92,8 @@ def _load(key: str) -> tuple[dict, dict, dict] | None:
     them. Why the last: the chunk choice reads where a plan peaks (``Plan.walked_breakdown``), so a
     process that found the walked figure without it located the peak by the kernel model and chose
     other chunks (the demo GPT: 21.78 MiB from a warm cache, 18.53 cold)."""
-    try:
-        data = json.loads(_disk_path(key).read_text())
-    except (OSError, ValueError):
+    data = kept_files.read_json(_disk_path(key))
+    if data is None:
         return None
     results = {
         (frozenset(saved), frozenset(rec)): (peak, names) for saved, rec, peak, names in data["simulated"]
@@ -375,15 +373,8 @@ class PeakSimulator:
                 for (saved, rec), trace in self.walk_traces.items()
             ],
         }
-        path = _disk_path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, path)  # whole or not at all, for a process reading it meanwhile
+        if kept_files.write_json(_disk_path(key), data):
             self.stored = len(self.results) + len(self.exact_results)
-        except OSError as e:
-            log.debug("recompile_opt: could not store peaks %s: %s", path, e)
 
     def usage(self) -> tuple[int, float, int, float]:
         """Plans simulated and walked so far, and the seconds each took (the figures a plan reports)."""

@@ -20,15 +20,11 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
-import json
-import logging
 import os
-import tempfile
 from pathlib import Path
 
+from recompile_opt import kept_files
 from recompile_opt.planner.problem import Problem, Value
-
-log = logging.getLogger(__name__)
 
 _VALUE_FIELDS = tuple(f.name for f in dataclasses.fields(Value) if f.name != "info")
 _PROBLEM_FIELDS = tuple(f.name for f in dataclasses.fields(Problem) if f.name != "values")
@@ -64,27 +60,15 @@ def model_key(problem: Problem, asked: tuple) -> str | None:
 def recall(key: str | None) -> dict | None:
     """The answer kept under ``key`` (as :func:`keep` was given it), or None."""
     path = _path(key)
-    if path is None:
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return None if path is None else kept_files.read_json(path)
 
 
 def keep(key: str | None, answer: dict) -> None:
     """Keep ``answer`` (JSON-able) under ``key``; written whole or not at all (another rank or test
     worker may read it at once). An answer that cannot be written is only not kept."""
     path = _path(key)
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(answer, f)
-        os.replace(f.name, path)
-    except OSError as e:
-        log.debug("recompile_opt: could not keep solution %s: %s", path, e)
+    if path is not None:
+        kept_files.write_json(path, answer)
 
 
 def _path(key: str | None) -> Path | None:
