@@ -19,7 +19,9 @@ chunk's up-projections and activation and accumulates the weights' gradients in 
 differentiate a loop of chunks did). The elementwise part is differentiated by autograd, one chunk at a
 time, so any activation written as torch ops (Hugging Face's tanh GELU) works.
 
-Refused, with the reason in ``why_not``: a random op (dropout) or any op not elementwise between the
+Between the projections, besides elementwise ops: a dropout that draws nothing (``p`` 0 or not training)
+and a split of the features along the last dim (a fused gate-and-up projection, Phi-3's ``gate_up_proj``).
+Refused, with the reason in ``why_not``: a random op (dropout) or any other op between the
 projections, an intermediate value read elsewhere, up-projections that read different inputs, a tensor
 from outside the region that is not a scalar.
 """
@@ -38,6 +40,8 @@ from recompile_opt.passes.chunking import LINEAR, arguments, value_of
 from recompile_opt import ops
 from recompile_opt.ops import op_name
 
+# splits that keep rows whole where they cut the last dimension (:func:`_splits_features`)
+_SPLITS = frozenset({"chunk", "split"})
 # elementwise ops a chunk may run (by name: Dynamo's graph has no tags): the class less random ops (a chunk
 # would draw other numbers than the whole; an MLP with dropout inside is still found, so that a forced
 # ``chunks`` names it and says why) and the ops the chunked body was never tried with
@@ -130,6 +134,7 @@ class MLPRegion:
     why_not: str | None = None
     width: int = 0  # the input's (model) width
     itemsize: int = 4  # bytes of an element of the input
+    up_width: int = 0  # the up-projections' output features, summed (their matmuls' recompute)
 
     @property
     def name(self) -> str:
@@ -151,7 +156,7 @@ class MLPRegion:
             "chunks": chunks,
             "tokens": self.tokens,
             "width": self.hidden,
-            "recompute_flops": 2 * self.tokens * self.width * self.hidden * len(self.ups),
+            "recompute_flops": 2 * self.tokens * self.width * self.up_width,
         }
 
 
@@ -207,15 +212,17 @@ def _region(down: Projection) -> MLPRegion | None:
         return _refuse(region, "shapes unknown")
     region.tokens, region.hidden = math.prod(int(s) for s in x.shape[:-1]), int(out.shape[-1])
     region.width, region.itemsize = int(x.shape[-1]), x.element_size()
+    region.up_width = sum(int(value_of(u.out).shape[-1]) for u in region.ups)
     inside = {*body, *down.nodes, *(n for u in region.ups for n in u.nodes)}
     for node in [*region.body, *(n for u in region.ups for n in u.nodes), *down.inner]:
         outside = [u.name for u in node.users if u not in inside]
         if outside:
             return _refuse(region, f"{node.name} is also read by {', '.join(outside)}")
     for node in region.body + [u.out for u in region.ups]:
-        val = value_of(node)
-        if val is None or tuple(val.shape) != tuple(out.shape):
-            return _refuse(region, f"{node.name} is not [tokens, hidden] like the down-projection's input")
+        vals = node.meta.get("example_value")
+        vals = vals if isinstance(vals, tuple) else (value_of(node),)
+        if any(not isinstance(v, torch.Tensor) or v.shape[:-1] != out.shape[:-1] for v in vals):
+            return _refuse(region, f"{node.name} is not [tokens, ...] like the down-projection's input")
     return region
 
 
@@ -238,7 +245,21 @@ def _is_activation(node: fx.Node) -> bool:
 
 
 def _is_pointwise(node: fx.Node) -> bool:
-    return op_name(node) in POINTWISE
+    """An op the chunks may run row by row: elementwise, a dropout that draws nothing, or a split of a
+    fused up-projection's features (Phi-3's ``gate_up_proj(x).chunk(2, dim=-1)``) and its parts."""
+    if op_name(node) == "getitem":
+        return isinstance(node.args[0], fx.Node) and _splits_features(node.args[0])
+    return op_name(node) in POINTWISE or ops.is_idle_dropout(node) or _splits_features(node)
+
+
+def _splits_features(node: fx.Node) -> bool:
+    """``chunk`` / ``split`` (method or function) of a tensor along its last dimension, the only one the
+    rows of a chunk keep whole (the body runs on ``[rows, features]``, :func:`_add_body_module`)."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in _SPLITS or not node.args:
+        return False
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    val = value_of(node.args[0])
+    return val is not None and isinstance(dim, int) and dim in (-1, val.dim() - 1)
 
 
 def _refuse(region: MLPRegion, why: str) -> MLPRegion:
@@ -284,6 +305,8 @@ def _add_body_module(gm: fx.GraphModule, region: MLPRegion) -> str:
     env = {up.out: body.placeholder(f"up_{i}") for i, up in enumerate(region.ups)}
     for node in region.body:
         env[node] = body.node_copy(node, env.__getitem__)
+        if _splits_features(node):  # the chunk's rows are [rows, features]: the last dim is -1
+            env[node].args, env[node].kwargs = env[node].args[:2], {**node.kwargs, "dim": -1}
     body.output(env[region.down.x])
     i = 0
     while hasattr(gm, f"chunked_mlp_act_{i}"):

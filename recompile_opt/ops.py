@@ -36,6 +36,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
 from recompile_opt import _torch_internals as ti
 
@@ -193,6 +194,29 @@ ACTIVATIONS = frozenset(
 
 # ops that draw from the RNG (dropout: elementwise as well)
 RANDOM = frozenset({"dropout", "native_dropout", "alpha_dropout", "feature_alpha_dropout"})
+# the dropouts that return their input where they draw nothing
+_IDENTITY_WHEN_IDLE = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def is_idle_dropout(node: fx.Node) -> bool:
+    """A dropout call of a Dynamo graph that draws nothing and returns its input: ``p`` 0 or not
+    training (constants, defaults filled in by torch.fx's ``normalize_function``), not in place. Why:
+    Hugging Face models keep their ``nn.Dropout(config.dropout)`` at 0.0, and such a call between an
+    MLP's projections refused its chunks as if it drew numbers (ATen's dropout returns its input where
+    ``p == 0`` or not training)."""
+    if node.op != "call_function" or op_name(node) not in _IDENTITY_WHEN_IDLE:
+        return False
+    call = normalize_function(
+        node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
+    )
+    if call is None:
+        return False
+    kw = call.kwargs
+    training, p = kw.get("training", kw.get("train")), kw.get("p")
+    if kw.get("inplace", False) is not False or not isinstance(training, bool):
+        return False
+    return not training or (isinstance(p, (int, float)) and p == 0)
+
 
 # ops whose each output element depends only on the same element of each (broadcast) input
 ELEMENTWISE = ACTIVATIONS | {

@@ -111,15 +111,16 @@ def test_the_backward_accumulates_weight_and_bias_gradients_with_matmuls_only():
 
 
 class _MLP(torch.nn.Module):
-    def __init__(self, dropout_inside=False, returns_hidden=False):
+    def __init__(self, dropout_inside=False, returns_hidden=False, p=0.1, training=True):
         super().__init__()
         self.fc1, self.fc2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
         self.dropout_inside, self.returns_hidden = dropout_inside, returns_hidden
+        self.p, self.drop_training = p, training
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
         if self.dropout_inside:
-            h = F.dropout(h, 0.1)
+            h = F.dropout(h, self.p, training=self.drop_training)
         out = self.fc2(h).sum()
         return (out, h) if self.returns_hidden else out
 
@@ -138,6 +139,18 @@ def test_an_mlp_that_cannot_be_chunked_is_refused_by_name(module, why):
     assert why in region.why_not
     with pytest.raises(recompile_opt.OptionError, match=f"option 'chunks': mlp .*cannot be chunked: .*{why}"):
         torch.compile(module, backend="recompile_opt", options={"chunks": {"mlp": 2}, **EAGER})(*inputs)
+
+
+@pytest.mark.parametrize("p, training", [(0.0, True), (0.5, False)], ids=["p0", "eval"])
+def test_a_dropout_that_draws_nothing_between_the_projections_is_chunked(p, training):
+    """Hugging Face keeps ``nn.Dropout(config.dropout)`` at 0.0 between ModernBERT's projections: such a
+    call returns its input, so the MLP is chunked (it was refused as random), gradients eager's."""
+    module, inputs = _MLP(dropout_inside=True, p=p, training=training), (torch.randn(2, 6, 8),)
+    gm, _ = _dynamo_graph(module, inputs)
+    (region,) = find_mlp_regions(gm)
+    assert region.why_not is None
+    plan = train_side_by_side(module, inputs, options={"chunks": {"mlp": 3}, **EAGER}, rtol=1e-4, atol=1e-5)
+    assert [n for n in plan.notes if n.startswith("chunk: mlp ") and "in 3 chunks" in n] != [], plan.notes
 
 
 def test_a_linear_after_attention_is_no_mlp():
@@ -210,6 +223,28 @@ def test_hugging_face_mlps_chunk(name):
     model, inputs = build(name)
     plan = train_side_by_side(model, inputs, options={"chunks": {"mlp": 3}, **EAGER}, rtol=1e-4, atol=1e-5)
     assert any(n.startswith("chunk: mlp ") and "2 up-projections" in n for n in plan.notes), plan.notes
+
+
+def test_a_fused_gate_and_up_projection_is_chunked():
+    """Phi-3's MLP: one ``gate_up_proj`` whose features are split, ``up * silu(gate)``. The split keeps
+    each row whole, so the region is the fused projection and its halves (it was refused: ``chunk`` is
+    no elementwise op); gradients eager's, dropout on outside the region."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_models import DECODER, WithLoss
+
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(**DECODER, resid_pdrop=0.1, pad_token_id=0, attn_implementation="eager")
+    model = WithLoss(transformers.Phi3ForCausalLM(cfg)).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    gm, _ = _dynamo_graph(model, (ids, ids))
+    regions = find_mlp_regions(gm)
+    assert len(regions) == 2 and all(r.why_not is None and len(r.ups) == 1 for r in regions)
+    assert {(r.hidden, r.up_width) for r in regions} == {(128, 256)}
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(
+            model, (ids, ids), options={"chunks": {"mlp": 3}, **EAGER}, rtol=1e-4, atol=1e-5
+        )
+    assert len([n for n in plan.notes if n.startswith("chunk: mlp ") and "in 3 chunks" in n]) == 2, plan.notes
 
 
 @pytest.mark.slow
