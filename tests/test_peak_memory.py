@@ -279,6 +279,20 @@ def test_where_no_plan_fits_the_least_walked_peak_is_taken_whatever_the_cache_kn
     assert check.source(least) == "walked in Inductor's code"
 
 
+def test_of_plans_whose_walks_peak_alike_the_least_recompute_is_taken_where_no_plan_fits():
+    """a and b walk to the same peak, b for half the recompute: b is the fallback (list order took a)."""
+    chain = problem(inp("x", 1, needed=True), op("a", ["x"], 2, 1), op("b", ["x"], 3, 2))
+    walks = {frozenset("a"): 25 * MiB, frozenset("b"): 25 * MiB}
+    plans = [
+        least_peak.Candidate(int(peak * MiB), recompute_s, 0, least_peak.ilp.Solution({name}))
+        for name, peak, recompute_s in (("a", 23.0, 2e-3), ("b", 23.5, 1e-3))
+    ]
+    check = least_peak._PeakCheck(chain, _WalkingSimulator(walks))
+    assert check.first_fitting(plans, 22 * MiB) is None
+    least = check.least_walked(plans)
+    assert least.sol.recompute == {"b"} and least.peak == 25 * MiB
+
+
 @pytest.mark.parametrize("known", [(), ("g",)], ids=["cold", "warm"])
 def test_a_peak_limit_takes_the_plan_a_cold_compile_takes_whatever_the_cache_knows(known):
     """Seven plans may fit, the cheapest first; the first six walk over the limit, which uses up the
