@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from recompile_opt.passes.chunking import LINEAR, arguments, value_of
+from recompile_opt.passes.chunking import LINEAR, value_of
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.approximate import actions, triton_kernels
+from recompile_opt.ops import arguments
 
 ACTIVATION_NAMES = {F.silu: "silu"}  # F.gelu: "gelu" or "gelu_tanh" by its ``approximate`` argument
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from recompile_opt.passes import meta_attention, precision
-from recompile_opt.passes.chunking import arguments, value_of
+from recompile_opt.passes.chunking import value_of
 
 from recompile_opt import ops
-from recompile_opt.ops import op_name
+from recompile_opt.ops import arguments, op_name
 
 # the ops between the scores and the softmax: elementwise, not random
 _SCORE_OPS = ops.ELEMENTWISE - ops.RANDOM

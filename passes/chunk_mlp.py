@@ -35,10 +35,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from recompile_opt.passes import precision
-from recompile_opt.passes.chunking import LINEAR, arguments, value_of
+from recompile_opt.passes.chunking import LINEAR, value_of
 
 from recompile_opt import ops
-from recompile_opt.ops import op_name
+from recompile_opt.ops import arguments, op_name
 
 # splits that keep rows whole where they cut the last dimension (:func:`_splits_features`)
 _SPLITS = frozenset({"chunk", "split"})

@@ -34,10 +34,10 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from recompile_opt.passes import precision
-from torch.fx.operator_schemas import normalize_function
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.cost_model import register_traffic_formula, tensor_bytes
+from recompile_opt.ops import arguments
 
 LINEAR = {F.linear, torch._C._nn.linear}
 _CROSS_ENTROPY = {F.cross_entropy}
@@ -554,13 +554,6 @@ def _ce_arg(node: fx.Node, name: str, default=None):
     """An argument of a ``F.cross_entropy`` call, by name (given by position, name or default)."""
     value = arguments(node).get(name, default)
     return default if value is None else value
-
-
-def arguments(node: fx.Node) -> dict:
-    """The call's arguments by name, defaults filled in (torch.fx's own normalisation)."""
-    return normalize_function(
-        node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
-    ).kwargs
 
 
 def value_of(node) -> torch.Tensor | None:

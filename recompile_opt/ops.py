@@ -194,6 +194,17 @@ ACTIVATIONS = frozenset(
 
 # ops that draw from the RNG (dropout: elementwise as well)
 RANDOM = frozenset({"dropout", "native_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def arguments(node: fx.Node) -> dict | None:
+    """A call's arguments by name, defaults filled in (torch.fx's own normalisation); None where torch.fx
+    cannot match them to the target's signature."""
+    call = normalize_function(
+        node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
+    )
+    return None if call is None else call.kwargs
+
+
 # the dropouts that return their input where they draw nothing
 _IDENTITY_WHEN_IDLE = frozenset({"dropout", "alpha_dropout", "feature_alpha_dropout"})
 
@@ -206,12 +217,9 @@ def is_idle_dropout(node: fx.Node) -> bool:
     ``p == 0`` or not training)."""
     if node.op != "call_function" or op_name(node) not in _IDENTITY_WHEN_IDLE:
         return False
-    call = normalize_function(
-        node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True
-    )
-    if call is None:
+    kw = arguments(node)
+    if kw is None:
         return False
-    kw = call.kwargs
     training, p = kw.get("training", kw.get("train")), kw.get("p")
     if kw.get("inplace", False) is not False or not isinstance(training, bool):
         return False
