@@ -602,8 +602,8 @@ def test_at_the_least_peak_a_similar_peak_is_not_bought_with_a_far_slower_step()
 def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_only_where_refused():
     """Each try is a planning: attention in its most chunks (MAX_CHUNKS) is planned first, then Liger's k
     (both below the floor of rows), then the floor's k, each only where the finer one is not taken (here:
-    a step too slow for its peak). Under a peak limit the order is the other way: the fewest chunks
-    that meet it."""
+    a step too slow for its peak). Under a peak limit the floor's k comes first (the fewest chunks that
+    meet it), then the most chunks, then Liger's k."""
     from types import SimpleNamespace
 
     from recompile_opt.planner import chunk_choice
@@ -645,6 +645,15 @@ def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_o
     plan_with, asked = planner(slow=())
     taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 90)
     assert (taken, asked) == ({"attention": 2}, [{}, {"attention": 2}])
+    # a limit the floor's k misses: its most chunks next, Liger's k not planned once they are taken (it
+    # was planned first: a planning more, and under the GPT's least peak 51 s of it)
+    plan_with, asked = planner(slow=())
+    taken, _, best, notes = chunk_choice.choose([floor, liger, finest], plan_with, 72)
+    assert (taken, asked) == ({"attention": 8}, [{}, {"attention": 2}, {"attention": 8}]), notes
+    # the most chunks refused (too slow for a limit still missed): Liger's k is tried after them
+    plan_with, asked = planner(slow=(8,))
+    taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 60)
+    assert asked == [{}, {"attention": 2}, {"attention": 8}, {"attention": 4}] and taken == {"attention": 4}
 
 
 def test_attention_offers_its_most_chunks_beside_ligers_k_and_the_mlp_does_not():

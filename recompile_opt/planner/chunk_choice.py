@@ -32,8 +32,9 @@ region's weights whatever its rows, so chunks of a few rows are memory-bound (me
 a kind is tried at the floor first and at Liger's k after every kind's first try: the least-peak plan takes it
 where it peaks at least :data:`GAIN` lower still, a plan under ``peak_memory`` only where the limit is not met
 yet (fitting first, then the shorter step, which the op's k-aware traffic prices: ``passes/chunking.py``).
-Attention, tried last (:data:`LAST`), goes the other way at the least peak: Liger's k first, the floor's
-only where Liger's is refused (:func:`_greedy`).
+Attention, tried last (:data:`LAST`), goes the other way at the least peak: its most chunks first,
+then Liger's k, the floor's only where those are refused; under a limit, the floor's k first, then its
+most chunks, Liger's k only where those are refused (:func:`_order`).
 """
 
 from __future__ import annotations
@@ -224,9 +225,7 @@ def choose(
     notes, passed = [], []
     for late in (False, True):
         stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
-        finest_first = peak_limit is None
-        if finest_first:  # a FINEST kind's candidates most chunks first, ahead of the rest (stable)
-            stage.sort(key=lambda c: -c.chunks if c.kind in FINEST else 0)
+        stage.sort(key=lambda c: _order(c, peak_limit))  # stable
         probe = not late and not any(c.alive_at_peak(best) for c in stage) and probes(stage, best, peak_limit)
         taken, best, missed = _greedy(
             stage,
@@ -237,7 +236,6 @@ def choose(
             unchunked,
             notes,
             passed,
-            finest_first=finest_first,
             probe=probe,
         )
         if not late:
@@ -252,21 +250,34 @@ def choose(
     return taken, unchunked, best, notes
 
 
-def _greedy(
-    stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, finest_first=False, probe=False
-):
-    """:func:`choose`'s loop over one stage's candidates; returns the chunks taken, the best plan and the
-    trials not taken (``notes`` and ``passed`` grow). ``finest_first``: a :data:`FINEST` kind's
-    candidates come most chunks first, its coarser chunks tried only where finer ones were not taken.
+def _order(c: Candidate, peak_limit: int | None) -> tuple:
+    """The order :func:`choose` tries a stage's candidates in (a stable sort's key): a :data:`FINEST`
+    kind's candidates most chunks first, at the least peak all of them ahead of the rest; under a
+    limit only those below the floor, after the floor's k (the fewest chunks that meet it come first).
     Why: each try is a planning; tried floor first, the demo GPT's attention took 2 chunks and then 4
-    (19.29 then 17.78 MiB: one planning more), and a k whose step is too slow is refused
-    (:func:`affordable`) as it was. ``probe``: the first candidate is tried though none of its
-    tensors is alive at the peak (:func:`probes`)."""
+    (19.29 then 17.78 MiB: one planning more), and a coarser k is tried only where a finer one is not
+    taken (:func:`_finer_taken`). Under its least peak as a limit the GPT's attention took 2 chunks, then
+    4 (51 s of planning, still above the limit), then 8 (met); tried before 4, 8 is met one planning
+    sooner, at the step 4 would have had (FINEST: measured alike)."""
+    finest = c.kind in FINEST
+    if peak_limit is None:
+        return (-c.chunks if finest else 0,)
+    return (c.below_floor, -c.chunks if finest and c.below_floor else 0)
+
+
+def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, probe=False):
+    """:func:`choose`'s loop over one stage's candidates (in :func:`_order`); returns the chunks taken,
+    the best plan and the trials not taken (``notes`` and ``passed`` grow). A :data:`FINEST` kind's
+    coarser chunks are tried only where finer ones were not taken, and so is a kind's k below the floor
+    under a limit the best plan meets (small chunks cost time: under a limit, only to meet it). Why a
+    finer k is not refused as a coarser one is: its step may be too slow for its peak
+    (:func:`affordable`). ``probe``: the first candidate is tried though none of its tensors is alive
+    at the peak (:func:`probes`)."""
     missed = []
     for i, c in enumerate(stage):
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
-            continue  # small chunks cost time: under a limit, only to meet it
-        if finest_first and _finer_taken(c, taken, notes):
+            continue
+        if _finer_taken(c, taken, notes):
             continue
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list
@@ -287,9 +298,9 @@ def _greedy(
 
 
 def _finer_taken(c: Candidate, taken: dict, notes: list[str]) -> bool:
-    """Whether a :data:`FINEST` kind is taken already (in more chunks than ``c``: tried finest first);
-    says so in ``notes``."""
-    if c.kind not in FINEST or c.kind not in taken:
+    """Whether a :data:`FINEST` kind is taken already in more chunks than ``c`` (:func:`_order` tries
+    them finest first); says so in ``notes``."""
+    if c.kind not in FINEST or taken.get(c.kind, 0) <= c.chunks:
         return False
     notes.append(
         f"chunks (auto): {c.kind} in {c.chunks} chunks not tried: {taken[c.kind]} chunks (finer) were taken"
