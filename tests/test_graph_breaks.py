@@ -127,3 +127,41 @@ def test_compiling_without_a_capture_pass_warns_that_the_budget_holds_per_graph(
         warnings.simplefilter("always")
         compiled(*inputs).backward()
     assert any("holds per graph" in str(w.message) for w in caught)
+
+
+class AttentionThenRouter(torch.nn.Module):
+    """Explicit attention, a graph break, then a mixture-of-experts-like gate (no attention): Dynamo
+    plans two graphs, as it does Mixtral's and Qwen2-MoE's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.gate = torch.nn.Linear(16, 48), torch.nn.Linear(16, 4)
+        self.experts = torch.nn.Linear(16, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(16, dim=-1)
+        h = x + (q @ k.transpose(-2, -1) / 4).softmax(-1) @ v
+        torch._dynamo.graph_break()
+        weights = self.gate(h).softmax(-1).repeat_interleave(16, dim=-1)
+        return (self.experts(h).relu() * weights).sum()
+
+
+def test_a_policy_that_cannot_act_in_one_graph_says_which_graph():
+    """megatron-selective on a model split in two: the attention's graph recomputes its core, and the
+    warning that nothing is recomputed names the other graph, not the model (it read "no attention core
+    found" for Mixtral, whose attention it had recomputed)."""
+    recompile_opt.reset_plans()
+    inputs = (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)),)
+    with pytest.warns(UserWarning, match="no attention core found in this graph") as record:
+        train_side_by_side(
+            AttentionThenRouter(),
+            inputs,
+            options={"policy": "megatron-selective", "compiler": "eager"},
+            steps=2,
+        )
+    attention, router = recompile_opt.last_plans()
+    warned = [str(w.message) for w in record if "megatron-selective" in str(w.message)]
+    assert len(warned) == 1 and f"in this graph ({router.graph[:12]})" in warned[0], warned
+    assert attention.recompute_flops > 0 and router.recompute_flops == 0
+    assert not any("no attention core" in n for n in attention.notes)

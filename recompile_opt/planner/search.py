@@ -76,7 +76,7 @@ def make_plan(
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
         acts = problem.kept_bytes(*problem.needed_closure(own)) < baseline
-        _note_policy(problem, options.policy, acts, notes)
+        _note_policy(problem, options.policy, acts, notes, graph)
     saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(
@@ -270,22 +270,25 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     return sol, min_bytes
 
 
-def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str]) -> None:
+def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], graph: str = "") -> None:
     """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
     a silent save-all), or acts on blocks it is unsure of; ``acts``: the policy alone keeps less than
-    ``save-all``."""
+    ``save-all``. The warning names the graph (``graph``, its id): a model Dynamo splits is planned
+    graph by graph, and a policy may act in one (the attention's) and not in another (a mixture of
+    experts' router, Mixtral's second graph), which read as if about the whole model."""
     msg = None
+    where = f" in this graph ({graph[:12]})" if graph else ""
     if policy == "full":
-        msg = _blocks_message(problem, acts)
+        msg = _blocks_message(problem, acts, where)
     elif policy == "megatron-selective":
         cores = attention_cores(problem)
         if not acts:
             why = (
-                "no attention core found (no QK^T matmul feeding softmax and @V, no SDPA call)"
+                f"no attention core found{where} (no QK^T matmul feeding softmax and @V, no SDPA call)"
                 if not cores
-                else f"none of the {len(cores)} attention cores found can be recomputed"
+                else f"none of the {len(cores)} attention cores found{where} can be recomputed"
             )
-            msg = f"policy='megatron-selective': {why}; nothing is recomputed, as under save-all"
+            msg = f"policy='megatron-selective': {why}; nothing is recomputed there, as under save-all"
         elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
             notes.append(
                 "megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
@@ -296,23 +299,23 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str]) ->
         notes.append(msg)
 
 
-def _blocks_message(problem: Problem, acts: bool) -> str | None:
+def _blocks_message(problem: Problem, acts: bool, where: str = "") -> str | None:
     """Where ``full`` has no blocks to checkpoint, has blocks with nothing inside to recompute, or only
     blocks named by module indices whose subgraphs are not copies of one another (a split that may not
-    be the model's layers)."""
+    be the model's layers). ``where``: which graph, for the message."""
     blocks, origin = blocks_and_origin(problem)
     found = sorted({b for b in blocks.values() if b})
     named = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
     if not found:
         return (
-            "policy='full': no repeated blocks found (by the graph's structure or by indexed module "
-            "names); nothing is recomputed, as under save-all"
+            f"policy='full': no repeated blocks found{where} (by the graph's structure or by indexed "
+            "module names); nothing is recomputed there, as under save-all"
         )
     if not acts:
         return (
-            f"policy='full': every value inside the {len(found)} blocks found ({named}) is read outside "
-            "its block (each makes only its outputs, as a single linear does), so nothing is recomputed, "
-            "as under save-all"
+            f"policy='full': every value inside the {len(found)} blocks found{where} ({named}) is read "
+            "outside its block (each makes only its outputs, as a single linear does), so nothing is "
+            "recomputed there, as under save-all"
         )
     if origin == "names":
         return (
