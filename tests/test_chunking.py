@@ -645,7 +645,7 @@ def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_o
     plan_with, asked = planner(slow=())
     taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 90)
     assert (taken, asked) == ({"attention": 2}, [{}, {"attention": 2}])
-    # a limit the floor's k misses: its most chunks next, Liger's k not planned once they are taken (it
+    # a limit the floor's k misses: its most chunks next, Liger's k not planned once they meet it (it
     # was planned first: a planning more, and under the GPT's least peak 51 s of it)
     plan_with, asked = planner(slow=())
     taken, _, best, notes = chunk_choice.choose([floor, liger, finest], plan_with, 72)
@@ -654,6 +654,11 @@ def test_at_the_least_peak_attention_tries_its_finest_chunks_first_and_coarser_o
     plan_with, asked = planner(slow=(8,))
     taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 60)
     assert asked == [{}, {"attention": 2}, {"attention": 8}, {"attention": 4}] and taken == {"attention": 4}
+    # the most chunks taken but the limit still missed: Liger's k is tried too (a peak need not fall
+    # with every chunk more)
+    plan_with, asked = planner(slow=())
+    taken, *_ = chunk_choice.choose([floor, liger, finest], plan_with, 65)
+    assert asked == [{}, {"attention": 2}, {"attention": 8}, {"attention": 4}] and taken == {"attention": 8}
 
 
 def test_attention_offers_its_most_chunks_beside_ligers_k_and_the_mlp_does_not():

@@ -253,12 +253,12 @@ def choose(
 def _order(c: Candidate, peak_limit: int | None) -> tuple:
     """The order :func:`choose` tries a stage's candidates in (a stable sort's key): a :data:`FINEST`
     kind's candidates most chunks first, at the least peak all of them ahead of the rest; under a
-    limit only those below the floor, after the floor's k (the fewest chunks that meet it come first).
+    limit only those below the floor, after the floor's k (the fewest chunks, tried first).
     Why: each try is a planning; tried floor first, the demo GPT's attention took 2 chunks and then 4
     (19.29 then 17.78 MiB: one planning more), and a coarser k is tried only where a finer one is not
-    taken (:func:`_finer_taken`). Under its least peak as a limit the GPT's attention took 2 chunks, then
-    4 (51 s of planning, still above the limit), then 8 (met); tried before 4, 8 is met one planning
-    sooner, at the step 4 would have had (FINEST: measured alike)."""
+    taken (:func:`_finer_taken`; under a limit, not met). Under its least peak as a limit the GPT's
+    attention took 2 chunks, then 4 (51 s of planning, still above the limit), then 8 (met); tried
+    before 4, 8 is met one planning sooner, at the step 4 would have had (FINEST: measured alike)."""
     finest = c.kind in FINEST
     if peak_limit is None:
         return (-c.chunks if finest else 0,)
@@ -267,17 +267,18 @@ def _order(c: Candidate, peak_limit: int | None) -> tuple:
 
 def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed, *, probe=False):
     """:func:`choose`'s loop over one stage's candidates (in :func:`_order`); returns the chunks taken,
-    the best plan and the trials not taken (``notes`` and ``passed`` grow). A :data:`FINEST` kind's
-    coarser chunks are tried only where finer ones were not taken, and so is a kind's k below the floor
-    under a limit the best plan meets (small chunks cost time: under a limit, only to meet it). Why a
-    finer k is not refused as a coarser one is: its step may be too slow for its peak
-    (:func:`affordable`). ``probe``: the first candidate is tried though none of its tensors is alive
-    at the peak (:func:`probes`)."""
+    the best plan and the trials not taken (``notes`` and ``passed`` grow). At the least peak a
+    :data:`FINEST` kind's coarser chunks are tried only where finer ones were not taken (a finer k may
+    be refused for a step too slow for its peak: :func:`affordable`). Under a limit a k below the
+    floor is tried only while the best plan misses it (small chunks cost time), so a coarser k after a
+    finer one taken only where that one still misses (a peak need not fall with every chunk more).
+    ``probe``: the first candidate is tried though none of its tensors is alive at the peak
+    (:func:`probes`)."""
     missed = []
     for i, c in enumerate(stage):
         if c.below_floor and peak_limit is not None and best.predicted_peak_bytes <= peak_limit:
             continue
-        if _finer_taken(c, taken, notes):
+        if peak_limit is None and _finer_taken(c, taken, notes):
             continue
         # a region chunked already (another k, the loss's other way) is tried as before: its chunks run
         # inside one op, whose buffers the peak does not list

@@ -278,8 +278,9 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], gr
     experts' router, Mixtral's second graph), which read as if about the whole model."""
     msg = None
     where = f" in this graph ({graph[:12]})" if graph else ""
+    there = " there" if graph else ""
     if policy == "full":
-        msg = _blocks_message(problem, acts, where)
+        msg = _blocks_message(problem, acts, where, there)
     elif policy == "megatron-selective":
         cores = attention_cores(problem)
         if not acts:
@@ -288,7 +289,7 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], gr
                 if not cores
                 else f"none of the {len(cores)} attention cores found{where} can be recomputed"
             )
-            msg = f"policy='megatron-selective': {why}; nothing is recomputed there, as under save-all"
+            msg = f"policy='megatron-selective': {why}; nothing is recomputed{there}, as under save-all"
         elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
             notes.append(
                 "megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
@@ -299,23 +300,23 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], gr
         notes.append(msg)
 
 
-def _blocks_message(problem: Problem, acts: bool, where: str = "") -> str | None:
+def _blocks_message(problem: Problem, acts: bool, where: str = "", there: str = "") -> str | None:
     """Where ``full`` has no blocks to checkpoint, has blocks with nothing inside to recompute, or only
     blocks named by module indices whose subgraphs are not copies of one another (a split that may not
-    be the model's layers). ``where``: which graph, for the message."""
+    be the model's layers). ``where``, ``there``: which graph, for the message."""
     blocks, origin = blocks_and_origin(problem)
     found = sorted({b for b in blocks.values() if b})
     named = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
     if not found:
         return (
             f"policy='full': no repeated blocks found{where} (by the graph's structure or by indexed "
-            "module names); nothing is recomputed there, as under save-all"
+            f"module names); nothing is recomputed{there}, as under save-all"
         )
     if not acts:
         return (
             f"policy='full': every value inside the {len(found)} blocks found{where} ({named}) is read "
             "outside its block (each makes only its outputs, as a single linear does), so nothing is "
-            "recomputed there, as under save-all"
+            f"recomputed{there}, as under save-all"
         )
     if origin == "names":
         return (
