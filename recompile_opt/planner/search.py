@@ -278,9 +278,9 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], gr
     experts' router, Mixtral's second graph), which read as if about the whole model."""
     msg = None
     where = f" in this graph ({graph[:12]})" if graph else ""
-    there = " there" if graph else ""
+    there = " there" if where else ""
     if policy == "full":
-        msg = _blocks_message(problem, acts, where, there)
+        msg = _blocks_message(problem, acts, where)
     elif policy == "megatron-selective":
         cores = attention_cores(problem)
         if not acts:
@@ -300,10 +300,11 @@ def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], gr
         notes.append(msg)
 
 
-def _blocks_message(problem: Problem, acts: bool, where: str = "", there: str = "") -> str | None:
+def _blocks_message(problem: Problem, acts: bool, where: str = "") -> str | None:
     """Where ``full`` has no blocks to checkpoint, has blocks with nothing inside to recompute, or only
     blocks named by module indices whose subgraphs are not copies of one another (a split that may not
-    be the model's layers). ``where``, ``there``: which graph, for the message."""
+    be the model's layers). ``where``: which graph, for the message."""
+    there = " there" if where else ""
     blocks, origin = blocks_and_origin(problem)
     found = sorted({b for b in blocks.values() if b})
     named = f"{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}"
