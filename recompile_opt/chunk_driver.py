@@ -39,12 +39,14 @@ CHUNKERS = {
 
 @dataclasses.dataclass
 class Chunked:
-    """What :func:`chunk_regions` did: note lines, one plan entry per chunked region, and whether any
-    region was chunked."""
+    """What :func:`chunk_regions` did: note lines, one plan entry per chunked region, whether any
+    region was chunked, and what the chunk choice that chose them cost (``solver``: its
+    ``chunk_choice_s`` and ``chunk_choice`` figures; empty where the chunks were forced)."""
 
     notes: list = dataclasses.field(default_factory=list)
     records: list = dataclasses.field(default_factory=list)
     chunked: bool = False
+    solver: dict = dataclasses.field(default_factory=dict)
 
 
 def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, partitioner, *, capture):
@@ -103,13 +105,13 @@ def chunk_regions(gm: fx.GraphModule, options: Options, chosen: dict | None) -> 
     """Mini-sequence chunking of the Dynamo graph before AOTAutograd (:mod:`recompile_opt.passes.chunking`,
     :mod:`~recompile_opt.passes.chunk_mlp`, :mod:`~recompile_opt.passes.chunk_attention`): forced by
     ``chunks={"loss": k, "mlp": k, "attention": k}``, or ``chosen`` by :func:`_choose_chunks`
-    (``{"chunks": {...}, "notes": [...], "saved": bytes}``).
+    (``{"chunks": {...}, "notes": [...], "saved": bytes, "solver": {...}}``).
     A forced region that cannot be chunked raises, naming it and why."""
-    chunks, notes, saved = options.chunks, [], None
+    chunks, notes, saved, cost = options.chunks, [], None, {}
     if chosen is not None:
-        chunks, notes, saved = chosen["chunks"], chosen["notes"], chosen["saved"]
+        chunks, notes, saved, cost = chosen["chunks"], chosen["notes"], chosen["saved"], chosen["solver"]
     chunks = chunks if isinstance(chunks, dict) else {}
-    done = Chunked(notes=notes, chunked=any(k != 1 for k in chunks.values()))
+    done = Chunked(notes=notes, chunked=any(k != 1 for k in chunks.values()), solver=cost)
     for kind, k in chunks.items():
         if k == 1:
             continue
@@ -155,14 +157,17 @@ def _choose_chunks(
 
     start = time.perf_counter()
     taken, unchunked, best, notes = chunk_choice.choose(candidates, plan_with, options.peak_memory, unchunked)
-    # the planning this choice took, the unchunked plan's included: the plan's planning time counts it
-    best.solver["chunk_choice_s"] = round(unchunked.solver["plan_s"] + time.perf_counter() - start, 3)
     planned = list({id(p): p for p in planned if p is not None}.values())
-    best.solver["chunk_choice"] = {
-        "plannings": len(planned),
-        "simulations": sum(p.solver.get("simulations", 0) for p in planned),
-        "walks": sum(p.solver.get("exact_peaks", 0) for p in planned),
+    cost = {  # the planning this choice took, the unchunked plan's included: the plan's planning counts it
+        "chunk_choice_s": round(unchunked.solver["plan_s"] + time.perf_counter() - start, 3),
+        "chunk_choice": {
+            "plannings": len(planned),
+            "simulations": sum(p.solver.get("simulations", 0) for p in planned),
+            "walks": sum(p.solver.get("exact_peaks", 0) for p in planned),
+        },
     }
+    best.solver.update(cost)
     fits = options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory
     saved = unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
-    return {"chunks": taken, "notes": notes, "saved": saved}, ({best.graph: best} if fits else {})
+    chosen = {"chunks": taken, "notes": notes, "saved": saved, "solver": cost}
+    return chosen, ({best.graph: best} if fits else {})

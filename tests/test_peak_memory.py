@@ -122,6 +122,13 @@ def test_a_peak_limit_below_any_plan_warns_or_raises(ends):
     with pytest.warns(UserWarning, match="cannot be met"):
         plan = recompile_opt.plan(model, inputs, peak_memory=limit)
     assert plan.predicted_peak_bytes <= least.predicted_peak_bytes * 1.05
+    # chunks were tried for the limit (the unchunked plan and at least one trial), and the plan, made
+    # once more to warn, counts their planning (it said 0.4 s where the choice took 60)
+    tried = [n for n in plan.notes if n.startswith("chunks (auto): ") and "planned in" in n]
+    assert tried and plan.solver["chunk_choice"]["plannings"] >= 2, plan.notes
+    trials_s = sum(float(n.split("planned in ")[1].split(" s")[0]) for n in tried)
+    assert plan.solver["plan_s"] >= plan.solver["chunk_choice_s"] >= trials_s, (plan.solver, tried)
+    assert "choosing chunks:" in plan.summary()
 
 
 def test_gradients_equal_eager_under_a_peak_limit(ends):
