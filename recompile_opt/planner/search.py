@@ -75,8 +75,7 @@ def make_plan(
         recompute = (own | tagged["must_recompute"]) - tagged["must_save"] | offload.tagged_offloads(problem)
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
-        acts = problem.kept_bytes(*problem.needed_closure(own)) < baseline
-        _note_policy(problem, options.policy, acts, notes, graph)
+        _note_policy(problem, options.policy, own, baseline, notes, graph)
     saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(
@@ -270,34 +269,66 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
     return sol, min_bytes
 
 
-def _note_policy(problem: Problem, policy: str, acts: bool, notes: list[str], graph: str = "") -> None:
+def _note_policy(
+    problem: Problem, policy: str, own: set[str], baseline: int, notes: list[str], graph: str = ""
+) -> None:
     """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
-    a silent save-all), or acts on blocks it is unsure of; ``acts``: the policy alone keeps less than
-    ``save-all``. The warning names the graph (``graph``, its id): a model Dynamo splits is planned
-    graph by graph, and a policy may act in one (the attention's) and not in another (a mixture of
-    experts' router, Mixtral's second graph), which read as if about the whole model."""
-    msg = None
+    a silent save-all), where it acts but keeps no less than ``save-all`` (``baseline`` bytes), or acts
+    on blocks it is unsure of; ``own``: what the policy alone recomputes. The warning names the graph
+    (``graph``, its id): a model Dynamo splits is planned graph by graph, and a policy may act in one
+    (the attention's) and not in another (a mixture of experts' router, Mixtral's second graph), which
+    read as if about the whole model."""
+    kept = problem.kept_bytes(*problem.needed_closure(own))
+    acts = kept < baseline
     where = f" in this graph ({graph[:12]})" if graph else ""
-    there = " there" if where else ""
-    if policy == "full":
+    if own and not acts:
+        msg = _no_gain_message(problem, policy, kept, baseline, where)
+    elif policy == "full":
         msg = _blocks_message(problem, acts, where)
-    elif policy == "megatron-selective":
-        cores = attention_cores(problem)
-        if not acts:
-            why = (
-                f"no attention core found{where} (no QK^T matmul feeding softmax and @V, no SDPA call)"
-                if not cores
-                else f"none of the {len(cores)} attention cores found{where} can be recomputed"
-            )
-            msg = f"policy='megatron-selective': {why}; nothing is recomputed{there}, as under save-all"
-        elif any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
-            notes.append(
-                "megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
-                "the SDPA call itself is recomputed"
-            )
+    else:
+        msg = _cores_message(problem, policy, acts, where, notes)
     if msg:
         warnings.warn("recompile_opt: " + msg)
         notes.append(msg)
+
+
+def _no_gain_message(problem: Problem, policy: str, kept: int, baseline: int, where: str) -> str:
+    """A policy that recomputes and yet keeps no less than ``save-all``: what it recomputes has to be
+    made from inputs kept for it, no smaller at these sizes (GPT-NeoX at 16 tokens: its attention cores'
+    16 x 16 scores against the fused QKV output their rotary recompute reads). Why said: the plan is
+    the policy's as asked, and the old message called it save-all while it recomputed 82 values."""
+    what = (
+        f"the {len(attention_cores(problem))} attention cores found{where}"
+        if policy == "megatron-selective"
+        else f"inside the blocks found{where}"
+    )
+    return (
+        f"policy={policy!r}: recomputing {what} keeps {fmt_bytes(kept)}, no less than save-all's "
+        f"{fmt_bytes(baseline)}: the inputs kept for the recompute weigh no less than what it frees "
+        "at these sizes; the policy is applied as asked"
+    )
+
+
+def _cores_message(problem: Problem, policy: str, acts: bool, where: str, notes: list[str]) -> str | None:
+    """``megatron-selective``'s message where it finds no attention core to recompute (None where it
+    acts); with SDPA cores, a note that no s x s tensor exists."""
+    if policy != "megatron-selective":
+        return None
+    cores = attention_cores(problem)
+    if not acts:
+        why = (
+            f"no attention core found{where} (no QK^T matmul feeding softmax and @V, no SDPA call)"
+            if not cores
+            else f"none of the {len(cores)} attention cores found{where} can be recomputed"
+        )
+        there = " there" if where else ""
+        return f"policy='megatron-selective': {why}; nothing is recomputed{there}, as under save-all"
+    if any("scaled_dot_product" in problem.values[n].info.get("op", "") for c in cores for n in c):
+        notes.append(
+            "megatron-selective: attention is SDPA, so no s x s tensor exists to save; "
+            "the SDPA call itself is recomputed"
+        )
+    return None
 
 
 def _blocks_message(problem: Problem, acts: bool, where: str = "") -> str | None:
