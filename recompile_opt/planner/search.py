@@ -273,15 +273,17 @@ def _note_policy(
     problem: Problem, policy: str, own: set[str], baseline: int, notes: list[str], graph: str = ""
 ) -> None:
     """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
-    a silent save-all), where it acts but keeps no less than ``save-all`` (``baseline`` bytes), or acts
-    on blocks it is unsure of; ``own``: what the policy alone recomputes. The warning names the graph
-    (``graph``, its id): a model Dynamo splits is planned graph by graph, and a policy may act in one
-    (the attention's) and not in another (a mixture of experts' router, Mixtral's second graph), which
-    read as if about the whole model."""
+    a silent save-all), where it remakes buffers but keeps no less than ``save-all`` (``baseline``
+    bytes), or acts on blocks it is unsure of; ``own``: what the policy alone recomputes. The warning
+    names the graph (``graph``, its id): a model Dynamo splits is planned graph by graph, and a policy
+    may act in one (the attention's) and not in another (a mixture of experts' router, Mixtral's second
+    graph), which read as if about the whole model."""
     kept = problem.kept_bytes(*problem.needed_closure(own))
     acts = kept < baseline
     where = f" in this graph ({graph[:12]})" if graph else ""
-    if own and not acts:
+    # a buffer of its own made again, not only a view (a weight's transpose: free either way)
+    remakes = any(problem.values[n].storage == n and problem.storage_bytes.get(n, 0) > 0 for n in own)
+    if remakes and not acts:
         msg = _no_gain_message(problem, policy, kept, baseline, where)
     elif policy == "full":
         msg = _blocks_message(problem, acts, where)
