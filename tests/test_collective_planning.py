@@ -5,6 +5,9 @@ sends. The multi-rank runs of the same planner are in test_parallel_rewrite.py."
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.fx as fx
 from test_ilp import MiB, inp, op, problem
@@ -166,3 +169,16 @@ def test_a_gathered_size_is_read_off_what_made_it():
     }
     gm.recompile()
     assert gm(torch.randn(3, 4), torch.randn(4, 2)) == 6
+
+
+def test_under_sequence_parallelism_save_all_warns_of_nothing_and_selective_of_no_core():
+    """Save-all's own re-gathers are no recompute a policy is warned of: counted as one, save-all warned
+    that it kept no less than itself, and a graph without attention under megatron-selective was
+    told it recomputed its "0 attention cores"."""
+    p = _sequence_parallel_block()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_plan(p, Options(policy="save-all"))
+    assert not [str(w.message) for w in caught if "recompile_opt" in str(w.message)]
+    with pytest.warns(UserWarning, match="no attention core found.*nothing is recomputed"):
+        make_plan(p, Options(policy="megatron-selective"))

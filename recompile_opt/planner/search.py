@@ -18,7 +18,7 @@ from recompile_opt.planner import ilp, offload
 from recompile_opt.planner.blocks import reduce_blocks
 from recompile_opt.planner.least_peak import _fit_peak, _range_search
 from recompile_opt.planner.memory import PlanningMemory
-from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin
+from recompile_opt.planner.policies import POLICIES, attention_cores, blocks_and_origin, find_blocks
 from recompile_opt.planner.problem import Problem, offloaded_values, twice_values
 from recompile_opt.planner.solving import (
     InfeasibleBudget,
@@ -278,13 +278,19 @@ def _note_policy(
     names the graph (``graph``, its id): a model Dynamo splits is planned graph by graph, and a policy
     may act in one (the attention's) and not in another (a mixture of experts' router, Mixtral's second
     graph), which read as if about the whole model."""
-    kept = problem.kept_bytes(*problem.needed_closure(own))
+    saved, recomputed = problem.needed_closure(own)
+    kept = problem.kept_bytes(saved, recomputed)
     acts = kept < baseline
     where = f" in this graph ({graph[:12]})" if graph else ""
-    # a buffer of its own made again, not only a view (a weight's transpose: free either way)
-    remakes = any(problem.values[n].storage == n and problem.storage_bytes.get(n, 0) > 0 for n in own)
-    if remakes and not acts:
-        msg = _no_gain_message(problem, policy, kept, baseline, where)
+    # buffers of their own made again, not only views (a weight's transpose: free either way), beyond
+    # what save-all remakes too (under sequence parallelism, its gathers)
+    remade = {
+        n
+        for n in recomputed - POLICIES["save-all"](problem)
+        if problem.values[n].storage == n and problem.storage_bytes.get(n, 0) > 0
+    }
+    if remade and not acts:
+        msg = _no_gain_message(problem, policy, remade, kept, baseline, where)
     elif policy == "full":
         msg = _blocks_message(problem, acts, where)
     else:
@@ -294,16 +300,21 @@ def _note_policy(
         notes.append(msg)
 
 
-def _no_gain_message(problem: Problem, policy: str, kept: int, baseline: int, where: str) -> str:
-    """A policy that recomputes and yet keeps no less than ``save-all``: what it recomputes has to be
-    made from inputs kept for it, no smaller at these sizes (GPT-NeoX at 16 tokens: its attention cores'
-    16 x 16 scores against the fused QKV output their rotary recompute reads). Why said: the plan is
-    the policy's as asked, and the old message called it save-all while it recomputed 82 values."""
-    what = (
-        f"the {len(attention_cores(problem))} attention cores found{where}"
-        if policy == "megatron-selective"
-        else f"inside the blocks found{where}"
-    )
+def _no_gain_message(
+    problem: Problem, policy: str, remade: set[str], kept: int, baseline: int, where: str
+) -> str:
+    """A policy that recomputes (``remade``: the buffers it makes again) and yet keeps no less than
+    ``save-all``: what it recomputes has to be made from inputs kept for it, no smaller at these sizes
+    (GPT-NeoX at 16 tokens: its attention cores' 16 x 16 scores against the fused QKV output their
+    rotary recompute reads). Why said: the plan is the policy's as asked, and the old message called
+    it save-all while it recomputed 82 values."""
+    if policy == "megatron-selective":
+        cores = [c for c in attention_cores(problem) if c & remade]
+        what = f"the {len(cores)} attention core{'s' * (len(cores) != 1)} found{where}"
+    else:
+        blocks = find_blocks(problem)
+        found = {blocks[n] for n in remade if blocks.get(n)}
+        what = f"the values inside the {len(found)} block{'s' * (len(found) != 1)} found{where}"
     return (
         f"policy={policy!r}: recomputing {what} keeps {fmt_bytes(kept)}, no less than save-all's "
         f"{fmt_bytes(baseline)}: the inputs kept for the recompute weigh no less than what it frees "
