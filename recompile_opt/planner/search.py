@@ -283,10 +283,12 @@ def _note_policy(
     acts = kept < baseline
     where = f" in this graph ({graph[:12]})" if graph else ""
     # buffers of their own made again, not only views (a weight's transpose: free either way), beyond
-    # what save-all remakes too (under sequence parallelism, its gathers)
+    # what save-all's plan makes in the backward too (its gathers under sequence parallelism, the
+    # values only the backward reads)
+    anyway = problem.needed_closure(POLICIES["save-all"](problem))[1]
     remade = {
         n
-        for n in recomputed - POLICIES["save-all"](problem)
+        for n in recomputed - anyway
         if problem.values[n].storage == n and problem.storage_bytes.get(n, 0) > 0
     }
     if remade and not acts:
