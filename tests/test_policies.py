@@ -105,40 +105,23 @@ def test_full_on_a_top_level_sequential_of_blocks_keeps_only_what_crosses_them()
     assert plan.saved_bytes <= 4 * b * s * cfg.n_embd * 4 + 1024, plan  # the embedding + 3 outputs
 
 
-class _NeoXLoss(nn.Module):
-    """Hugging Face GPT-NeoX (fused QKV, partial rotary) as ``(ids) -> loss``."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids).loss
-
-
 def test_a_policy_that_recomputes_yet_keeps_no_less_than_save_all_says_so():
     """GPT-NeoX at 16 tokens: recomputing its attention cores (scores 16 x 16) needs the fused QKV output
     kept for the rotary recompute, so megatron-selective keeps more than save-all. The plan is the
     policy's as asked (gradients equal eager); its warning said "nothing is recomputed, as under
     save-all" while it recomputed 82 values."""
     transformers = pytest.importorskip("transformers")
+    from test_hf_models import BATCH, DECODER, SEQ, VOCAB, WithLoss
+
     torch.manual_seed(0)
-    config = transformers.GPTNeoXConfig(
-        vocab_size=128,
-        max_position_embeddings=64,
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        attn_implementation="eager",
-    )
-    model = _NeoXLoss(transformers.GPTNeoXForCausalLM(config))
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    config = transformers.GPTNeoXConfig(**DECODER, attn_implementation="eager")
+    model = WithLoss(transformers.GPTNeoXForCausalLM(config))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     options = {"policy": "megatron-selective", "compiler": "eager"}
     with pytest.warns(UserWarning, match="policy='megatron-selective'") as caught:
-        plan = train_side_by_side(model, (ids,), options=options, steps=1, rtol=1e-4, atol=1e-5)
+        plan = train_side_by_side(model, (ids, ids), options=options, steps=1, rtol=1e-4, atol=1e-5)
     (said,) = {str(w.message) for w in caught if "megatron-selective" in str(w.message)}
-    save_all = recompile_opt.plan(model, (ids,), policy="save-all", compiler="eager")
+    save_all = recompile_opt.plan(model, (ids, ids), policy="save-all", compiler="eager")
     assert plan.recomputed and plan.saved_bytes >= save_all.saved_bytes  # the case the message is about
     assert "nothing is recomputed" not in said, said
     assert "no less than save-all's" in said and "attention cores" in said, said

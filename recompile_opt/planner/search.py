@@ -55,7 +55,8 @@ def make_plan(
     ``memory``: what earlier plannings in this process found (the least-peak searches); none: plan
     from nothing."""
     memory = PlanningMemory() if memory is None else memory
-    baseline = problem.kept_bytes(*problem.needed_closure(POLICIES["save-all"](problem)))  # memory_budget 1.0
+    save_all = problem.needed_closure(POLICIES["save-all"](problem))  # (saved, recomputed)
+    baseline = problem.kept_bytes(*save_all)  # memory_budget 1.0
     problem, notes = offload.offer(problem, options)
     keep: set[str] = set()
     if options.policy == "auto":
@@ -75,7 +76,7 @@ def make_plan(
         recompute = (own | tagged["must_recompute"]) - tagged["must_save"] | offload.tagged_offloads(problem)
         solver_info = {"name": "policy", "status": options.policy, "solve_s": 0.0, "gap": None}
         budget, min_bytes = None, None
-        _note_policy(problem, options.policy, own, baseline, notes, graph)
+        _note_policy(problem, options.policy, own, save_all, notes, graph)
     saved, recomputed = one_tensor_per_storage(problem, recompute, keep)
     _note_prefer_tags(problem, saved, recomputed, notes)
     plan = _describe(
@@ -270,33 +271,34 @@ def _infeasible(problem: Problem, options: Options, budget, kw: dict, notes: lis
 
 
 def _note_policy(
-    problem: Problem, policy: str, own: set[str], baseline: int, notes: list[str], graph: str = ""
+    problem: Problem, policy: str, own: set[str], save_all: tuple, notes: list[str], graph: str = ""
 ) -> None:
     """Say where a fixed policy cannot act (it keeps what ``save-all`` keeps: a warning and a note, never
-    a silent save-all), where it remakes buffers but keeps no less than ``save-all`` (``baseline``
-    bytes), or acts on blocks it is unsure of; ``own``: what the policy alone recomputes. The warning
+    a silent save-all), where it remakes buffers but keeps no less than ``save-all`` (``save_all``: its
+    saved and recomputed sets), or acts on blocks it is unsure of; ``own``: what the policy alone
+    recomputes. The warning
     names the graph (``graph``, its id): a model Dynamo splits is planned graph by graph, and a policy
     may act in one (the attention's) and not in another (a mixture of experts' router, Mixtral's second
     graph), which read as if about the whole model."""
     saved, recomputed = problem.needed_closure(own)
-    kept = problem.kept_bytes(saved, recomputed)
+    kept, baseline = problem.kept_bytes(saved, recomputed), problem.kept_bytes(*save_all)
     acts = kept < baseline
     where = f" in this graph ({graph[:12]})" if graph else ""
     # buffers of their own made again, not only views (a weight's transpose: free either way), beyond
     # what save-all's plan makes in the backward too (its gathers under sequence parallelism, the
     # values only the backward reads)
-    anyway = problem.needed_closure(POLICIES["save-all"](problem))[1]
     remade = {
         n
-        for n in recomputed - anyway
+        for n in recomputed - save_all[1]
         if problem.values[n].storage == n and problem.storage_bytes.get(n, 0) > 0
     }
+    msg = None
     if remade and not acts:
         msg = _no_gain_message(problem, policy, remade, kept, baseline, where)
     elif policy == "full":
         msg = _blocks_message(problem, acts, where)
-    else:
-        msg = _cores_message(problem, policy, acts, where, notes)
+    elif policy == "megatron-selective":
+        msg = _cores_message(problem, acts, where, notes)
     if msg:
         warnings.warn("recompile_opt: " + msg)
         notes.append(msg)
@@ -324,11 +326,9 @@ def _no_gain_message(
     )
 
 
-def _cores_message(problem: Problem, policy: str, acts: bool, where: str, notes: list[str]) -> str | None:
+def _cores_message(problem: Problem, acts: bool, where: str, notes: list[str]) -> str | None:
     """``megatron-selective``'s message where it finds no attention core to recompute (None where it
     acts); with SDPA cores, a note that no s x s tensor exists."""
-    if policy != "megatron-selective":
-        return None
     cores = attention_cores(problem)
     if not acts:
         why = (
