@@ -369,10 +369,36 @@ def test_demo_flags_reach_the_demo(monkeypatch):
     assert [type(c["budget"]) for c in calls] == [float, str, int]  # a fraction, a size, bytes
 
 
+def test_the_demo_plans_once_at_its_first_call_and_shows_that_plan(monkeypatch, capsys):
+    """The plan the demo prints is the one its compile made and trained, and the first call's time
+    counts that planning: no planning before it left its peaks and solves on disk for the compile to
+    read (the demo GPT's first call read 93 s where a cold one takes longer). Tiny sizes, and the plain
+    variant on the eager backend: what is checked here is the demo, not Inductor."""
+    from recompile_opt import demo, models
+
+    monkeypatch.setattr(demo, "demo_gpt", lambda: models.demo_gpt(n_layer=1, n_embd=32, seq=16, batch=2))
+    real = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda m, backend, options=None: real(
+            m, backend="eager" if backend == "inductor" else backend, options=options
+        ),
+    )
+    planned_before = []
+    monkeypatch.setattr(recompile_opt, "plan", lambda *a, **kw: planned_before.append(kw))
+    rows = demo.run_demo(budget=0.5, steps=1, compiler="eager")
+    out = capsys.readouterr().out
+    (plan,) = recompile_opt.last_plans()
+    assert planned_before == []
+    assert plan.summary() in out and out.index(plan.summary()) < out.index("variant")
+    assert rows[1]["compile_s"] >= plan.solver["plan_s"] > 0
+
+
 @pytest.mark.slow
 def test_demo_runs_from_the_shell():
     """``recompile-opt demo`` as README's set-up runs it (about 2 minutes on 2 cores, most of it Inductor
-    building plain torch.compile's kernels): the plan, then both variants measured; ours keeps for
+    building plain torch.compile's kernels): both variants measured, then the plan; ours keeps for
     backward what its plan says, less than plain torch.compile."""
     exe = Path(sys.executable).with_name("recompile-opt")
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
