@@ -3,12 +3,11 @@
 Prints one row per variant with measured figures: activation bytes kept for backward
 (saved_tensors_hooks, storages deduplicated, parameters excluded), peak memory of a training step above
 its baseline (profiler allocation records), median step time (forward + backward + SGD) and the first
-call's time (a cold compile, our planning included), then the plan that compile made. Why the plan
-comes from the compile and not from a ``recompile_opt.plan`` call before it: that planning left its
-walked peaks and solves on disk, so the compile's first call then read them and understated a user's
-first call (93 s where a cold one is about 3x plain's 51 s, 2026-12-03). Both variants run in this
-one process; ``bench/compare.py`` is the careful comparison (fresh process per strategy, interleaved
-repeats).
+call's time (a compile, our planning included), then the plan that compile made. Why from the compile,
+not from a ``recompile_opt.plan`` call before it: that planning left its walked peaks and solves on
+disk for the compile to read, and the first call's time understated a user's. Both variants run in
+this one process; ``bench/compare.py`` is the careful comparison (fresh process per strategy,
+interleaved repeats).
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ def test_demo_flags_reach_the_demo(monkeypatch):
 def test_the_demo_plans_once_at_its_first_call_and_shows_that_plan(monkeypatch, capsys):
     """The plan the demo prints is the one its compile made and trained, and the first call's time
     counts that planning: no planning before it left its peaks and solves on disk for the compile to
-    read (the demo GPT's first call read 93 s where a cold one takes longer). Tiny sizes, and the plain
+    read (the demo GPT's first call showed 93 s; cold it takes 171 s). Tiny sizes, and the plain
     variant on the eager backend: what is checked here is the demo, not Inductor."""
     from recompile_opt import demo, models
 
