@@ -64,7 +64,7 @@ def run_demo(*, budget=0.0, steps: int = 6, compiler: str = "inductor") -> list[
         (f"recompile_opt budget={budget}", "recompile_opt", {"memory_budget": budget, "compiler": compiler}),
     ):
         torch._dynamo.reset()
-        recompile_opt.reset_plans()
+        before = len(recompile_opt.last_plans())
         m = copy.deepcopy(model)
         compiled = (
             torch.compile(m, backend=backend, options=options)
@@ -72,7 +72,7 @@ def run_demo(*, budget=0.0, steps: int = 6, compiler: str = "inductor") -> list[
             else torch.compile(m, backend=backend)
         )
         rows.append(_measure(name, m, compiled, inputs, steps))
-    for plan in recompile_opt.last_plans():  # ours, the last variant: the plans its first call made
+    for plan in recompile_opt.last_plans()[before:]:  # those ours (the last variant) made at its first call
         print(plan.summary() + "\n")
     print(f"{'variant':<34} {'kept for bwd':>12} {'step peak':>11} {'step (median)':>14} {'compile':>8}")
     for r in rows:
