@@ -16,6 +16,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("RECOMPILE_OPT_WALK_WORKERS", share)
 
 import contextlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,61 +91,40 @@ HEAVY = {
 }
 
 
-# Modules whose tests share a module-scoped fixture of half a minute or more (a bench run, a sweep):
-# pytest -n 2 sends each whole to one worker, which computes the fixture once (spread over both, each
-# worker computed it: the paper's tensor-parallel bench ran twice, 150 and 207 s).
-SHARED_FIXTURE_MODULES = {"test_paper_bench.py", "test_frontier.py", "test_peak_accuracy_bench.py"}
+# Seconds each module's tests took, per run (the default run, -m slow), as tests/record_module_seconds.py
+# wrote them from a pytest -n 2 --durations=0 log. pytest -n 2 sends each module whole to one worker
+# (below), most seconds first, so the last to start are short and the workers end together. A module
+# not listed goes first (it may be long); one listed that no longer exists only loses its place.
+MODULE_SECONDS = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, each test its own scope but the modules above (xdist_group marks
-    would do it, but pytest-xdist 3.8 cannot group on pytest 9: it renames ``item._nodeid``, which
-    pytest 9 no longer reads). Tests go out a few at a time, so the workers also end close together."""
+    """xdist's scheduling by scope, each module a scope (``--dist loadfile``), in the order the items were
+    collected (:func:`pytest_collection_modifyitems`) rather than by their number. Why whole modules:
+    a module's tests plan the same models, and a plan's walked peaks and solves are kept on disk for
+    the next plan of that graph (recompile_opt.costs.simulator); split over two workers, neighbours
+    planned them at the same time, each for itself (test_chunking.py's two logits-dominated GPT tests:
+    63 s each in the run, 45 + 16 s one after the other on one core), and each worker computed the
+    module-scoped fixtures (the paper's tensor-parallel bench ran twice, 150 and 207 s). (xdist_group
+    marks would do it, but pytest-xdist 3.8 cannot group on pytest 9: it renames ``item._nodeid``,
+    which pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class SharedFixtureScheduling(LoadScopeScheduling):
+    config.option.loadscopereorder = False  # the collection's order, longest modules first
+
+    class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return module if os.path.basename(module) in SHARED_FIXTURE_MODULES else nodeid
+            return nodeid.split("::", 1)[0]
 
-    return SharedFixtureScheduling(config, log)
-
-
-# Tests of 40 s or more on the 2-core machine, longest first (pytest -n 2 --durations=80, the default
-# run and then -m slow, torch 2.13, 2026-12-01; the seconds beside each name that leaves room), sent out
-# first in that order: started last, one of them kept a worker busy for minutes after the other had
-# finished. A name here that no longer exists only loses its place in the order.
-LONG = (
-    "test_peak_memory.py::test_the_least_peak_plans_peak_is_a_limit_peak_memory_can_meet",  # 322
-    "test_kernels.py::test_predicted_peak_within_ten_percent_of_measured[0.0-gpt]",  # 227
-    "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"
-    "[inductor-budgets1]",  # 211, slow
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-2-inductor]",  # 189
-    "test_sequence_parallel_option.py::test_a_hand_tensor_parallel_model_trains_as_tensor_and_sequence_parallel"
-    "[eager-budgets0]",  # 112
-    "test_chunk_attention.py::test_through_inductor_the_planner_chunks_attention_and_the_measured_peak_falls",
-    "test_chunk_autocast.py::test_through_inductor_chunks_train_eagers_loss_and_gradients_under_autocast[fp16]",
-    "test_peak_memory.py::test_a_peak_limit_below_any_plan_warns_or_raises",  # 96
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[gpt-4]",  # 90
-    "test_hf_layers.py::test_every_plan_is_walked_and_its_peak_is_the_measured_steps[whisper-bytes]",  # 86
-    "test_parallel_hf.py::test_hugging_face_models_equal_one_process[llama-searched]",  # 84
-    "test_chunk_autocast.py::test_through_inductor_chunks_train_eagers_loss_and_gradients_under_autocast[bf16]",
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[llama-2-dropout]",  # 73
-    "test_peak_memory.py::test_a_deep_stacks_limit_is_checked_in_inductors_code_and_held_on_the_measured_step",
-    "test_parallel_fsdp.py::test_fsdp_per_block_on_tensor_parallel_blocks_equals_one_process[llama]",  # 55
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-llama-2]",  # 55
-    "test_parallel_shapes.py::test_models_serve_every_shape_and_mode_from_one_layout[hf-gpt2-2]",  # 50
-    "test_parallel_shapes.py::test_the_benchmark_gpt_serves_every_shape_and_mode_from_one_layout",  # 47
-    "test_parallel_shapes.py::test_a_compiled_parallel_model_resumes_from_its_checkpoint_and_loads_into_a_plain_one",
-)
+    return ModuleScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(LONG)}
-    items.sort(key=lambda item: first.get(f"{item.path.name}::{item.name}", len(LONG)))  # stable
+    seconds = MODULE_SECONDS["slow" if config.option.markexpr == "slow" else "not slow"]
+    items.sort(key=lambda item: -seconds.get(item.path.name, float("inf")))  # stable: a module's own order
     found = set()
     for item in items:
         key = f"{item.path.name}::{item.name}"
@@ -161,9 +142,4 @@ def pytest_collection_modifyitems(config, items):
     if whole_suite and config.option.markexpr in ("", "not slow") and VECTORIZED - vectorized:
         raise pytest.UsageError(
             f"tests/conftest.py VECTORIZED names no test: {sorted(VECTORIZED - vectorized)}"
-        )
-    if whole_suite and SHARED_FIXTURE_MODULES - {item.path.name for item in items}:
-        raise pytest.UsageError(
-            "tests/conftest.py SHARED_FIXTURE_MODULES names modules that do not exist: "
-            f"{sorted(SHARED_FIXTURE_MODULES - {item.path.name for item in items})}"
         )
