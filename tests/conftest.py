@@ -100,7 +100,7 @@ MODULE_SECONDS = json.loads((Path(__file__).parent / "module_seconds.json").read
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, each module a scope (``--dist loadfile``), in the order the items were
+    """xdist's ``--dist loadfile`` (each module a scope) under ``-n 2``, in the order the items were
     collected (:func:`pytest_collection_modifyitems`) rather than by their number. Why whole modules:
     a module's tests plan the same models, and a plan's walked peaks and solves are kept on disk for
     the next plan of that graph (recompile_opt.costs.simulator); split over two workers, neighbours
@@ -111,15 +111,10 @@ def pytest_xdist_make_scheduler(config, log):
     which pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadFileScheduling
 
     config.option.loadscopereorder = False  # the collection's order, longest modules first
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::", 1)[0]
-
-    return ModuleScheduling(config, log)
+    return LoadFileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
