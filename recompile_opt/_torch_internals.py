@@ -1001,6 +1001,8 @@ def offload_activations(
     }
     if hasattr(functorch_config, "activation_reload_prefetch"):  # 2.11 on; its bandwidth stays torch's
         patches["activation_reload_prefetch"] = separate_stream
+    if separate_stream:
+        repair_record_stream_fake()
     with functorch_config.patch(patches):
         _offloading.enable_activation_offloading(fw, bw, num_fwd_outputs, static_lifetime_input_nodes)
     done = set()
@@ -1014,6 +1016,24 @@ def offload_activations(
         if n.meta.get("saved_for_offloading"):
             n.meta["host_resident"] = True
     return done
+
+
+def repair_record_stream_fake() -> None:
+    """Give ``streams::record_stream`` a fake of its own two arguments where torch registered
+    ``sync_dealloc``'s three (torch 2.11): else every offload on a separate stream fails in Inductor's fake
+    propagation (``_() missing 1 required positional argument: 'to_dealloc'``, seen on the H200)."""
+    try:
+        from torch._dynamo.variables import streams
+    except ImportError:
+        return
+    op = getattr(streams, "record_stream", None)
+    fake = getattr(op, "_abstract_fn", None)
+    if fake is not None and "to_dealloc" in inspect.signature(fake).parameters:
+        op._abstract_fn = _record_stream_fake
+
+
+def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
+    return None
 
 
 def is_offload_wait(target) -> bool:
