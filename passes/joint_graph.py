@@ -299,6 +299,7 @@ def build_problem(
         collectives=_collectives(jg),
         sites=sites,
         offload_ops=ti.offload_ops_available(),
+        offload_checked=device.type != "cuda",
     )
 
 

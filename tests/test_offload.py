@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 
+from recompile_opt import _torch_internals as ti
 from recompile_opt.options import OptionError, Options, parse_options
 from recompile_opt.plan import OFFLOAD, Plan
 from recompile_opt.planner import ilp
@@ -163,6 +164,12 @@ def test_budgets_and_where_offload_does_not_apply():
     # a torch without the ops
     plan = make_plan(dataclasses.replace(p, offload_ops=False), Options(offload=True, memory_budget=4 * MiB))
     assert not plan.offloaded and any("no activation-offloading ops" in n for n in plan.notes)
+    # a device where the emitted offload failed its check (CUDA: a NaN loss on the H200), unless asked
+    unchecked = dataclasses.replace(p, offload_checked=False)
+    plan = make_plan(unchecked, Options(offload=True, memory_budget=4 * MiB))
+    assert not plan.offloaded and any("NaN loss" in n for n in plan.notes)
+    plan = make_plan(unchecked, Options(offload=LINK, offload_unchecked=True, memory_budget=4 * MiB))
+    assert plan.offload["values"] == 1
 
 
 # -- the option ------------------------------------------------------------------------------------
@@ -285,3 +292,14 @@ def test_offloaded_graphs_through_inductor():
     with torch._inductor.config.patch(fallback_random=True):
         plan = train_side_by_side(model, inputs, options=ON_CPU, rtol=1e-4, atol=1e-5)
     assert plan.offloaded and plan.saved_bytes <= 60 * 1024
+
+
+def test_record_stream_traces_with_its_own_arguments():
+    """Offloading on a separate stream emits ``streams::record_stream``, whose fake torch 2.11 registered
+    with ``sync_dealloc``'s arguments (on the H200 every such offload failed in Inductor); repaired, it
+    runs under fake tensors with the op's own two."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ti.repair_record_stream_fake()
+    with FakeTensorMode():
+        torch.ops.streams.record_stream(torch.empty(4), 0)

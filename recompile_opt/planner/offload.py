@@ -18,8 +18,9 @@ OFFLOAD_TAGS = ("must_cpu_offload", "prefer_cpu_offload")
 def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
     """The problem with offload offered where it applies (``host_bytes_per_s`` set), and the notes that
     say where it does not: a CPU device (its memory is the host's), a torch without the offloading ops,
-    a fixed policy (they never offload; a user's MUST_CPU_OFFLOAD tag still holds). With the option off,
-    user offload tags are offered alone."""
+    a device where the emitted offload failed its check (CUDA, unless ``offload_unchecked``), a fixed
+    policy (they never offload; a user's MUST_CPU_OFFLOAD tag still holds). With the option off, user
+    offload tags are offered alone."""
     tagged = [n for n, v in problem.values.items() if v.tag in OFFLOAD_TAGS]
     without = dataclasses.replace(problem, host_bytes_per_s=0.0)
     if not options.offload and not tagged:
@@ -30,6 +31,11 @@ def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
         why_not = "does not apply on a CPU device (host memory is the device's memory)"
     elif not problem.offload_ops:
         why_not = "this torch has no activation-offloading ops (torch._functorch._activation_offloading)"
+    elif not problem.offload_checked and not options.offload_unchecked:
+        why_not = (
+            f"is not offered on a {problem.device.upper()} device: there its GPU check trained a NaN loss "
+            "(H200, torch 2.11, docs/gpu.md)"
+        )
     if why_not:
         tags = "; CPU_OFFLOAD tags are kept on the device instead" if tagged else ""
         return without, [f"offload: {asked} {why_not}; planned without offload{tags}"]

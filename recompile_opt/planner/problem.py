@@ -101,6 +101,8 @@ class Problem:
     # has a host link (``host_bytes_per_s`` is then theirs alone)
     offload_only_tagged: bool = False
     offload_ops: bool = True  # the installed torch has the activation-offloading ops (passes/joint_graph.py)
+    # the emitted offload gave eager's loss where last checked on this device (False on CUDA: docs/gpu.md)
+    offload_checked: bool = True
 
     def offloadable(self) -> list[str]:
         """Values the ILP may offload: a buffer of its own (a view would keep its base on the device),
