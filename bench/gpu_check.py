@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--strategies", default="", help=f"performance strategies (default all: {','.join(cases.STRATEGIES)})"
     )
     p.add_argument(
+        "--profiles", default="", help=f"profiled strategies (default all: {','.join(cases.PROFILES)})"
+    )
+    p.add_argument(
         "--compiler",
         choices=("inductor", "eager"),
         default="inductor",
@@ -49,6 +52,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--jobs", type=int, default=None, help="cases at once (default: 8 on CUDA, 2 on the CPU)")
     p.add_argument("--timeout", type=int, default=420, help="seconds per case")
+    p.add_argument(
+        "--deadline", type=float, default=None, help="seconds for the whole run: later cases do not start"
+    )
+    p.add_argument("--results", default=None, help="append each case's result here as JSON lines")
+    p.add_argument(
+        "--ckpt-peak-mib",
+        type=float,
+        default=None,
+        help="ours-peak's limit in MiB instead of this run's compile-ckpt peak (it compiles at once)",
+    )
     p.add_argument("--verbose", action="store_true", help="print a failed case's stderr")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a case's JSON: run it here and print its line
     args = p.parse_args(argv)
@@ -83,9 +96,21 @@ def select(args) -> tuple[list[str], list[dict]]:
             cases.STRATEGIES,
             "performance",
         )
+    if args.ckpt_peak_mib:
+        todo = [_limit_given(c, args.ckpt_peak_mib) for c in todo]
     if "profile" in parts:
-        todo += cases.strategy_cases(list(cases.PROFILES), cases.PROFILES, "profile")
+        todo += cases.strategy_cases(
+            cases.pick(args.profiles, tuple(cases.PROFILES), "profiles"), cases.PROFILES, "profile"
+        )
     return parts, todo
+
+
+def _limit_given(case: dict, mib: float) -> dict:
+    """A case that needs compile-ckpt's measured peak, given that peak instead (``--ckpt-peak-mib``)."""
+    if case.get("needs") != "performance:compile-ckpt":
+        return case
+    rest = {k: v for k, v in case.items() if k != "needs"}
+    return {**rest, "options": {**case.get("options", {}), "peak_memory": int(mib * 2**20)}}
 
 
 def command_for(args, parts: list[str]) -> str:
@@ -93,12 +118,16 @@ def command_for(args, parts: list[str]) -> str:
     argv = ["python", "bench/gpu_check.py", "--device", args.device, "--parts", ",".join(parts)]
     argv += ["--tiny"] if args.tiny else []
     argv += ["--compiler", args.compiler] if args.compiler != "inductor" else []
+    argv += (
+        ["--ckpt-peak-mib", str(args.ckpt_peak_mib)] if args.ckpt_peak_mib and "performance" in parts else []
+    )
     numeric = {"correctness", "fidelity"} & set(parts)
     for flag, used in (
         ("models", numeric),
         ("dtypes", numeric),
         ("options", numeric),
         ("strategies", "performance" in parts),
+        ("profiles", "profile" in parts),
     ):
         if getattr(args, flag) and used:
             argv += [f"--{flag}", getattr(args, flag)]

@@ -15,6 +15,6 @@ else
     echo "setuptools >= 68 missing: installing the prebuilt wheel from wheels/" >&2
     python -m pip install --no-index --no-deps --find-links wheels recompile_opt
 fi
-python -c "import torch, recompile_opt; print('torch', torch.__version__, '| recompile_opt from', recompile_opt.__file__)" \
+(cd /tmp && python -c "import torch, recompile_opt; print('torch', torch.__version__, '| recompile_opt from', recompile_opt.__file__)") \
     || echo "recompile_opt does not import here; bench/gpu_check.py writes why into its header" >&2
 exec python bench/gpu_check.py "$@"

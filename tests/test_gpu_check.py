@@ -100,3 +100,51 @@ def test_the_tiny_performance_part_measures_each_strategy(tmp_path):
         assert all(number.match(cell) for cell in row[1:5]), row
         assert row[-1] == "ok", row
     assert number.match(rows[2][5]) and number.match(rows[2][6])  # ours: the estimated step and its ratio
+
+
+def _joblock():
+    """bench/comparison/joblock.py's JobLock (bench/ is not on the path of the tests)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from comparison.joblock import JobLock
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return JobLock
+
+
+def test_a_timed_section_waits_a_bounded_time_and_never_beside_another(tmp_path):
+    """With a wait limit (a run with ``--deadline``), a timed section that cannot have the lock alone
+    runs after the limit, beside the compile, but still one timed section at a time: on the first GPU
+    run every section gave up at once and all ran together (steps 10x slower)."""
+    import threading
+    import time
+
+    JobLock = _joblock()
+    path = str(tmp_path / "lock")
+    compiling = JobLock(path)
+    compiling.shared()  # another case still compiling
+    spans, alone_flags = [], []
+
+    def timed_section():
+        lock = JobLock(path)
+        lock.shared()
+        with lock.exclusive(0.3) as alone:
+            start = time.monotonic()
+            time.sleep(0.3)
+            spans.append((start, time.monotonic()))
+            alone_flags.append(alone)
+        lock.release()
+
+    threads = [threading.Thread(target=timed_section) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert alone_flags == [False, False, False]  # the compile held on past every wait limit
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # one at a time
+    compiling.release()
+    lock = JobLock(path)
+    lock.shared()
+    with lock.exclusive(0.3) as alone:
+        assert alone  # nothing else holds the lock: alone at once

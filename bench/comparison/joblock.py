@@ -39,9 +39,40 @@ class JobLock:
             self.file = None
 
     @contextlib.contextmanager
-    def exclusive(self):
-        self._flock("LOCK_EX")  # converting shared -> exclusive drops the shared lock first: no deadlock
-        try:
-            yield
-        finally:
-            self._flock("LOCK_UN")
+    def exclusive(self, wait_s: float | None = None):
+        """Hold the lock alone; yields True, or after ``wait_s`` seconds without it, False: the section
+        then runs beside others' compiles rather than not at all (a run with a deadline still measures),
+        but still never beside another timed section (a second lock file, ``<path>.timed``)."""
+        if wait_s is None or self.file is None:
+            self._flock("LOCK_EX")  # converting shared -> exclusive drops the shared lock first: no deadlock
+            try:
+                yield True
+            finally:
+                self._flock("LOCK_UN")
+            return
+        import fcntl
+        import time
+
+        end = time.monotonic() + wait_s
+        self._flock("LOCK_UN")  # as LOCK_EX's conversion does, so that the one timing now can have it
+        with open(self.path + ".timed", "a") as timed:
+            fcntl.flock(timed, fcntl.LOCK_EX)  # one timed section at a time, whatever happens below
+            alone = self._poll_exclusive(end)
+            try:
+                yield alone
+            finally:
+                self._flock("LOCK_UN")
+
+    def _poll_exclusive(self, end: float) -> bool:
+        """Try for the exclusive lock until ``time.monotonic()`` reaches ``end``; whether it was had."""
+        import fcntl
+        import time
+
+        while True:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(0.2)

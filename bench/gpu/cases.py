@@ -43,6 +43,17 @@ STRATEGIES: dict[str, dict] = {
     "ours-0.5": {"kind": "ours", "options": {"memory_budget": 0.5}},
     "ours-0.0": {"kind": "ours", "options": {"memory_budget": 0.0}},
     "ours-peak": {"kind": "ours", "options": {}, "needs": "compile-ckpt"},
+    # issue "Offload": the ILP may also copy kept activations to host memory
+    # (offload_unchecked: it is not offered on CUDA since its first check there trained a NaN loss)
+    "ours-0.5+offload": {
+        "kind": "ours",
+        "options": {"memory_budget": 0.5, "offload": True, "offload_unchecked": True},
+    },
+    "ours-peak+offload": {
+        "kind": "ours",
+        "options": {"offload": True, "offload_unchecked": True},
+        "needs": "compile-ckpt",
+    },
 }
 PROFILES: dict[str, dict] = {
     "ours-0.0+chunks": {"kind": "ours", "options": {"memory_budget": 0.0, "chunks": "auto"}},

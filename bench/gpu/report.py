@@ -5,6 +5,7 @@ each under the exact command that remakes it. Rows are built from the workers' r
 from __future__ import annotations
 
 import datetime
+import math
 
 from .cases import case_name
 from .numerics import verdict
@@ -50,15 +51,33 @@ def header(env: dict, command: str) -> list[str]:
         ["recompile_opt", env.get("recompile_opt", "?")],
         ["Python", env.get("python", "?")],
     ]
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return [
         "# recompile_opt on a GPU: correctness, peak fidelity, performance",
         "",
-        f"Written by `{command}` ({when}). Each case ran in a fresh process.",
+        *source(command, env),
+        "Each case ran in a fresh process.",
         "",
         *table(["", ""], facts),
         "",
     ]
+
+
+def source(command: str, env: dict) -> list[str]:
+    """The command in a code block and the provenance line under it (docs/ tables say where they came
+    from: tests/test_docs.py)."""
+    return ["```bash", command, "```", "", provenance(env), ""]
+
+
+def provenance(env: dict) -> str:
+    """``recompile_opt.provenance.header_line()``'s form, from the machine the cases ran on."""
+    ours = str(env.get("recompile_opt", "?")).split()[0] or "?"
+    machine = env.get("device_name") or env.get("device", "?")
+    date = env.get("date") or datetime.date.today().isoformat()
+    return (
+        f"torch {env.get('torch', '?')}, Python {env.get('python', '?')}, recompile_opt {ours}, "
+        f"highspy {env.get('highspy', '?')}, PuLP {env.get('pulp', '?')}; {machine}, "
+        f"{env.get('cpus', '?')} CPU cores, {env.get('system', 'Linux')} {env.get('cpu', '?')}; {date}"
+    )
 
 
 def status(res: dict, ok: bool | None = None) -> str:
@@ -92,8 +111,7 @@ def correctness(results: dict, command: str) -> list[str]:
     return [
         "## Correctness: one step against eager",
         "",
-        f"`{command}`",
-        "",
+        *source(command, results.get("environment", {})),
         "Normwise relative deviation from eager (`max|ours - eager| / max|eager|`) of the loss and of "
         "the worst parameter gradient; compile's: plain `torch.compile` on the same model and dtype "
         "(loss / gradient). fp32 passes at `allclose(rtol=1e-4, atol=1e-5)` elementwise; bf16 within "
@@ -143,8 +161,7 @@ def fidelity(results: dict, command: str) -> list[str]:
     return [
         "## Fidelity: predicted against measured peak",
         "",
-        f"`{command}`",
-        "",
+        *source(command, results.get("environment", {})),
         "Predicted: the most of the process's plans' `predicted_peak_bytes`. Measured: the most bytes "
         "allocated above the start of a forward and backward entered with `grad=None`, as the plan "
         "counts it (gradients included); beside it the same step entered with the gradients allocated. "
@@ -199,7 +216,7 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
                 fmt(res.get("loss_after_10"), ".4f"),
                 fmt(None if est is None else est * 1e3, ".2f"),
                 fmt(est / step if est and step else None, ".2f"),
-                status(res),
+                _performance_status(res),
             ]
         )
     return [
@@ -207,8 +224,7 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
         "",
         title,
         "",
-        f"`{command}`",
-        "",
+        *source(command, results.get("environment", {})),
         "First call: wall seconds of step 1 (cold Inductor cache). Step: median of 10 steps after 3 "
         "warm-up (CUDA events). Peak: most bytes above a step's start, gradients allocated. Loss: step "
         "10's. Estimated: the plans' `step_s + recompute_s` summed; its ratio to the measured step.",
@@ -236,6 +252,15 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
     ]
 
 
+def _performance_status(res: dict) -> str:
+    """A strategy's result: its error, FAIL for a loss that is not finite, else ok; and whether its
+    timed section ran beside other cases' compiles (``--deadline``)."""
+    loss = res.get("loss_after_10")
+    finite = loss is None or math.isfinite(loss)
+    out = status(res) if finite or "error" in res else "FAIL: the loss is not finite"
+    return out + (" (timed beside other cases' compiles)" if res.get("timed_alone") is False else "")
+
+
 def targets(rows: dict) -> list[str]:
     """The issue's targets for our strategies, each with its measured ratio and met / missed."""
 
@@ -261,7 +286,11 @@ def targets(rows: dict) -> list[str]:
 
 def profile(results: dict, command: str) -> list[str]:
     """Per profiled strategy: launches per step, the chunk notes, the top kernels by total time."""
-    out = ["## Profile: where a chunked plan's step goes", "", f"`{command}`", ""]
+    out = [
+        "## Profile: where a chunked plan's step goes",
+        "",
+        *source(command, results.get("environment", {})),
+    ]
     for res in (r for r in results.values() if r["case"]["part"] == "profile"):
         name = res["case"]["strategy"]
         if "error" in res:

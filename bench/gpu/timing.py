@@ -9,6 +9,7 @@ other case compiles or runs beside it.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -16,6 +17,7 @@ from collections import defaultdict
 from comparison.joblock import JobLock
 from comparison.strategies import checkpoint_blocks
 
+from .driver import STOP_ENV
 from .models import perf_gpt
 from .numerics import autocast, measured_peak
 
@@ -102,6 +104,16 @@ def first_call(step, device: str) -> tuple[float, object]:
     return time.perf_counter() - t0, loss
 
 
+TIMED_SECTION_S = 45.0  # what a timed section needs at most, a slow plan's 30 steps and peak included
+
+
+def lock_wait_s() -> float | None:
+    """How long a timed section may wait to run alone: until ``TIMED_SECTION_S`` before the driver
+    stops this case (None: without a stop time, as long as it takes)."""
+    stop = os.environ.get(STOP_ENV)
+    return None if stop is None else max(0.0, float(stop) - time.time() - TIMED_SECTION_S)
+
+
 def measure_strategy(case: dict, *, device: str, tiny: bool, compiler: str, lock: JobLock) -> dict:
     """First call, median of ``STEPS`` timed steps after ``WARMUP``, peak above a step's start (its
     gradients allocated) and the loss of the 10th step (the first call is step 1)."""
@@ -110,7 +122,8 @@ def measure_strategy(case: dict, *, device: str, tiny: bool, compiler: str, lock
     out = {}
     out["first_call_s"], loss = first_call(step, device)
     losses = [loss]
-    with lock.exclusive():
+    with lock.exclusive(lock_wait_s()) as alone:
+        out["timed_alone"] = alone
         for _ in range(WARMUP):
             losses.append(step())
         times, timed_losses = timed_steps(step, device, STEPS)
@@ -130,7 +143,8 @@ def profile_strategy(case: dict, *, device: str, tiny: bool, compiler: str, lock
     out = {}
     out["first_call_s"], _ = first_call(step, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with lock.exclusive():
+    with lock.exclusive(lock_wait_s()) as alone:
+        out["timed_alone"] = alone
         for _ in range(WARMUP):
             step()
         sync(device)

@@ -40,6 +40,8 @@ def run_case(case: dict, *, device: str, tiny: bool, compiler: str) -> dict:
 def environment(case: dict, *, device: str, tiny: bool, compiler: str) -> dict:
     """The header's facts: torch, Triton, transformers, the device, CUDA and driver, and whether and from
     where ``recompile_opt`` imports."""
+    import datetime
+    import os
     import platform
 
     import torch
@@ -50,6 +52,9 @@ def environment(case: dict, *, device: str, tiny: bool, compiler: str) -> dict:
         "device": device,
         "cuda": torch.version.cuda,
         "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "system": platform.system(),
+        "date": datetime.date.today().isoformat(),
     }
     for mod in ("triton", "transformers", "pulp", "highspy"):
         env[mod] = _version_of(mod)
