@@ -300,6 +300,7 @@ def build_problem(
         sites=sites,
         offload_ops=ti.offload_ops_available(),
         offload_checked=device.type != "cuda",
+        offload_overlaps=device.type != "cuda" or ti.offload_copies_overlap(),
     )
 
 

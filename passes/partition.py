@@ -170,7 +170,8 @@ def _made_again(x: fx.Node, start: int, order: dict) -> list[fx.Node] | None:
 
 def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info) -> None:
     """The plan's offloaded values copied to the host after their last forward use and back before their
-    first backward use (``ti.offload_activations``), on a stream of their own where the device has one.
+    first backward use (``ti.offload_activations``), on a stream of their own where the device has one and
+    torch keeps a copied buffer alive until its copy is done (``ti.offload_copies_overlap``).
     A value torch refuses (the planner offers only what it accepts) is kept on the device instead."""
     device = next(
         (v.device for n in fw.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), None
@@ -181,7 +182,7 @@ def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info) -> None:
         names,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=info.static_lifetime_input_nodes,
-        separate_stream=device is not None and device.type == "cuda",
+        separate_stream=device is not None and device.type == "cuda" and ti.offload_copies_overlap(),
     )
     if names - done:
         log.warning("recompile_opt: torch did not offload %s; kept on the device", sorted(names - done))

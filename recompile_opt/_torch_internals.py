@@ -236,6 +236,7 @@ __all__ = [
     "CPU_OFFLOAD_PREFIX",
     "offload_ops_available",
     "offload_activations",
+    "offload_copies_overlap",
     "is_offload_wait",
     "real_tensors",
     "WrapperCode",
@@ -976,6 +977,18 @@ def offload_ops_available() -> bool:
     return _offloading is not None and hasattr(_offloading, "enable_activation_offloading")
 
 
+def offload_copies_overlap() -> bool:
+    """Whether this torch's offload copies may run on a stream of their own under Inductor: its async
+    ``ao::offload`` (2.12 on) holds the device tensor until the copy is waited on. torch 2.11's copy on a
+    side stream has no such hold, and Inductor reuses the buffer once the copy is issued (the H200's NaN
+    loss): there the copies run in order on the compute stream and hide nothing."""
+    import importlib.util
+
+    return offload_ops_available() and (
+        importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
+    )
+
+
 def offload_activations(
     fw: torch.fx.GraphModule,
     bw: torch.fx.GraphModule,
@@ -1001,8 +1014,6 @@ def offload_activations(
     }
     if hasattr(functorch_config, "activation_reload_prefetch"):  # 2.11 on; its bandwidth stays torch's
         patches["activation_reload_prefetch"] = separate_stream
-    if separate_stream:
-        repair_record_stream_fake()
     with functorch_config.patch(patches):
         _offloading.enable_activation_offloading(fw, bw, num_fwd_outputs, static_lifetime_input_nodes)
     done = set()
@@ -1016,24 +1027,6 @@ def offload_activations(
         if n.meta.get("saved_for_offloading"):
             n.meta["host_resident"] = True
     return done
-
-
-def repair_record_stream_fake() -> None:
-    """Give ``streams::record_stream`` a fake of its own two arguments where torch registered
-    ``sync_dealloc``'s three (torch 2.11): else every offload on a separate stream fails in Inductor's fake
-    propagation (``_() missing 1 required positional argument: 'to_dealloc'``, seen on the H200)."""
-    try:
-        from torch._dynamo.variables import streams
-    except ImportError:
-        return
-    op = getattr(streams, "record_stream", None)
-    fake = getattr(op, "_abstract_fn", None)
-    if fake is not None and "to_dealloc" in inspect.signature(fake).parameters:
-        op._abstract_fn = _record_stream_fake
-
-
-def _record_stream_fake(tensor: torch.Tensor, stream_index: int) -> None:
-    return None
 
 
 def is_offload_wait(target) -> bool:

@@ -42,12 +42,27 @@ def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
     link = options.offload if not isinstance(options.offload, bool) else None
     link = link or options.roofline_for(problem.device)["host_bytes_per_s"]
     notes = []
+    if not problem.offload_overlaps:
+        problem = _no_windows(problem)
+        notes.append(
+            "offload: this torch copies on the compute stream (torch 2.11: on a stream of their own the "
+            "copies raced Inductor's reuse of their buffers), so every copy's time is exposed"
+        )
     only_tagged = not options.offload or options.policy != "auto"
     if options.offload and options.policy != "auto":
         notes.append(f"offload: policy={options.policy!r} is a fixed baseline and offloads nothing by itself")
     if problem.device == "cpu":
         notes.append("offload: offload_on_cpu=True: CPU values copied host to host (a test of the rewrite)")
     return dataclasses.replace(problem, host_bytes_per_s=float(link), offload_only_tagged=only_tagged), notes
+
+
+def _no_windows(problem: Problem) -> Problem:
+    """The problem with every offload window empty: copies in order with the compute hide nothing."""
+    values = {
+        n: v if v.offload_windows is None else dataclasses.replace(v, offload_windows=(0.0, 0.0))
+        for n, v in problem.values.items()
+    }
+    return dataclasses.replace(problem, values=values)
 
 
 def tagged_offloads(problem: Problem) -> set[str]:

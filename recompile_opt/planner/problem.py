@@ -103,6 +103,8 @@ class Problem:
     offload_ops: bool = True  # the installed torch has the activation-offloading ops (passes/joint_graph.py)
     # the emitted offload gave eager's loss where last checked on this device (False on CUDA: docs/gpu.md)
     offload_checked: bool = True
+    # copies may overlap compute (False: torch 2.11 on CUDA, where they run in order on the compute stream)
+    offload_overlaps: bool = True
 
     def offloadable(self) -> list[str]:
         """Values the ILP may offload: a buffer of its own (a view would keep its base on the device),
