@@ -316,11 +316,9 @@ def head_loss_in_chunks(
         for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
             x_mm = x_chunk.to(mm_dtype)
             logits = F.linear(x_mm, w, b).to(logits_dtype or dtype).to(dtype)
-            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing)
+            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing, scale)
             del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
             total += loss
-            if scale is not None:
-                grad_logits.mul_(scale)
             grad_mm = grad_logits.to(logits_dtype or dtype).to(mm_dtype)  # the casts' backward, as eager
             del grad_logits
             if need_tokens:
@@ -409,11 +407,14 @@ def _op_arg(node: fx.Node, index: int, name: str):
     return node.args[index] if len(node.args) > index else node.kwargs[name]
 
 
-def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
-    """Summed cross-entropy of one chunk and its gradient with respect to the logits, the gradient
-    made in the logits' own buffer. Why in place: this runs eagerly inside one op, where each
-    elementwise op would allocate a chunk-sized buffer (six of them alive at once, measured as the
-    op's workspace), and the step's peak at the loss is this workspace."""
+def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float, scale=None):
+    """Summed cross-entropy of one chunk and its gradient with respect to the logits, times ``scale``
+    (None: 1), the gradient made in the logits' own buffer. Why in place: this runs eagerly inside one
+    op, where each elementwise op would allocate a chunk-sized buffer (six of them alive at once,
+    measured as the op's workspace), and the step's peak at the loss is this workspace. Why the row
+    factors folded into one multiply (the softmax's ``1 / sum``, the ignored rows' 0, the ``mean``'s
+    scale): each is a pass over the chunk, and these passes, not the matmuls, are what the op's time
+    grows by on a GPU (docs/gpu.md's profile)."""
     counted = target != ignore_index
     safe = torch.where(counted, target, 0).unsqueeze(1)
     vocab = logits.shape[-1]
@@ -422,16 +423,19 @@ def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float):
     top = logits.amax(-1, keepdim=True)
     grad = logits.sub_(top).exp_()  # torch.logsumexp would allocate this chunk-sized buffer besides
     total = grad.sum(-1, keepdim=True)
-    grad.div_(total)  # the softmax
     lse = (top + total.log()).squeeze(1)
     nll = lse - picked
     if label_smoothing:  # the mean over the classes of -log p = lse - mean(logits)
         nll = (1 - label_smoothing) * nll + label_smoothing * (lse - mean)
     loss = torch.where(counted, nll, 0).sum()
-    grad.scatter_add_(1, safe, grad.new_full(safe.shape, label_smoothing - 1))
+    row = counted.unsqueeze(1).to(grad.dtype)  # each row's factor: 0 where ignored, else scale
+    if scale is not None:
+        row = row * scale
+    grad.mul_(row / total)  # softmax times the row's factor, in one pass
+    grad.scatter_add_(1, safe, row * (label_smoothing - 1))
     if label_smoothing:
-        grad.sub_(label_smoothing / vocab)
-    return loss, grad.mul_(counted.unsqueeze(1))
+        grad.sub_(row * (label_smoothing / vocab))
+    return loss, grad
 
 
 def _region(loss: fx.Node) -> LossRegion:
