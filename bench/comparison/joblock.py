@@ -43,21 +43,19 @@ class JobLock:
         """Hold the lock alone; yields True, or after ``wait_s`` seconds without it, False: the section
         then runs beside others' compiles rather than not at all (a run with a deadline still measures),
         but still never beside another timed section (a second lock file, ``<path>.timed``)."""
-        if wait_s is None or self.file is None:
-            self._flock("LOCK_EX")  # converting shared -> exclusive drops the shared lock first: no deadlock
-            try:
-                yield True
-            finally:
-                self._flock("LOCK_UN")
-            return
         import fcntl
         import time
 
-        end = time.monotonic() + wait_s
-        self._flock("LOCK_UN")  # as LOCK_EX's conversion does, so that the one timing now can have it
-        with open(self.path + ".timed", "a") as timed:
-            fcntl.flock(timed, fcntl.LOCK_EX)  # one timed section at a time, whatever happens below
-            alone = self._poll_exclusive(end)
+        with contextlib.ExitStack() as stack:
+            if wait_s is None or self.file is None:
+                self._flock("LOCK_EX")  # converting shared -> exclusive drops the shared lock first
+                alone = True
+            else:
+                end = time.monotonic() + wait_s
+                self._flock("LOCK_UN")  # as LOCK_EX's conversion does, so that the one timing now can have it
+                timed = stack.enter_context(open(self.path + ".timed", "a"))
+                fcntl.flock(timed, fcntl.LOCK_EX)  # one timed section at a time, whatever happens below
+                alone = self._poll_exclusive(end)
             try:
                 yield alone
             finally:
