@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from recompile_opt.passes import precision
+from recompile_opt.passes import loss_body, precision
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.cost_model import register_traffic_formula, tensor_bytes
@@ -59,23 +59,25 @@ class LossRegion:
     width: int = 0  # the head's input width (hidden size)
     itemsize: int = 4  # bytes of an element of the head's input
     last: bool = True  # nothing but scalar ops runs after the loss in the forward
+    device: str | None = None  # the logits' device type (None: unknown)
 
     @property
     def name(self) -> str:
         return f"loss {self.loss.name}"
 
-    def describe(self, chunks: int, recompute: bool = False) -> str:
+    def describe(self, chunks: int, recompute: bool = False, fused: bool = False) -> str:
         per = math.ceil(self.tokens / chunks)
         return (
             f"{self.name}: LM head + cross-entropy in {chunks} chunks of <= {per} of {self.tokens} "
             f"tokens (vocabulary {self.vocab}): logits, log-softmax and their gradient one chunk "
             "at a time, "
             + ("the head recomputed in the backward" if recompute else "the gradients made in the forward")
+            + (", each chunk's softmax and gradient in Inductor's fused kernels" if fused else "")
         )
 
-    def record(self, chunks: int, recompute: bool = False) -> dict:
+    def record(self, chunks: int, recompute: bool = False, fused: bool = False) -> dict:
         """The plan's entry: the gradients made in the forward (nothing recomputed), or the head's
-        logits recomputed in the backward."""
+        logits recomputed in the backward; ``fused``: the body's kernels (:mod:`.loss_body`)."""
         return {
             "region": self.name,
             "kind": "loss_recompute" if recompute else "loss",
@@ -83,6 +85,7 @@ class LossRegion:
             "tokens": self.tokens,
             "width": self.vocab,
             "recompute_flops": 2 * self.tokens * self.width * self.vocab if recompute else 0,
+            "body": "fused" if fused else "aten",
         }
 
 
@@ -91,9 +94,12 @@ def find_loss_regions(gm: fx.GraphModule) -> list[LossRegion]:
     return [_region(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _CROSS_ENTROPY]
 
 
-def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: bool = False) -> fx.Node:
+def chunk_loss(
+    gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: bool = False, fused: bool = False
+) -> fx.Node:
     """Rewrite ``region`` of ``gm`` as ``chunks`` serial chunks (``recompute``: the head recomputed in
-    the backward); returns the new loss node."""
+    the backward; ``fused``: each chunk's loss body compiled by Inductor, :mod:`.loss_body`); returns
+    the new loss node."""
     if region.why_not is not None:
         raise ValueError(f"{region.name} cannot be chunked: {region.why_not}")
     x, weight, bias = _linear_args(region.linear)
@@ -105,6 +111,7 @@ def chunk_loss(gm: fx.GraphModule, region: LossRegion, chunks: int, recompute: b
         "reduction": _ce_arg(region.loss, "reduction", "mean"),
         "label_smoothing": _ce_arg(region.loss, "label_smoothing", 0.0),
         "recompute": recompute,
+        "fused": fused,
     }
     graph = gm.graph
     with graph.inserting_before(region.loss):
@@ -148,6 +155,7 @@ def chunked_linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     recompute: bool = False,
+    fused: bool = False,
 ):
     """``F.cross_entropy(F.linear(x, weight, bias).to(logits_dtype).view(-1, V).to(dtype), target.view(-1),
     ...)`` computed over ``chunks`` chunks of the tokens, one after the other (:class:`_ChunkedHeadLoss`,
@@ -159,7 +167,7 @@ def chunked_linear_cross_entropy(
     function = _RecomputedHeadLoss if recompute else _ChunkedHeadLoss
     dtypes = (mm_dtype or x.dtype, logits_dtype or dtype, dtype)
     return function.apply(
-        tokens, weight, bias, flat_target, count, chunks, dtypes, ignore_index, label_smoothing
+        tokens, weight, bias, flat_target, count, chunks, dtypes, ignore_index, label_smoothing, fused
     )
 
 
@@ -176,7 +184,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     Kept: the gradients of the head's input ``[tokens, hidden]`` and of its parameters, not the logits."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing):
+    def forward(
+        ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing, fused
+    ):
         needs = ctx.needs_input_grad[:3]  # a frozen head keeps no gradient
         mm_dtype, logits_dtype, dtype = dtypes
         total, *grads = torch.ops.recompile_opt.chunked_head_loss(
@@ -192,6 +202,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             mm_dtype,
             logits_dtype,
             _scale(count, dtype),
+            fused,
         )
         ctx.save_for_backward(*(g if need else None for g, need in zip(grads, needs)))
         return _mean(total, count, dtype)
@@ -199,7 +210,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class _RecomputedHeadLoss(torch.autograd.Function):
@@ -209,13 +220,15 @@ class _RecomputedHeadLoss(torch.autograd.Function):
     to the backward, through whatever the forward still runs after the loss."""
 
     @staticmethod
-    def forward(ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing):
+    def forward(
+        ctx, tokens, weight, bias, target, count, chunks, dtypes, ignore_index, label_smoothing, fused
+    ):
         mm_dtype, logits_dtype, dtype = dtypes
         args = chunks, dtype, ignore_index, label_smoothing
         total = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, *args, False, False, False, mm_dtype, logits_dtype
+            tokens, weight, bias, target, *args, False, False, False, mm_dtype, logits_dtype, fused=fused
         )[0]
-        ctx.args, ctx.dtypes = args, (mm_dtype, logits_dtype)
+        ctx.args, ctx.dtypes, ctx.fused = args, (mm_dtype, logits_dtype), fused
         ctx.save_for_backward(_scale(count, dtype), tokens, weight, bias, target)
         return _mean(total, count, dtype)
 
@@ -225,9 +238,9 @@ class _RecomputedHeadLoss(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         factor = grad_loss if scale is None else grad_loss * scale
         _, *grads = torch.ops.recompile_opt.chunked_head_loss(
-            tokens, weight, bias, target, *ctx.args, *needs, *ctx.dtypes, factor
+            tokens, weight, bias, target, *ctx.args, *needs, *ctx.dtypes, factor, ctx.fused
         )
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
+        return (*(g if need else None for g, need in zip(grads, needs)), *(None,) * 7)
 
 
 def _mean(total, count, dtype):
@@ -258,6 +271,7 @@ def chunked_head_loss(
     mm_dtype: torch.dtype | None = None,
     logits_dtype: torch.dtype | None = None,
     scale: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`head_loss_in_chunks` as one op: Inductor runs it as one extern kernel; its chunk-sized
     working set is its workspace, which the peak model measures (``recompile_opt.costs.scratch``)."""
@@ -276,6 +290,7 @@ def chunked_head_loss(
         mm_dtype,
         logits_dtype,
         scale,
+        fused,
     )
 
 
@@ -294,6 +309,7 @@ def head_loss_in_chunks(
     mm_dtype=None,
     logits_dtype=None,
     scale=None,
+    fused=False,
 ):
     """The summed cross-entropy of ``F.linear(tokens, weight, bias)`` over ``chunks`` chunks of rows, and
     its gradients with respect to the tokens, the weight and the bias (empty where not needed), those
@@ -305,7 +321,8 @@ def head_loss_in_chunks(
     (:mod:`recompile_opt.passes.precision`). The dtypes are explicit, since compiled code runs with
     autocast off (AOTAutograd disables it around its graphs): left to autocast, the head's matmuls ran
     in fp32 there (3 of the GPU GPT's 1.7 TFLOP products at fp32's rate)."""
-    mm_dtype = mm_dtype or weight.dtype
+    mm_dtype, logits_dtype = mm_dtype or weight.dtype, logits_dtype or dtype
+    loss_args = ignore_index, label_smoothing, scale
     with precision.autocast_off(tokens.device.type):
         w = weight.to(mm_dtype)  # once, not once a chunk
         b = bias.to(mm_dtype) if bias is not None else None
@@ -315,12 +332,19 @@ def head_loss_in_chunks(
         grad_bias = precision.accumulator(bias, mm_dtype) if need_bias else None
         for x_chunk, t_chunk in zip(tokens.tensor_split(chunks), target.tensor_split(chunks)):
             x_mm = x_chunk.to(mm_dtype)
-            logits = F.linear(x_mm, w, b).to(logits_dtype or dtype).to(dtype)
-            loss, grad_logits = _loss_and_grad(logits, t_chunk, ignore_index, label_smoothing, scale)
-            del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
-            total += loss
-            grad_mm = grad_logits.to(logits_dtype or dtype).to(mm_dtype)  # the casts' backward, as eager
-            del grad_logits
+            raw = F.linear(x_mm, w, b)
+            if fused:  # the gradient written into the matmul's output, in its dtype
+                total += loss_body.fused_loss_and_grad_(raw, t_chunk, *loss_args, logits_dtype, dtype)
+                grad_mm = raw
+                del raw  # only grad_mm holds the chunk's buffer, dropped before the next chunk's is made
+            else:  # in the fp32 logits' buffer (the matmul's output where it is fp32), then rounded
+                logits = raw.to(logits_dtype).to(dtype)
+                del raw  # a bf16 output is freed here: the loss reads its fp32 copy
+                loss, grad_logits = loss_body.aten_loss_and_grad(logits, t_chunk, *loss_args)
+                del logits  # the same buffer as grad_logits, dropped below before the next chunk's is made
+                total += loss
+                grad_mm = grad_logits.to(logits_dtype).to(mm_dtype)  # the casts' backward, as eager
+                del grad_logits
             if need_tokens:
                 grad_tokens.append((grad_mm @ w).to(tokens.dtype))
             if need_weight:
@@ -352,6 +376,7 @@ def _(
     mm_dtype=None,
     logits_dtype=None,
     scale=None,
+    fused=False,
 ):
     return (
         tokens.new_empty((), dtype=dtype),
@@ -388,14 +413,24 @@ def _flops(
 def _traffic(node: fx.Node) -> int:
     """What makes chunks cost: each chunk reads the head's weight twice (its logits, its tokens'
     gradient) and reads and writes the weight's gradient (``addmm_``), whatever its rows; besides, the
-    tokens and their gradient once. Measured (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes
-    about 1.1x its unchunked time at 128 rows a chunk, 1.3-1.4x at 64, 9x at 4 (``bench/chunk_rows.py``)."""
+    tokens and their gradient once, and the body's passes over the logits (:func:`loss_body.bytes_per_logit`:
+    on the H200 the ATen body's took 15-17 ms of the GPU GPT's 70 ms step). Measured (T=512, V=32000,
+    h=256, fp32, 2 CPU cores): the op takes about 1.1x its unchunked time at 128 rows a chunk, 1.3-1.4x
+    at 64, 9x at 4 (``bench/chunk_rows.py``)."""
     tokens, weight = (a.meta["val"] for a in node.args[:2])
     need_tokens, need_weight = (
         _op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight"))
     )
+    mm_dtype = _op_arg(node, 11, "mm_dtype", None) or weight.dtype
+    per_logit = loss_body.bytes_per_logit(
+        bool(_op_arg(node, 14, "fused", False)), mm_dtype.itemsize, _op_arg(node, 5, "dtype").itemsize
+    )
     passes = 1 + bool(need_tokens) + 2 * bool(need_weight)
-    return chunks_of(node) * passes * tensor_bytes(weight) + 2 * tensor_bytes(tokens)
+    return (
+        chunks_of(node) * passes * tensor_bytes(weight)
+        + 2 * tensor_bytes(tokens)
+        + tokens.shape[0] * weight.shape[0] * per_logit
+    )
 
 
 def chunks_of(node: fx.Node) -> int:
@@ -403,39 +438,11 @@ def chunks_of(node: fx.Node) -> int:
     return int(_op_arg(node, 4, "chunks"))
 
 
-def _op_arg(node: fx.Node, index: int, name: str):
-    return node.args[index] if len(node.args) > index else node.kwargs[name]
-
-
-def _loss_and_grad(logits, target, ignore_index: int, label_smoothing: float, scale=None):
-    """Summed cross-entropy of one chunk and its gradient with respect to the logits, times ``scale``
-    (None: 1), the gradient made in the logits' own buffer. Why in place: this runs eagerly inside one
-    op, where each elementwise op would allocate a chunk-sized buffer (six of them alive at once,
-    measured as the op's workspace), and the step's peak at the loss is this workspace. Why the row
-    factors folded into one multiply (the softmax's ``1 / sum``, the ignored rows' 0, the ``mean``'s
-    scale): each is a pass over the chunk, and these passes, not the matmuls, are what the op's time
-    grows by on a GPU (docs/gpu.md's profile)."""
-    counted = target != ignore_index
-    safe = torch.where(counted, target, 0).unsqueeze(1)
-    vocab = logits.shape[-1]
-    picked = logits.gather(1, safe).squeeze(1)
-    mean = logits.mean(-1) if label_smoothing else None
-    top = logits.amax(-1, keepdim=True)
-    grad = logits.sub_(top).exp_()  # torch.logsumexp would allocate this chunk-sized buffer besides
-    total = grad.sum(-1, keepdim=True)
-    lse = (top + total.log()).squeeze(1)
-    nll = lse - picked
-    if label_smoothing:  # the mean over the classes of -log p = lse - mean(logits)
-        nll = (1 - label_smoothing) * nll + label_smoothing * (lse - mean)
-    loss = torch.where(counted, nll, 0).sum()
-    row = counted.unsqueeze(1).to(grad.dtype)  # each row's factor: 0 where ignored, else scale
-    if scale is not None:
-        row = row * scale
-    grad.mul_(row / total)  # softmax times the row's factor, in one pass
-    grad.scatter_add_(1, safe, row * (label_smoothing - 1))
-    if label_smoothing:
-        grad.sub_(row * (label_smoothing / vocab))
-    return loss, grad
+def _op_arg(node: fx.Node, index: int, name: str, *default):
+    """The op's argument ``name`` (position ``index``); ``default`` where the call leaves it out."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs[name] if name in node.kwargs or not default else default[0]
 
 
 def _region(loss: fx.Node) -> LossRegion:
@@ -443,7 +450,7 @@ def _region(loss: fx.Node) -> LossRegion:
     lv, tv = value_of(logits), value_of(target)
     tokens = int(lv.shape[0]) if lv is not None and lv.dim() == 2 else 0
     vocab = int(lv.shape[1]) if lv is not None and lv.dim() == 2 else 0
-    region = LossRegion(loss, None, [], tokens, vocab)
+    region = LossRegion(loss, None, [], tokens, vocab, device=lv.device.type if lv is not None else None)
     if lv is None or lv.dim() != 2 or tv is None or tv.dim() != 1:
         return _refuse(region, "the loss's input is not logits [tokens, vocab] with targets [tokens]")
     if _ce_arg(loss, "weight") is not None:

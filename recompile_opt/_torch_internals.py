@@ -320,6 +320,13 @@ def real_tensors():
         yield
 
 
+def mark_rows_dynamic(*tensors: torch.Tensor) -> None:
+    """Dim 0 of each tensor compiled as a symbolic size where it is not 0 or 1 (Dynamo's
+    ``maybe_mark_dynamic``): one compile of a chunk body serves chunks of any rows."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 def concrete_size(x) -> int:
     """A number for a possibly symbolic size: its upper bound where the shape environment has a finite
     one (``torch._dynamo.mark_dynamic(t, dim, max=...)``), else its hint (its value at the first call)."""

@@ -25,6 +25,7 @@ from recompile_opt.passes.chunk_mlp import chunk_mlp, find_mlp_regions
 from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.plan import Plan
 from recompile_opt.planner import chunk_choice
+from recompile_opt.planner.chunk_choice import FAMILY
 from recompile_opt.planning import least_peak
 
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
@@ -121,10 +122,20 @@ def chunk_regions(gm: fx.GraphModule, options: Options, chosen: dict | None) -> 
             if region.why_not is not None:
                 raise OptionError(f"option 'chunks': {region.name} cannot be chunked: {region.why_not}")
         for region in regions:
-            done.notes.append("chunk: " + region.describe(k, **how))
-            done.records.append({**region.record(k, **how), "peak_saved_bytes": saved})
-            rewrite(gm, region, k, **how)
+            region_how = {**how, **_loss_body(region, options)} if FAMILY[kind] == "loss" else how
+            done.notes.append("chunk: " + region.describe(k, **region_how))
+            done.records.append({**region.record(k, **region_how), "peak_saved_bytes": saved})
+            rewrite(gm, region, k, **region_how)
     return done
+
+
+def _loss_body(region, options: Options) -> dict:
+    """How a loss region's chunks run their body (option ``fused_loss``): ``{"fused": bool}``; "auto"
+    fuses on CUDA (and on the meta device where the plan targets CUDA)."""
+    if options.fused_loss != "auto":
+        return {"fused": options.fused_loss}
+    device = region.device or "cpu"
+    return {"fused": (options.target_device if device == "meta" else device) == "cuda"}
 
 
 def _choose_chunks(

@@ -93,6 +93,9 @@ class Options:
     # GELU/SiLU codes, "linear": ratio in (0, 1] allowed for randomized linear backward}; the ILP chooses
     # per value where to use them. None (False): exact plans only
     approximate: dict | None = None
+    # the chunked loss's body per chunk (passes/loss_body.py): "auto" (the default) compiled by Inductor
+    # on CUDA, ATen's kernels elsewhere (slower fused on the CPU); True / False: fused / ATen anywhere
+    fused_loss: bool | str = "auto"
     # a model laid out by hand as tensor parallel (parallelize_module's Colwise/RowwiseParallel) made
     # tensor + sequence parallel in its graph (parallel/sequence_pass.py)
     sequence_parallel: bool = False
@@ -225,6 +228,11 @@ def parse_options(raw: dict | Options | None) -> Options:
     if raw.get("chunks") is not None:
         c = raw["chunks"]
         out["chunks"] = c if c is False or c == "auto" else _parse_chunks(c)
+    if "fused_loss" in raw:
+        value = raw["fused_loss"]
+        if not (value == "auto" or isinstance(value, bool)):
+            raise OptionError(f"option 'fused_loss': got {value!r}; accepted values: 'auto', True, False")
+        out["fused_loss"] = value
     if raw.get("approximate") not in (None, False):
         out["approximate"] = _parse_approximate(raw["approximate"])
     if "offload" in raw:

@@ -64,8 +64,9 @@ class Plan:
     # sends, regathered (a forward all-gather run again in the backward from the kept shard)
     collectives: list[dict] = field(default_factory=list)
     # mini-sequence chunking: region, kind (loss, loss_recompute, mlp, attention), chunks, tokens, width
-    # (vocabulary, hidden, keys), recompute_flops (the region's recompute in the backward), peak_saved_bytes
-    # (against the unchunked plan, where the planner chose the chunks; None where forced); attention's
+    # (vocabulary, hidden, keys), recompute_flops (the region's recompute in the backward), a loss's body
+    # ("fused" by Inductor or "aten"), peak_saved_bytes (against the unchunked plan, where the planner
+    # chose the chunks; None where forced); attention's
     # dropout_mask_bytes (its bool keep-mask, drawn whole in the forward: kept, or replayed by the plan)
     chunks: list[dict] = field(default_factory=list)
     # approximate backward (option ``approximate``): one entry per value the backward reads approximately:
@@ -237,9 +238,11 @@ class Plan:
             if regions:
                 ks = "/".join(str(k) for k in sorted({c["chunks"] for c in regions}))
                 flops = sum(c["recompute_flops"] for c in regions)
+                fused = any(c.get("body") == "fused" for c in regions)
                 parts.append(
                     f"{len(regions)} {kind} region{'s' * (len(regions) > 1)} in {ks} chunks"
                     + (f" (recompute {fmt_flops(flops)})" if flops else "")
+                    + (", body fused by Inductor" if fused else "")
                 )
         saved = self.chunks[0].get("peak_saved_bytes")
         how = (

@@ -8,9 +8,9 @@ its gradients; a tiny ViT measured 37% above its walked peak before this module.
 depends on the backend's algorithm choice (im2col, MKL-DNN, cuDNN), not on a formula we could keep
 true across versions, so it is measured: the op is run once on empty tensors of the node's layouts
 under the allocator profiler (:func:`recompile_opt.costs.measure.allocation_timeline`; on CUDA the
-caching allocator's peak counter), and its
-peak within the call less the bytes of its outputs is the scratch. A few milliseconds per distinct
-layout, cached for the process.
+caching allocator's peak counter), after one call unmeasured (a compiled body, such as the chunked
+loss's fused one, compiles on its first call), and its peak within the call less the bytes of its
+outputs is the scratch. A few milliseconds per distinct layout, cached for the process.
 
 Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other
 kernel's outputs are all it allocates. The meta device (planning without a step) has no kernel to
@@ -125,6 +125,7 @@ def _measure(target, args, kwargs, strides: list[tuple] | None) -> int:
             (a.device for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)),
             torch.device("cpu"),
         )
+        target(*args, **kwargs)  # first-call allocations (a compiled body compiling) are not the step's
         outputs = []
         if device.type == "cuda":  # the caching allocator's own counters (exact, and no profiler)
             torch.cuda.synchronize(device)
