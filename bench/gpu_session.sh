@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check of one session's lease (15 minutes of device time, its start included) in one call of
-# about 9 minutes, in three runs of bench/gpu_check.py, each with a deadline so that each writes its
-# report whatever hangs, and each result streamed to JSON lines as it lands:
+# about 9 minutes, in three runs of bench/gpu_check.py and one of bench/chunk_rows.py, each with a
+# deadline so that each writes its report whatever hangs, each result streamed to JSON lines as it lands:
 #   1. performance and the chunked plan's profile (what issues 45 and 51 measure);
-#   2. offload (issue 50), alone: its cases once outran 320 s (ours-peak+offload) and once lost the loss
+#   2. the chunked loss's two bodies, ATen's and Inductor's fused one, timed alone (bench/chunk_rows.py);
+#   3. offload (issue 50), alone: its cases once outran 320 s (ours-peak+offload) and once lost the loss
 #      to NaN (ours-0.5+offload, before torch 2.11's copies moved to the compute stream);
-#   3. correctness and fidelity on the models not yet run there (Llama, the Hugging Face Llama).
+#   4. correctness and fidelity on the models not yet run there (Llama, the Hugging Face Llama).
 # Here, first: bench/fetch_wheels.sh. Then: run(carry=["wheels"], command="bash bench/gpu_session.sh",
 # timeout_s=590). What comes back under $OUT: gpu_*.md, *.jsonl and *.log.
 set -uo pipefail
@@ -25,7 +26,8 @@ check() {  # NAME DEADLINE_S ARGS...: one run of the check, its report, results 
 bash bench/gpu_install.sh --install-only >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 check perf 240 --parts performance,profile --jobs 7 --ckpt-peak-mib 2320.6 \
     --strategies compile,compile-ckpt,ours-none,ours-0.0,ours-peak --profiles ours-0.0+chunks
+timeout 45 python bench/chunk_rows.py --ms >"$OUT/chunk_rows.md" 2>"$OUT/chunk_rows.log"
 check offload 120 --parts performance --jobs 2 --ckpt-peak-mib 2320.6 \
     --strategies ours-0.5+offload,ours-peak+offload
-check numeric 150 --parts correctness,fidelity --jobs 12 --models llama,hf-llama
+check numeric 120 --parts correctness,fidelity --jobs 12 --models llama,hf-llama
 grep -h "gpu_check\]" "$OUT"/*.log

@@ -26,7 +26,7 @@ from recompile_opt.passes.chunking import chunk_loss, find_loss_regions
 from recompile_opt.plan import Plan
 from recompile_opt.planner import chunk_choice
 from recompile_opt.planner.chunk_choice import FAMILY
-from recompile_opt.planning import least_peak
+from recompile_opt.planning import least_peak, roofline_of
 
 # each region kind of option 'chunks': how its regions are found, how one is rewritten, and the
 # keywords that rewrite (and the region's description and plan entry) take
@@ -82,8 +82,9 @@ def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None
         return []
     if not (least_peak(options) or options.peak_memory is not None):
         return []
-    device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
-    roofline = options.roofline_for(options.target_device if device == "meta" else device)
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    meta = device.type == "meta"  # planning for the target's type: no device to ask its name
+    roofline = options.roofline_for(options.target_device) if meta else roofline_of(options, device)
     every = chunk_choice.candidates(
         find_loss_regions(gm), find_mlp_regions(gm), roofline, attention_regions=find_attention_regions(gm)
     )

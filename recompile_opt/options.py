@@ -61,6 +61,39 @@ DEFAULT_ROOFLINE = {
     },
 }
 
+# CUDA devices by a part of their name (``torch.cuda.get_device_name``; the longest part that matches):
+# the datasheet's dense bf16 tensor-core FLOP/s and memory bandwidth, of which a training step's kernels
+# reach the fractions in CUDA_REACHED (cuBLAS's large bf16 GEMMs about 0.6-0.7 of the peak, streaming
+# Triton kernels about 0.8 of the bandwidth). An unnamed or unknown CUDA device (and the meta device
+# planning for CUDA) keeps DEFAULT_ROOFLINE["cuda"]. Why per device: an H200 moves 2.4x the bytes of
+# the generic constants in a second, and a plan's estimated step (its recompute's share, the chunk
+# choice's step comparison) is mostly pointwise traffic.
+CUDA_DEVICES = {
+    "A100": (312e12, 2.0e12),
+    "A100-SXM4-40GB": (312e12, 1.555e12),
+    "L40S": (362e12, 0.864e12),
+    "H100": (989e12, 3.35e12),
+    "H100 PCIe": (756e12, 2.0e12),
+    "H100 NVL": (835e12, 3.9e12),
+    "H200": (989e12, 4.8e12),
+    "GH200": (989e12, 4.0e12),
+    "B200": (2250e12, 8.0e12),
+}
+CUDA_REACHED = {"flops_per_s": 0.6, "bytes_per_s": 0.8}
+
+
+def cuda_device_roofline(name: str) -> dict:
+    """``flops_per_s`` and ``bytes_per_s`` of the CUDA device named ``name`` (:data:`CUDA_DEVICES`);
+    empty for a device not in the table."""
+    known = [part for part in CUDA_DEVICES if part.lower() in name.lower()]
+    if not known:
+        return {}
+    flops, bandwidth = CUDA_DEVICES[max(known, key=len)]
+    return {
+        "flops_per_s": flops * CUDA_REACHED["flops_per_s"],
+        "bytes_per_s": bandwidth * CUDA_REACHED["bytes_per_s"],
+    }
+
 
 class OptionError(ValueError):
     """A recompile_opt option has a bad key or value; the message names both and what is accepted."""
@@ -116,8 +149,12 @@ class Options:
         blob = json.dumps(asdict(self), sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def roofline_for(self, device_type: str) -> dict:
+    def roofline_for(self, device_type: str, device_name: str = "") -> dict:
+        """The roofline constants for a device: its type's, a known CUDA device's own
+        (:func:`cuda_device_roofline`), then option ``roofline``'s."""
         base = dict(DEFAULT_ROOFLINE.get(device_type, DEFAULT_ROOFLINE["cuda"]))
+        if device_type == "cuda":
+            base.update(cuda_device_roofline(device_name))
         base.update(self.roofline)
         return base
 

@@ -23,13 +23,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.costs.inductor_peak import output_names, tangent_bytes
 from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown, pool_rule
 from recompile_opt.costs.simulator import PeakSimulator, simulator_for
-from recompile_opt.options import Options
+from recompile_opt.options import Options, cuda_device_roofline
 from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.partition import partition
 from recompile_opt.plan import Plan, fmt_bytes
@@ -93,6 +94,29 @@ class Planned:
     deferred: DeferredWalk | None = None
 
 
+def roofline_of(options: Options, device: torch.device) -> dict:
+    """The roofline constants for ``device`` (a CUDA device's by its name), option ``roofline`` over them."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return options.roofline_for(device.type, name)
+
+
+def roofline_notes(options: Options, device: torch.device) -> list[str]:
+    """The plan's note of the CUDA device whose constants priced it (none for other devices)."""
+    if device.type != "cuda":
+        return []
+    name = torch.cuda.get_device_name(device)
+    r = roofline_of(options, device)
+    known = (
+        "its own"
+        if cuda_device_roofline(name)
+        else "generic CUDA (the device is not in options.CUDA_DEVICES)"
+    )
+    return [
+        f"cost model: {name}, {known} roofline: {r['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+        f"{r['bytes_per_s'] / 1e12:.2f} TB/s (option roofline overrides)"
+    ]
+
+
 def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory: PlanningMemory) -> Joint:
     """The joint graph AOTAutograd hands a partitioner (``kwargs``: its keywords), read into a
     problem and a peak oracle that shares the peaks found for the same graph before (``memory``)."""
@@ -102,7 +126,7 @@ def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory:
     jg = JointGraph(gm, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
     problem = build_problem(
         jg,
-        options.roofline_for(jg.device().type),
+        roofline_of(options, jg.device()),
         replay_random=replay_random(options),
         random_fuses=random_fuses(options),
     )
@@ -185,6 +209,7 @@ def _plan_joint_graph(
         plan.notes[:0] = [split_note] if split_note else []
         plan.notes += [layout_note] if layout_note else []
         plan.notes += [] if simulate.pooled else [POOL_OFF_NOTE]
+        plan.notes += roofline_notes(options, joint.graph.device())
         if not replay_random(options) and any(v.random for v in problem.values.values()):
             plan.notes.append(
                 "random ops are kept, not replayed: Inductor cannot yet compile CPU RNG-state "

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt._torch_internals import flop_registry
-from recompile_opt.costs.cost_model import base_of, tensor_bytes
+from recompile_opt.costs.cost_model import base_of, node_cost, tensor_bytes
 from recompile_opt.ops import is_seeded_op, is_view_node
 
 MAX_FUSION = 64
@@ -80,6 +80,26 @@ def schedule(gm: fx.GraphModule) -> tuple[list[Kernel], dict[fx.Node, int], set[
     kernels = _kernels(compute, groups, outs)
     sizes = {n: nbytes(n) for k in kernels for n in k.outputs}
     return _order(kernels, facts.pos), sizes, outs
+
+
+def phase_kernels(nodes: list[fx.Node], every: list[fx.Node]) -> list[Kernel]:
+    """The kernels of ``nodes``, one phase of a joint graph in graph order (``every``: all of the graph's
+    nodes, which the fusion's cycle checks walk): a node that the other phase or the graph's output
+    reads gets a buffer, as at the graph's end after partitioning."""
+    facts = _GraphFacts.of(every)
+    compute = [n for n in nodes if n.op == "call_function" and not facts.view[n]]
+    return _kernels(compute, _fuse(compute, facts), set())
+
+
+def kernel_seconds(kernel: Kernel, roofline: dict) -> float:
+    """Roofline time of one kernel: an extern one's op as priced alone
+    (:func:`~recompile_opt.costs.cost_model.node_cost`); a fused one's FLOPs against the bytes it moves,
+    the buffers it reads from outside and those it writes, each once."""
+    if kernel.extern:
+        return sum(node_cost(n, roofline).seconds for n in kernel.nodes)
+    flops = sum(node_cost(n, roofline, fused=True).flops for n in kernel.nodes)
+    moved = sum(nbytes(r) for r in kernel.reads) + sum(nbytes(n) for n in kernel.outputs)
+    return max(flops / roofline["flops_per_s"], moved / roofline["bytes_per_s"])
 
 
 class _Groups:

@@ -1,0 +1,56 @@
+"""The cost model's estimated step of the GPU check's GPT, planned on the meta device (no GPU needed), to
+hold against the step docs/gpu.md measured on the H200.
+
+The performance GPT of ``bench/gpu_check.py`` (vocabulary 50304, h=1024, 8 layers, s=2048, b=8, SDPA) in
+bf16 (the measured run's matmuls and activations are bf16 under autocast; its fp32 parameters are not
+what the step's traffic is made of), planned with no budget and at ``memory_budget=0.0`` on each
+roofline: the generic CUDA constants and the H200's (``options.CUDA_DEVICES``). Estimated: the plans'
+``step_s + recompute_s``.
+
+Usage::
+
+    python bench/estimated_step.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import recompile_opt
+from recompile_opt.options import DEFAULT_ROOFLINE, cuda_device_roofline
+from recompile_opt.provenance import header_line
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu.models import perf_gpt  # noqa: E402
+
+ROOFLINES = {
+    "generic CUDA": {k: DEFAULT_ROOFLINE["cuda"][k] for k in ("flops_per_s", "bytes_per_s")},
+    "NVIDIA H200": cuda_device_roofline("NVIDIA H200"),
+}
+BUDGETS = {"no budget": None, "0.0": 0.0}
+
+
+def estimated_ms(roofline: dict, budget) -> float:
+    model, batch = perf_gpt(device="cpu", tiny=False)
+    model = model.to(device="meta", dtype=torch.bfloat16)
+    batch = tuple(t.to("meta") for t in batch)
+    plans = recompile_opt.plan(model, batch, memory_budget=budget, roofline=roofline)
+    plans = plans if isinstance(plans, list) else [plans]
+    return sum(p.step_s + p.recompute_s for p in plans) * 1e3
+
+
+def main() -> None:
+    rows = {name: {b: estimated_ms(r, v) for b, v in BUDGETS.items()} for name, r in ROOFLINES.items()}
+    print(header_line())
+    print()
+    print("| roofline | " + " | ".join(f"estimated step ms, {b}" for b in BUDGETS) + " |")
+    print("|---|" + "---|" * len(BUDGETS))
+    for name, ms in rows.items():
+        print(f"| {name} | " + " | ".join(f"{ms[b]:.1f}" for b in BUDGETS) + " |")
+
+
+if __name__ == "__main__":
+    main()
