@@ -26,8 +26,9 @@ check() {  # NAME DEADLINE_S ARGS...: one run of the check, its report, results 
 bash bench/gpu_install.sh --install-only >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
 check perf 240 --parts performance,profile --jobs 7 --ckpt-peak-mib 2320.6 \
     --strategies compile,compile-ckpt,ours-none,ours-0.0,ours-peak --profiles ours-0.0+chunks
-timeout 45 python bench/chunk_rows.py --ms >"$OUT/chunk_rows.md" 2>"$OUT/chunk_rows.log"
+timeout 75 python bench/chunk_rows.py --ms >"$OUT/chunk_rows.md" 2>"$OUT/chunk_rows.log" \
+    || echo "chunk_rows.py: exit $? (124: timed out after 75 s)" >>"$OUT/chunk_rows.log"
 check offload 120 --parts performance --jobs 2 --ckpt-peak-mib 2320.6 \
     --strategies ours-0.5+offload,ours-peak+offload
-check numeric 120 --parts correctness,fidelity --jobs 12 --models llama,hf-llama
+check numeric 100 --parts correctness,fidelity --jobs 12 --models llama,hf-llama
 grep -h "gpu_check\]" "$OUT"/*.log

@@ -413,10 +413,12 @@ def _flops(
 def _traffic(node: fx.Node) -> int:
     """What makes chunks cost: each chunk reads the head's weight twice (its logits, its tokens'
     gradient) and reads and writes the weight's gradient (``addmm_``), whatever its rows; besides, the
-    tokens and their gradient once, and the body's passes over the logits (:func:`loss_body.bytes_per_logit`:
-    on the H200 the ATen body's took 15-17 ms of the GPU GPT's 70 ms step). Measured (T=512, V=32000,
-    h=256, fp32, 2 CPU cores): the op takes about 1.1x its unchunked time at 128 rows a chunk, 1.3-1.4x
-    at 64, 9x at 4 (``bench/chunk_rows.py``)."""
+    tokens and their gradient once, the body's passes over the logits (:func:`loss_body.bytes_per_logit`:
+    on the H200 the ATen body's took 15-17 ms of the GPU GPT's 70 ms step) and the gradient matmuls'
+    reads of the logits' gradient. The roofline prices the op by the larger of its FLOPs' time and
+    this traffic's, so the body's bytes show in the estimated step where they dominate. Measured
+    (T=512, V=32000, h=256, fp32, 2 CPU cores): the op takes about 1.1x its unchunked time at 128 rows
+    a chunk, 1.3-1.4x at 64, 9x at 4 (``bench/chunk_rows.py``)."""
     tokens, weight = (a.meta["val"] for a in node.args[:2])
     need_tokens, need_weight = (
         _op_arg(node, i, name) for i, name in ((8, "need_tokens"), (9, "need_weight"))
@@ -424,13 +426,10 @@ def _traffic(node: fx.Node) -> int:
     mm_dtype = _op_arg(node, 11, "mm_dtype", None) or weight.dtype
     per_logit = loss_body.bytes_per_logit(
         bool(_op_arg(node, 14, "fused", False)), mm_dtype.itemsize, _op_arg(node, 5, "dtype").itemsize
-    )
+    ) + mm_dtype.itemsize * (bool(need_tokens) + bool(need_weight))
+    logits = ti.concrete_size(tokens.shape[0]) * ti.concrete_size(weight.shape[0])  # no guard on a SymInt
     passes = 1 + bool(need_tokens) + 2 * bool(need_weight)
-    return (
-        chunks_of(node) * passes * tensor_bytes(weight)
-        + 2 * tensor_bytes(tokens)
-        + tokens.shape[0] * weight.shape[0] * per_logit
-    )
+    return chunks_of(node) * passes * tensor_bytes(weight) + 2 * tensor_bytes(tokens) + logits * per_logit
 
 
 def chunks_of(node: fx.Node) -> int:

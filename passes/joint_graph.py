@@ -421,12 +421,8 @@ def _step_seconds(jg: JointGraph, roofline: dict) -> float:
     (:func:`~recompile_opt.costs.kernels.phase_kernels`): a fused kernel moves the buffers it reads
     from outside it and the ones it writes, not each op's inputs and output. Why: priced op by op, the
     H200 GPT's step was estimated at 4.9x its measured 39.8 ms, most of it pointwise ops' traffic."""
-    every = list(jg.gm.graph.nodes)
-    return sum(
-        kernel_seconds(k, roofline)
-        for nodes in (jg.fwd_nodes, jg.bwd_nodes)
-        for k in phase_kernels(nodes, every)
-    )
+    kernels = phase_kernels([jg.fwd_nodes, jg.bwd_nodes], list(jg.gm.graph.nodes))
+    return sum(kernel_seconds(k, roofline) for k in kernels)
 
 
 def _make_value(

@@ -3,17 +3,18 @@
 
 :func:`aten_loss_and_grad` runs ATen's kernels one after the other, in the logits' own buffer. Each is
 a pass over the chunk: under bf16 autocast the upcast copy, the max, the subtraction, the exponential,
-the sum, the row factor and the downcast, 46 bytes moved per logit where the fused kernels move 10
-(:func:`bytes_per_logit`); on the H200 those passes took 15-17 ms of the GPU GPT's 70 ms least-peak
-step (docs/gpu.md).
+the sum, the row factor and the downcast (the one-hot's ``scatter_add`` touches one logit a row), 46
+bytes moved per logit where the fused kernels move 10 (:func:`bytes_per_logit`); on the H200 those
+passes took 15-17 ms of the GPU GPT's 70 ms least-peak step (docs/gpu.md).
 
 :func:`fused_loss_and_grad_` is the same arithmetic written as one functional body for Inductor
-(``torch.compile``: a reduction kernel and a pointwise kernel that reads the mm-dtype logits and
-writes their gradient back into them), compiled once per dtype, vocabulary and loss settings, its rows
-dynamic (the last chunk is a row shorter where k does not divide the tokens). Why Inductor and not a
-kernel of ours: it is the project's kernel generator; the body stays PyTorch. Where it cannot compile,
-the ATen body runs instead, with a warning. Why not on the CPU by default: Inductor's C++ kernels of
-this body measured slower than ATen's there (``bench/chunk_rows.py --ms``).
+(``torch.compile``: on the CPU a reduction kernel and a pointwise kernel that reads the mm-dtype logits
+and writes their gradient back into them; on CUDA expected alike, not measured there yet), compiled
+once per dtype, vocabulary and loss settings, its rows dynamic (the last chunk is a row shorter where
+k does not divide the tokens). Why Inductor and not a kernel of ours: it is the project's kernel
+generator; the body stays PyTorch. Where it cannot compile, the ATen body runs instead, with a
+warning. Why not on the CPU by default: Inductor's C++ kernels of this body measured no faster than
+ATen's there (``bench/chunk_rows.py --ms``).
 """
 
 from __future__ import annotations
@@ -58,19 +59,18 @@ def aten_loss_and_grad(logits, target, ignore_index: int, label_smoothing: float
 
 
 def bytes_per_logit(fused: bool, mm_itemsize: int, itemsize: int) -> int:
-    """Bytes the body moves per logit, the head's matmul writing them included (its operands' reads
-    are the matmuls'). ATen's: the upcast (where the loss's dtype is wider), the max, subtract, exp,
-    sum and multiply in the loss's dtype (8 of its elements), the downcast (fp32 36 B; bf16 logits and
-    an fp32 loss 46 B).
-    Fused: the matmul's write, two reductions' reads and the gradient's read and write, in the matmul's
-    dtype (fp32 20 B, bf16 10 B)."""
+    """Bytes the body moves per logit, the head's matmul writing them included (the gradient matmuls'
+    reads of the result are theirs: ``chunking._traffic``). ATen's: the upcast (where the loss's dtype
+    is wider), the max, subtract, exp, sum and multiply in the loss's dtype (8 of its elements), the
+    downcast (fp32 36 B; bf16 logits and an fp32 loss 46 B). Fused: the matmul's write, two
+    reductions' reads and the gradient's read and write, in the matmul's dtype (fp32 20 B, bf16 10 B)."""
     if fused:
         return 5 * mm_itemsize
     cast = 2 * (mm_itemsize + itemsize) if itemsize != mm_itemsize else 0
     return mm_itemsize + cast + 8 * itemsize
 
 
-def _functional_body(raw, target, scale, ignore_index: int, label_smoothing: float, logits_dtype, dtype):
+def _functional_body(raw, target, ignore_index: int, label_smoothing: float, scale, logits_dtype, dtype):
     """:func:`aten_loss_and_grad` on ``raw.to(logits_dtype).to(dtype)`` without a buffer of its own:
     the gradient, rounded as eager rounds it (to ``logits_dtype``, then to ``raw``'s dtype), written back
     into ``raw``; returns the summed loss. The one-hot of the targets is a comparison with the class
@@ -106,19 +106,22 @@ def fused_loss_and_grad_(raw, target, ignore_index: int, label_smoothing: float,
     """Summed cross-entropy of one chunk of ``raw`` logits (the head's matmul's output, in its dtype:
     read as ``raw.to(logits_dtype).to(dtype)``, as eager's loss reads them) and its gradient times
     ``scale``, written into ``raw`` in ``raw``'s dtype: the matmuls' operand. Returns the loss, in
-    ``dtype``. By Inductor's kernels; by :func:`aten_loss_and_grad` where they failed to compile."""
+    ``dtype``. By Inductor's kernels; by :func:`aten_loss_and_grad` where they could not be compiled
+    (raised before any of them ran, so ``raw`` holds the logits still): for the rest of the process
+    after a compile error, for this call after Dynamo's recompile limit. A graph compiled here inside
+    a plan's compile (its workspace measured) is not taken for the plan's own code."""
     device = raw.device.type
     if device not in _BROKEN:
         ti.mark_rows_dynamic(raw, target)
         try:
-            return _COMPILED(raw, target, scale, ignore_index, label_smoothing, logits_dtype, dtype)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a compile failure: the ATen body gives the same result
-            _BROKEN.add(device)
+            with ti.not_recorded():
+                return _COMPILED(raw, target, ignore_index, label_smoothing, scale, logits_dtype, dtype)
+        except ti.COMPILE_ERRORS as e:
+            if not ti.is_recompile_limit(e):
+                _BROKEN.add(device)
             warnings.warn(
                 f"recompile_opt: the chunked loss's fused body did not compile on {device} ({e!r:.300}); "
-                "its ATen body runs instead (correct, more passes over the logits)",
+                "its ATen body runs instead (the same result, more passes over the logits)",
                 stacklevel=2,
             )
     logits = raw.to(logits_dtype).to(dtype)

@@ -320,6 +320,16 @@ def real_tensors():
         yield
 
 
+# raised by a torch.compile'd function before any of its kernels ran: its compile failed (Dynamo's or
+# Inductor's error), or it hit Dynamo's recompile limit (fullgraph=True raises there)
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
+def is_recompile_limit(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo's recompile limit, reached by a function compiled with fullgraph."""
+    return isinstance(error, torch._dynamo.exc.FailOnRecompileLimitHit)
+
+
 def mark_rows_dynamic(*tensors: torch.Tensor) -> None:
     """Dim 0 of each tensor compiled as a symbolic size where it is not 0 or 1 (Dynamo's
     ``maybe_mark_dynamic``): one compile of a chunk body serves chunks of any rows."""
@@ -602,7 +612,7 @@ def inductor_wrapper_code(
         DebugContext(),
         inductor_config.patch(no_custom),
         _scalar_cpp_kernels(),
-        _not_recorded(),
+        not_recorded(),
     ):
         if input_strides:  # as fx_codegen_and_compile does: the graph's values re-derived from its inputs
             view_to_reshape(gm)
@@ -693,7 +703,9 @@ def compiled_wrapper_code():
 
 
 @contextlib.contextmanager
-def _not_recorded():
+def not_recorded():
+    """Graphs Inductor compiles inside the block are not recorded by :func:`compiled_wrapper_code`
+    (the planner's own lowerings, a body compiled inside an op that the plan runs)."""
     paused = getattr(_RECORDING, "paused", False)
     _RECORDING.paused = True
     try:

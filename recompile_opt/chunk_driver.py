@@ -132,9 +132,11 @@ def chunk_regions(gm: fx.GraphModule, options: Options, chosen: dict | None) -> 
 
 def _loss_body(region, options: Options) -> dict:
     """How a loss region's chunks run their body (option ``fused_loss``): ``{"fused": bool}``; "auto"
-    fuses on CUDA (and on the meta device where the plan targets CUDA)."""
+    fuses on CUDA (and on the meta device where the plan targets CUDA) where Inductor compiles."""
     if options.fused_loss != "auto":
         return {"fused": options.fused_loss}
+    if options.compiler != "inductor":
+        return {"fused": False}
     device = region.device or "cpu"
     return {"fused": (options.target_device if device == "meta" else device) == "cuda"}
 

@@ -61,21 +61,23 @@ DEFAULT_ROOFLINE = {
     },
 }
 
-# CUDA devices by a part of their name (``torch.cuda.get_device_name``; the longest part that matches):
-# the datasheet's dense bf16 tensor-core FLOP/s and memory bandwidth, of which a training step's kernels
-# reach the fractions in CUDA_REACHED (cuBLAS's large bf16 GEMMs about 0.6-0.7 of the peak, streaming
-# Triton kernels about 0.8 of the bandwidth). An unnamed or unknown CUDA device (and the meta device
-# planning for CUDA) keeps DEFAULT_ROOFLINE["cuda"]. Why per device: an H200 moves 2.4x the bytes of
-# the generic constants in a second, and a plan's estimated step (its recompute's share, the chunk
-# choice's step comparison) is mostly pointwise traffic.
+# CUDA devices by a part of their name (``torch.cuda.get_device_name``; the longest part that matches as a
+# whole word: "A100" is not "RTX A1000"): the datasheet's dense bf16 tensor-core FLOP/s and memory
+# bandwidth, of which a step's kernels are assumed to reach the fractions in CUDA_REACHED (not measured
+# here: cuBLAS's large bf16 GEMMs are reported at about 0.6-0.7 of the peak, streaming kernels at about
+# 0.8 of the bandwidth). An unknown CUDA device (and the meta device planning for CUDA) keeps
+# DEFAULT_ROOFLINE["cuda"]. Why per device: an H200's reached bandwidth is 1.9x the generic constant, and
+# a plan's estimated step (its recompute's share, the chunk choice's comparisons) is mostly traffic.
 CUDA_DEVICES = {
     "A100": (312e12, 2.0e12),
     "A100-SXM4-40GB": (312e12, 1.555e12),
+    "A100-PCIE-40GB": (312e12, 1.555e12),
     "L40S": (362e12, 0.864e12),
     "H100": (989e12, 3.35e12),
     "H100 PCIe": (756e12, 2.0e12),
     "H100 NVL": (835e12, 3.9e12),
     "H200": (989e12, 4.8e12),
+    "H200 NVL": (835e12, 4.8e12),
     "GH200": (989e12, 4.0e12),
     "B200": (2250e12, 8.0e12),
 }
@@ -85,7 +87,11 @@ CUDA_REACHED = {"flops_per_s": 0.6, "bytes_per_s": 0.8}
 def cuda_device_roofline(name: str) -> dict:
     """``flops_per_s`` and ``bytes_per_s`` of the CUDA device named ``name`` (:data:`CUDA_DEVICES`);
     empty for a device not in the table."""
-    known = [part for part in CUDA_DEVICES if part.lower() in name.lower()]
+    known = [
+        part
+        for part in CUDA_DEVICES
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(part)}(?![A-Za-z0-9])", name, re.IGNORECASE)
+    ]
     if not known:
         return {}
     flops, bandwidth = CUDA_DEVICES[max(known, key=len)]
@@ -127,7 +133,8 @@ class Options:
     # per value where to use them. None (False): exact plans only
     approximate: dict | None = None
     # the chunked loss's body per chunk (passes/loss_body.py): "auto" (the default) compiled by Inductor
-    # on CUDA, ATen's kernels elsewhere (slower fused on the CPU); True / False: fused / ATen anywhere
+    # on CUDA with compiler "inductor", ATen's kernels elsewhere (no faster fused on the CPU; the eager
+    # compiler generates no code); True / False: fused / ATen anywhere
     fused_loss: bool | str = "auto"
     # a model laid out by hand as tensor parallel (parallelize_module's Colwise/RowwiseParallel) made
     # tensor + sequence parallel in its graph (parallel/sequence_pass.py)
@@ -265,7 +272,7 @@ def parse_options(raw: dict | Options | None) -> Options:
     if raw.get("chunks") is not None:
         c = raw["chunks"]
         out["chunks"] = c if c is False or c == "auto" else _parse_chunks(c)
-    if "fused_loss" in raw:
+    if raw.get("fused_loss") is not None:
         value = raw["fused_loss"]
         if not (value == "auto" or isinstance(value, bool)):
             raise OptionError(f"option 'fused_loss': got {value!r}; accepted values: 'auto', True, False")

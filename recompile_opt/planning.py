@@ -113,7 +113,8 @@ def roofline_notes(options: Options, device: torch.device) -> list[str]:
     )
     return [
         f"cost model: {name}, {known} roofline: {r['flops_per_s'] / 1e12:.0f} TFLOP/s, "
-        f"{r['bytes_per_s'] / 1e12:.2f} TB/s (option roofline overrides)"
+        f"{r['bytes_per_s'] / 1e12:.2f} TB/s"
+        + (f" (option roofline sets {sorted(options.roofline)})" if options.roofline else "")
     ]
 
 

@@ -82,13 +82,17 @@ def schedule(gm: fx.GraphModule) -> tuple[list[Kernel], dict[fx.Node, int], set[
     return _order(kernels, facts.pos), sizes, outs
 
 
-def phase_kernels(nodes: list[fx.Node], every: list[fx.Node]) -> list[Kernel]:
-    """The kernels of ``nodes``, one phase of a joint graph in graph order (``every``: all of the graph's
-    nodes, which the fusion's cycle checks walk): a node that the other phase or the graph's output
-    reads gets a buffer, as at the graph's end after partitioning."""
+def phase_kernels(phases: list[list[fx.Node]], every: list[fx.Node]) -> list[Kernel]:
+    """The kernels of each of ``phases`` (a joint graph's forward and backward nodes, each in graph
+    order; ``every``: all of the graph's nodes, which the fusion's cycle checks walk): nothing fuses
+    across phases, and a node that the other phase or the graph's output reads gets a buffer, as at
+    a graph's end after partitioning."""
     facts = _GraphFacts.of(every)
-    compute = [n for n in nodes if n.op == "call_function" and not facts.view[n]]
-    return _kernels(compute, _fuse(compute, facts), set())
+    kernels = []
+    for nodes in phases:
+        compute = [n for n in nodes if n.op == "call_function" and not facts.view[n]]
+        kernels += _kernels(compute, _fuse(compute, facts), set())
+    return kernels
 
 
 def kernel_seconds(kernel: Kernel, roofline: dict) -> float:
