@@ -88,6 +88,23 @@ def test_the_windows_share_the_link():
         assert ilp.plan_seconds(p, saved, recomputed) == pytest.approx(seconds), us
 
 
+def test_a_block_template_prices_each_blocks_copy_in_its_own_window():
+    # a template standing for 2 blocks (planner/blocks.py): 8 MiB, 4 per block; the first block's copy
+    # has 8 µs, the second's 1 µs. Each way: 4 MiB due in 1 µs stalls 3 µs, 8 MiB in 8 µs does not, so
+    # 6 µs exposed in all. Its own window alone (8 µs) would have hidden everything.
+    def template(us):
+        v, _ = value("a", 8, us, windows=(8, 8))
+        return dataclasses.replace(v, copies=2, member_windows=((8 * US, 8 * US), (1 * US, 1 * US)))
+
+    p = problem((template(20), 8))
+    assert p.copies_of("a", 0) == [(8 * US, 4 * MiB), (1 * US, 4 * MiB)]
+    assert p.offload_figures({"a"}, {offload_choice("a")})["exposed_s"] == pytest.approx(6 * US)
+    sol = ilp.solve(p, budget=0)  # 6 µs of stall against 20 µs of recompute: offloaded
+    assert sol.recompute == {offload_choice("a")}
+    assert ilp.plan_seconds(p, *p.needed_closure(sol.recompute, sol.keep)) == pytest.approx(6 * US)
+    assert ilp.solve(problem((template(5), 8)), budget=0).recompute == {"a"}  # 5 µs: recomputed
+
+
 def test_no_budget_offloads_nothing_and_views_keep_their_buffer_on_the_device():
     p = problem(value("a", 4, 10, windows=(8, 8)), value("b", 4, 10, inputs=("a",), windows=(8, 8)))
     assert ilp.solve(p, budget=None).recompute == set()  # an offload is never taken for free bytes
@@ -237,6 +254,27 @@ def test_offloaded_graphs_give_eager_gradients(dropout):
     # the peak model counts the host copies off the device and each reload where it is made
     assert all(n.meta.get("host_resident") for n in fw.nodes if n.name in copies)
     assert not any(n.meta.get("host_resident") for n in bw.nodes if n.name in reloads)
+
+
+def test_a_deep_stack_with_offload_is_solved_as_block_groups():
+    """Offered offload no longer makes a deep stack solve in full (the GPU GPT's ``peak_memory`` plan
+    with offload outran 320 s of planning that way): each block of a group takes its template's
+    choice, and the graphs still give eager's gradients."""
+    from helpers import train_side_by_side
+
+    from recompile_opt import models
+
+    cfg = models.GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
+    options = {**ON_CPU, "memory_budget": "120KiB", "compiler": "eager"}
+    plan = train_side_by_side(model, inputs, options=options, rtol=1e-4, atol=1e-5)
+    assert any("5 identical blocks solved as 4 groups" in n for n in plan.notes), plan.notes
+    offloaded = {
+        e.module.split(".")[1] for e in plan.saved if e.action == OFFLOAD and e.module.startswith("blocks.")
+    }
+    assert len(offloaded) >= 2, offloaded  # a template's offload given to more than one block
+    assert plan.saved_bytes <= 120 * 1024 and plan.offload["bytes_to_host"] > 0
 
 
 def test_a_cpu_device_plans_without_offload_and_says_so():

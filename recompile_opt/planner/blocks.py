@@ -31,9 +31,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from recompile_opt.planner.policies import find_blocks
-from recompile_opt.planner.problem import Problem, Value
+from recompile_opt.planner.problem import OFFLOAD, TWICE, Problem, Value
 
 MIN_REPEATS = 4  # fewer blocks make as many groups as blocks (1+1+1): nothing to gain
+_CHOICES = (OFFLOAD, TWICE)  # a plan's choices on a value, named "<choice>:<value>"
 
 
 @dataclass
@@ -44,9 +45,13 @@ class BlockReduction:
     group_sizes: list[int]  # blocks per group, in order (one template each)
 
     def expand(self, names: set[str]) -> set[str]:
+        """The full problem's names for a reduced plan's: each template value, and each choice on
+        one (``offload:<value>``), given to every block of its group."""
         out = set()
         for n in names:
-            out.update(self.members.get(n, [n]))
+            choice = next((c for c in _CHOICES if n.startswith(c)), "")
+            value = n[len(choice) :]
+            out.update(choice + m for m in self.members.get(value, [value]))
         return out
 
     def note(self, total_values: int) -> str:
@@ -69,9 +74,9 @@ def group_sizes(n: int) -> list[int]:
 
 def reduce_blocks(problem: Problem) -> BlockReduction | None:
     """The reduced problem, or None when there are too few identical blocks to gain from it, or when
-    the problem offers approximations or offload (their sites and copy windows are not reduced yet:
-    solved in full)."""
-    if problem.sites or problem.offloadable():
+    the problem offers approximations (their sites are not reduced yet: solved in full). An
+    offloadable template carries its members' copy windows (``Value.member_windows``)."""
+    if problem.sites:
         return None
     found = _identical_blocks(problem)
     if found is None or len(found[2]) < MIN_REPEATS:
@@ -86,7 +91,7 @@ def reduce_blocks(problem: Problem) -> BlockReduction | None:
     size_of = {g[0]: len(g) for g in groups}
     to_template = {n: blocks[template_of[b]][i] for b in order for i, n in enumerate(blocks[b])}
     members = {blocks[g[0]][i]: [blocks[b][i] for b in g] for g in groups for i in range(len(blocks[g[0]]))}
-    reduced = _build(problem, block_of, local, blocks, to_template, size_of)
+    reduced = _build(problem, block_of, local, blocks, to_template, size_of, members)
     return BlockReduction(reduced, members, len(order), sizes)
 
 
@@ -194,9 +199,16 @@ def _signature(problem: Problem, names: list[str], local: dict) -> list[tuple]:
 
 
 def _build(
-    problem: Problem, block_of: dict, local: dict, blocks: dict, to_template: dict, size_of: dict
+    problem: Problem,
+    block_of: dict,
+    local: dict,
+    blocks: dict,
+    to_template: dict,
+    size_of: dict,
+    members: dict,
 ) -> Problem:
-    """Outside values as they are, each template's values scaled by its group's size."""
+    """Outside values as they are, each template's values scaled by its group's size, an offloadable
+    one with every member's copy windows."""
     values: dict[str, Value] = {}
     for name, v in problem.values.items():
         b = block_of[name]
@@ -207,8 +219,12 @@ def _build(
         if k > 1:  # the group's other blocks read the previous block of the same group: its template
             inputs += [blocks[b][local[u][1]] for u in v.inputs if block_of.get(u) not in (None, b)]
         inputs = tuple(u for u in dict.fromkeys(inputs) if u != name)
+        windows = [problem.values[m].offload_windows for m in members.get(name, [])] if k > 1 else []
+        offloadable = v.offload_windows is not None and None not in windows
         values[name] = replace(
             v,
+            offload_windows=v.offload_windows if offloadable else None,
+            member_windows=tuple(windows) if offloadable else (),
             inputs=inputs,
             recompute_with=tuple(to_template.get(u, u) for u in v.recompute_with),
             recompute_s=v.recompute_s * k,

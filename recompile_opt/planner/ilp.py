@@ -41,6 +41,7 @@ Constraints
         start in the forward's last t seconds (f_v: forward time after v's last use) move in t, or stall
     Σ_{v: g_v ≤ t} b_v o_v / L ≤ t + x_up     for each backward window t (g_v: backward time before v's
         first use): the bytes due in the backward's first t seconds    (L: the host link, each direction)
+        (a block template's o_v stands for one copy per block of its group, each in its own window)
     o_v = 1                       user MUST_CPU_OFFLOAD (PREFER_CPU_OFFLOAD: a penalty on 1 - o_v)
 
 There is no peak row. A step's peak depends on the kernels Inductor makes and the order it frees
@@ -274,12 +275,12 @@ class _Model:
             elif p.values[n].tag == "prefer_cpu_offload":
                 self.penalties.append(1 - o)
         for d, x in enumerate(self.x):  # the window rows of each direction, in µs
-            windows = sorted({p.values[n].offload_windows[d] for n in self.o})
-            for t in windows:
+            copies = {n: p.copies_of(n, d) for n in self.o}  # a block template: one per block
+            for t in sorted({w for cs in copies.values() for w, _ in cs}):
                 moved = pulp.lpSum(
-                    US * p.storage_bytes[n] / link * o
+                    US * sum(b for w, b in copies[n] if w <= t) / link * o
                     for n, o in self.o.items()
-                    if p.values[n].offload_windows[d] <= t
+                    if any(w <= t for w, _ in copies[n])
                 )
                 self.lp += moved - x <= US * t, self.row("win")
 

@@ -57,6 +57,9 @@ class Value:
     # windows its copies to the host and back may overlap; None: it cannot be offloaded (a view, a getitem,
     # non-contiguous, an input or an output of the graph: what torch's activation offloading refuses)
     offload_windows: tuple[float, float] | None = None
+    # a block template's (blocks.py) members' windows, one per block it stands for, each moving
+    # 1/copies of its bytes; empty: its own ``offload_windows`` for all of them
+    member_windows: tuple[tuple[float, float], ...] = ()
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
 
 
@@ -141,12 +144,9 @@ class Problem:
         }
         if not off or self.host_bytes_per_s <= 0:
             return out
-        moved = {n: self.storage_bytes[self.values[n].storage] for n in off}
-        total = sum(moved.values())
+        total = sum(self.storage_bytes[self.values[n].storage] for n in off)
         exposed = sum(
-            exposed_seconds(
-                [(self.values[n].offload_windows[d], moved[n]) for n in off], self.host_bytes_per_s
-            )
+            exposed_seconds([c for n in off for c in self.copies_of(n, d)], self.host_bytes_per_s)
             for d in (0, 1)
         )
         out.update(
@@ -157,6 +157,16 @@ class Problem:
             host_bytes_per_s=self.host_bytes_per_s,
         )
         return out
+
+    def copies_of(self, name: str, direction: int) -> list[tuple[float, int]]:
+        """(window seconds, bytes) of each copy offloading ``name`` makes in ``direction`` (0: to the
+        host, 1: back): one, or one per block a template stands for (its bytes split evenly). Why:
+        each block's copy has its own window, and a reduced problem must price them as the full one
+        does."""
+        v = self.values[name]
+        nbytes = self.storage_bytes[v.storage]
+        windows = v.member_windows or (v.offload_windows,)
+        return [(w[direction], nbytes // len(windows)) for w in windows]
 
     def with_sites_fixed(self, fixed: bool) -> "Problem":
         """This problem with every site's choice fixed: all approximated (True) or none (False)."""
