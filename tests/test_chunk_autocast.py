@@ -33,7 +33,30 @@ def _logits_dominated():
     return models.GPT(cfg), models.example_batch(cfg, 8)
 
 
-BUILDS = {"gpt": tiny_gpt, "llama": tiny_llama, "logits": _logits_dominated}
+def _stack_under_a_large_head():
+    """The GPU check's GPT in small (``bench/gpu/models.perf_gpt``'s SDPA attention, 4 layers, a
+    vocabulary 128x the width): unchunked, its least peak lies under the head's backward."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from gpu.models import _sdpa_attention_class
+
+    cfg = models.GPTConfig(n_layer=4, n_head=2, n_embd=64, block_size=256, vocab_size=8192, dropout=0.0)
+    torch.manual_seed(0)
+    model = models.GPT(cfg)
+    for block in model.blocks:
+        block.attn.__class__ = _sdpa_attention_class()
+        del block.attn.causal_mask
+    return model, models.example_batch(cfg, 4)
+
+
+BUILDS = {
+    "gpt": tiny_gpt,
+    "llama": tiny_llama,
+    "logits": _logits_dominated,
+    "stack": _stack_under_a_large_head,
+}
 
 
 def _step(build: str, dtype: str, compile_model=None):
@@ -224,3 +247,29 @@ def test_approximations_under_autocast_run_eagers_forward_in_its_dtypes(approxim
     assert abs(loss - eager[0]).item() <= FLOOR * abs(eager[0]).item()
     assert all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads.values())
     assert any(n.startswith("approximate: ") for n in recompile_opt.last_plans()[-1].notes)
+
+
+def test_the_unchunked_least_peak_takes_a_policy_in_the_blocks_and_the_ilps_choice_outside(monkeypatch):
+    """Under autocast the ``full`` policy keeps the loss's fp32 shifted logits and the ILP's plans keep
+    attention outputs that sit under the head's backward; the search also meets ``full`` inside the
+    blocks with the ILP's least-peak choice outside them, and that plan peaks lower than any other it
+    meets, with eager's loss and gradients (the GPU GPT, planned the same way: 2.53 -> 2.26 GiB,
+    ``bench/unchunked_floor.py``)."""
+    from helpers import forget_searches
+
+    from recompile_opt.planner import least_peak
+
+    options = {"memory_budget": 0.0, "chunks": False, "compiler": "eager"}
+    plan = _assert_like_eager("stack", "bf16", options)
+    assert any("'full' policy's plan inside the blocks" in n for n in plan.notes), plan.notes
+    mixed = least_peak._policy_plans
+    monkeypatch.setattr(
+        least_peak,
+        "_policy_plans",
+        lambda *a: [c for c in mixed(*a) if not c.policy.endswith(least_peak.IN_BLOCKS)],
+    )
+    forget_searches(monkeypatch)
+    model, inputs = _stack_under_a_large_head()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        without = recompile_opt.plan(model, inputs, **options)
+    assert plan.predicted_peak_bytes < without.predicted_peak_bytes

@@ -19,7 +19,7 @@ from recompile_opt.options import Options
 from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner import ilp, policies
 from recompile_opt.planner.blocks import BlockMirror, block_mirror
-from recompile_opt.planner.problem import TWICE, Problem, twice_values
+from recompile_opt.planner.problem import OFFLOAD, TWICE, Problem, twice_values
 from recompile_opt.planner.solving import (
     Candidate,
     InfeasibleBudget,
@@ -32,6 +32,7 @@ from recompile_opt.planner.solving import (
     solver_info,
 )
 
+IN_BLOCKS = " in the blocks"  # a candidate's policy applied inside the blocks only (_policy_plans)
 # Kept-byte levels (fractions of the range least-possible .. save-all) tried for the least peak.
 PEAK_LADDER = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 # A second ladder over kept bytes weighted by how long they stay alive in the backward (see
@@ -157,7 +158,7 @@ def _least_peak(
             if 0 <= f <= 1
         ]
         found += candidates(probes, solving(probes))
-    found += _policy_plans(problem, found[0].sol, simulate)
+    found += _policy_plans(problem, _least_of(found), simulate)
     best = _least_of(found)
     # deep stacks (solved as block groups) skip the refinement: a 12-layer GPT's partition takes 0.8 s,
     # and its two rounds cost 12 s
@@ -189,7 +190,13 @@ def _least_peak(
         f"; every identical block takes block {best.mirrored}'s decisions, so Inductor builds one "
         "block's kernels"
     )
-    policy = f"; the {best.policy!r} policy's plan, met beside the ILP's"
+    hand = (best.policy or "").removesuffix(IN_BLOCKS)
+    where = (
+        " inside the blocks, the ILP's choice outside them"
+        if hand != best.policy
+        else ", met beside the ILP's"
+    )
+    policy = f"; the {hand!r} policy's plan{where}"
     # the plan's predicted peak is walked in Inductor's code where the search walked this graph (the
     # backend walks the plan taken too): a figure of the kernel model's says it is one
     peak = (
@@ -437,28 +444,47 @@ def _mirrored(
     return list(out.values())
 
 
-def _policy_plans(problem: Problem, template: ilp.Solution, simulate: Simulate) -> list[Candidate]:
+def _policy_plans(problem: Problem, least: Candidate, simulate: Simulate) -> list[Candidate]:
     """The hand policies' plans (``policies.SEARCHED``: each block recomputed from its outputs,
-    Megatron's attention cores) as candidates of the least-peak search; none where the user tagged a
-    value (the ILP holds tags, the policies do not). ``template``: a solution of the search's whose
-    solver figures they carry.
+    Megatron's attention cores) as candidates of the least-peak search, each also inside the blocks
+    only, the ILP's ``least``-peak candidate deciding outside them (the embedding, the head, the loss);
+    none where the user tagged a value (the ILP holds tags, the policies do not). Their solver figures
+    are ``least``'s.
 
     Why: the ILP minimises recompute under a byte budget, so at any budget it keeps the bytes that are
     cheapest to keep, wherever they are; a plan that keeps only the blocks' outputs and recomputes
     each block in its own backward is never its answer, yet it can peak lowest. On the performance
     GPT (8 layers, bf16 autocast, its loss chunked, planned on the CPU) the ladders' least walked peak
     kept 1.25 GiB and peaked at 1.49 GiB at the forward's end; the ``full`` plan, its MLPs chunked
-    too, keeps 837 MiB and walks to 1.20 GiB (docs/design.md, "Hand policies in the search")."""
+    too, keeps 837 MiB and walks to 1.20 GiB (docs/design.md, "Hand policies in the search"). And a
+    policy knows nothing of the head: unchunked, the ``full`` plan kept the loss's fp32 shifted logits
+    (3.1 GiB at b=8) where the ILP recomputes them from the bf16 logits, while the ILP's plan kept the
+    attention outputs that are alive under the head's backward: the mix keeps neither (docs/design.md,
+    "The floor of an unchunked plan")."""
     if any(v.tag for v in problem.values.values()):
         return []
+    block_of = policies.find_blocks(problem)
+    outside = {n for n, b in block_of.items() if b is None}
+    chosen = least.sol
+    ilp_outside = {n for n in chosen.recompute if _value_of(n) in outside}
     out = []
     for name in policies.SEARCHED:
-        recompute = policies.POLICIES[name](problem)
+        recompute = set(policies.POLICIES[name](problem))
         if not recompute:
             continue
-        sol = dataclasses.replace(template, recompute=set(recompute), keep=set())
-        out.append(_met(problem, simulate, sol, policy=name))
+        out.append(
+            _met(problem, simulate, dataclasses.replace(chosen, recompute=recompute, keep=set()), policy=name)
+        )
+        inside = {n for n in recompute if n not in outside} | ilp_outside
+        keep = {n for n in chosen.keep if n in outside}
+        mixed = dataclasses.replace(chosen, recompute=inside, keep=keep)
+        out.append(_met(problem, simulate, mixed, policy=name + IN_BLOCKS))
     return out
+
+
+def _value_of(choice: str) -> str:
+    """The value a plan's recomputed-set entry names (``offload:v``, ``twice:v`` or ``v`` itself)."""
+    return choice.split(":", 1)[1] if choice.startswith((OFFLOAD, TWICE)) else choice
 
 
 def _least_of(candidates: list[Candidate]) -> Candidate:
