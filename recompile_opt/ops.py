@@ -167,6 +167,20 @@ def has_scratch(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target._overloadpacket.__name__ in SCRATCH
 
 
+def compiles_on_first_call(node: fx.Node) -> bool:
+    """Whether ``node``'s op compiles code on its first call (the chunked loss with its fused body,
+    ``passes/loss_body.py``): that call's allocations are the compile's, not the op's. Why ask: a
+    scratch measurement then runs the op once unmeasured, and on the CPU one run of the GPU check's
+    chunked loss takes minutes."""
+    target = node.target
+    if not (
+        isinstance(target, torch._ops.OpOverload) and target._overloadpacket.__name__ == "chunked_head_loss"
+    ):
+        return False
+    fused = node.kwargs.get("fused", node.args[14] if len(node.args) > 14 else False)
+    return bool(fused)
+
+
 # --- by name, for graphs whose calls carry no tags (Dynamo's; torch.export's before decomposition) ------
 # Each table holds every spelling a graph may use: a Dynamo graph calls ``operator.truediv`` or ``x.float()``
 # where an ATen graph calls ``div`` or ``_to_copy``.

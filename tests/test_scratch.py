@@ -58,3 +58,40 @@ def test_no_scratch_without_a_kernel_to_measure():
     gm = make_fx(lambda a, b: a @ b, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
     mm = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert not scratch.has_scratch(mm) and scratch.scratch_bytes(mm) == 0
+
+
+def test_only_an_op_that_compiles_on_its_first_call_runs_once_unmeasured(monkeypatch):
+    """The chunked loss with its fused body compiles on its first call, so its scratch is measured on a
+    second; every other op is run once (one run of the GPU check's chunked loss takes minutes on the CPU)."""
+    from recompile_opt.passes.chunking import chunked_head_loss  # noqa: F401 - registers the op
+
+    from recompile_opt import ops
+
+    op = torch.ops.recompile_opt.chunked_head_loss.default
+    tokens, weight, target = torch.randn(8, 4), torch.randn(16, 4), torch.randint(0, 16, (8,))
+
+    def loss_node(fused):
+        def fn(t, w, y):
+            return op(t, w, None, y, 2, torch.float32, -100, 0.0, True, True, False, None, None, None, fused)
+
+        gm = make_fx(fn, tracing_mode="fake")(tokens, weight, target)
+        return next(n for n in gm.graph.nodes if n.target is op)
+
+    calls = []
+    real_op = scratch._measure
+
+    def counted(target, *rest):
+        def counting(*a, **k):
+            calls.append(1)
+            return target(*a, **k)
+
+        return real_op(counting, *rest)
+
+    monkeypatch.setattr(scratch, "_measure", counted)
+    monkeypatch.setattr(scratch, "_MEASURED", {})
+    for fused, runs in ((False, 1), (True, 2)):
+        node = loss_node(fused)
+        assert ops.compiles_on_first_call(node) is fused
+        calls.clear()
+        scratch.scratch_bytes(node)
+        assert len(calls) == runs, fused

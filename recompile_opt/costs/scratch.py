@@ -8,9 +8,9 @@ its gradients; a tiny ViT measured 37% above its walked peak before this module.
 depends on the backend's algorithm choice (im2col, MKL-DNN, cuDNN), not on a formula we could keep
 true across versions, so it is measured: the op is run once on empty tensors of the node's layouts
 under the allocator profiler (:func:`recompile_opt.costs.measure.allocation_timeline`; on CUDA the
-caching allocator's peak counter), after one call unmeasured (a compiled body, such as the chunked
-loss's fused one, compiles on its first call), and its peak within the call less the bytes of its
-outputs is the scratch. A few milliseconds per distinct layout, cached for the process.
+caching allocator's peak counter), after one call unmeasured where the op compiles on its first call
+(the chunked loss's fused body: ``ops.compiles_on_first_call``), and its peak within the call less the
+bytes of its outputs is the scratch. A few milliseconds per distinct layout, cached for the process.
 
 Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other
 kernel's outputs are all it allocates. The meta device (planning without a step) has no kernel to
@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.ops import has_scratch
+from recompile_opt.ops import compiles_on_first_call, has_scratch
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def scratch_bytes(node: fx.Node, layouts: list[tuple[tuple, tuple]] | None = Non
         raise NotMeasuredHere(key[0])
     if key not in _MEASURED:
         try:
-            _MEASURED[key] = _measure(node.target, node.args, node.kwargs, strides)
+            warm_up = compiles_on_first_call(node)
+            _MEASURED[key] = _measure(node.target, node.args, node.kwargs, strides, warm_up)
         except Exception as e:  # noqa: BLE001 - a refinement of the peak: a failure counts no scratch
             log.info("recompile_opt: the scratch of %s could not be measured: %r", node.target, e)
             _MEASURED[key] = 0
@@ -106,8 +107,9 @@ def _layouts(tree, strides: list[tuple] | None) -> tuple | None:
     return tuple(out)
 
 
-def _measure(target, args, kwargs, strides: list[tuple] | None) -> int:
-    """The op run once on tensors of its arguments' layouts: its peak above the call less its outputs."""
+def _measure(target, args, kwargs, strides: list[tuple] | None, warm_up: bool = False) -> int:
+    """The op run once on tensors of its arguments' layouts: its peak above the call less its outputs;
+    ``warm_up``: after one call unmeasured (an op that compiles on its first call)."""
     from recompile_opt.costs.measure import allocation_timeline
 
     strides = iter(strides or ())
@@ -125,7 +127,8 @@ def _measure(target, args, kwargs, strides: list[tuple] | None) -> int:
             (a.device for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)),
             torch.device("cpu"),
         )
-        target(*args, **kwargs)  # first-call allocations (a compiled body compiling) are not the step's
+        if warm_up:  # first-call allocations (a compiled body compiling) are not the step's
+            target(*args, **kwargs)
         outputs = []
         if device.type == "cuda":  # the caching allocator's own counters (exact, and no profiler)
             torch.cuda.synchronize(device)
