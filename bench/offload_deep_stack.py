@@ -38,9 +38,7 @@ def main() -> None:
         opts = dict(offload="1GB/s", offload_on_cpu=True, compiler="eager")
         plan = recompile_opt.plan(model, batch, memory_budget=budget, **opts)
         seconds = time.perf_counter() - start
-        groups = next(
-            (n.split(" (")[0] for n in plan.notes if "identical blocks solved as" in n), "no note"
-        )
+        groups = next((n.split(" (")[0] for n in plan.notes if "identical blocks solved as" in n), "no note")
         print(
             f"| {label} | {seconds:.1f} | {plan.solver.get('n_vars')} | {plan.solver.get('n_constraints')} | "
             f"{len(plan.offloaded)} values, {fmt_bytes(plan.offload.get('bytes_to_host', 0))} | "
