@@ -7,6 +7,7 @@ node order (AOTAutograd emits it in autograd-engine order) is the schedule the p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import operator
@@ -282,7 +283,8 @@ def build_problem(
         if value.random and not replay_random:
             value.can_recompute = False
     _inherit_modules(jg, values)
-    _offload_windows(jg, values, storage_bytes_, roofline)
+    clock = _Clock.of(jg, roofline)
+    _offload_windows(jg, values, storage_bytes_, clock)
     _propagate_last_use(jg, values, first_use)
     save_s = {s: 2 * b / roofline["bytes_per_s"] for s, b in storage_bytes_.items()}
     device = jg.device()
@@ -294,7 +296,7 @@ def build_problem(
         rng_state_bytes=ti.rng_state_bytes(device),
         bwd_steps=len(jg.bwd_nodes),
         bwd_byte_steps=sum(_bwd_live_bytes(jg)),
-        step_s=_step_seconds(jg, roofline) - approximation_s,
+        step_s=clock.step_s - approximation_s,
         device=device.type,
         collectives=_collectives(jg),
         sites=sites,
@@ -415,14 +417,41 @@ def _collectives(jg: JointGraph) -> list[dict]:
     ]
 
 
-def _step_seconds(jg: JointGraph, roofline: dict) -> float:
-    """Every node once (the forward's, the backward's, and those only the backward reads that need no
-    gradient: an upcast weight, the chunked loss's recomputed head), in Inductor's kernels
-    (:func:`~recompile_opt.costs.kernels.phase_kernels`): a fused kernel moves the buffers it reads
-    from outside it and the ones it writes, not each op's inputs and output. Why: priced op by op, the
-    H200 GPT's step was estimated at 4.9x its measured 39.8 ms, most of it pointwise ops' traffic."""
-    kernels = phase_kernels([jg.fwd_nodes, jg.bwd_nodes], list(jg.gm.graph.nodes))
-    return sum(kernel_seconds(k, roofline) for k in kernels)
+@dataclasses.dataclass
+class _Clock:
+    """The step's estimated clock: every node once (the forward's, the backward's, and those only the
+    backward reads that need no gradient: an upcast weight, the chunked loss's recomputed head), in
+    Inductor's kernels (:func:`~recompile_opt.costs.kernels.phase_kernels`), each priced by
+    :func:`~recompile_opt.costs.kernels.kernel_seconds`. ``done_at``: a forward node's time once its
+    kernel has run; ``starts``: a backward node's time, from the backward's start, when its kernel
+    begins (a node of no kernel, a view: the time reached before it in graph order). Why kernels: priced
+    op by op, the H200 GPT's step was estimated at 4.9x its measured 39.8 ms, most of it pointwise ops'
+    traffic that Inductor fuses, and offload windows priced so hid copies the GPU would expose."""
+
+    step_s: float
+    forward_s: float
+    done_at: dict[fx.Node, float]
+    starts: dict[fx.Node, float]
+
+    @classmethod
+    def of(cls, jg: JointGraph, roofline: dict) -> _Clock:
+        kernels = phase_kernels([jg.fwd_nodes, jg.bwd_nodes], list(jg.gm.graph.nodes))
+        start, end, elapsed, forward_s = {}, {}, 0.0, 0.0
+        for k in kernels:  # run order, the forward's all first
+            seconds = kernel_seconds(k, roofline)
+            for n in k.nodes:
+                start[n], end[n] = elapsed, elapsed + seconds
+            elapsed += seconds
+            if k.nodes[0] not in jg.bwd_set:
+                forward_s = elapsed
+        done_at, reached = {}, 0.0
+        for n in jg.fwd_nodes:
+            reached = done_at[n] = max(reached, end.get(n, reached))
+        starts, reached = {}, forward_s
+        for n in jg.bwd_nodes:
+            starts[n] = start.get(n, reached) - forward_s
+            reached = max(reached, end.get(n, reached))
+        return cls(elapsed, forward_s, done_at, starts)
 
 
 def _make_value(
@@ -575,21 +604,13 @@ def _inherit_modules(jg: JointGraph, values: dict[str, Value]) -> None:
             )
 
 
-def _offload_windows(jg: JointGraph, values: dict[str, Value], storage_bytes_: dict, roofline: dict) -> None:
+def _offload_windows(jg: JointGraph, values: dict[str, Value], storage_bytes_: dict, clock: _Clock) -> None:
     """Each offloadable value's windows (``Value.offload_windows``): the forward's compute after its last
     forward use, and the backward's before its first use, each through its views, as torch's offloading
-    places the copies. Offloadable: what that pass accepts (``activation_offloading.can_offload``: a
-    contiguous buffer of its own, no getitem, not returned to the caller, not a graph input)."""
-    fwd_s = [node_cost(n, roofline).seconds for n in jg.fwd_nodes]
-    total_fwd = sum(fwd_s)
-    done_at, elapsed = {}, 0.0  # forward node -> compute done once it has run
-    for n, t in zip(jg.fwd_nodes, fwd_s):
-        elapsed += t
-        done_at[n] = elapsed
-    before, elapsed = {}, 0.0  # backward node -> compute before it starts
-    for n in jg.bwd_nodes:
-        before[n] = elapsed
-        elapsed += node_cost(n, roofline).seconds
+    places the copies, on the step's kernel clock (:class:`_Clock`). Offloadable: what that pass accepts
+    (``activation_offloading.can_offload``: a contiguous buffer of its own, no getitem, not returned to
+    the caller, not a graph input)."""
+    done_at, before, total_fwd = clock.done_at, clock.starts, clock.forward_s
     output = next(n for n in reversed(jg.gm.graph.nodes) if n.op == "output")
     returned = {a for a in output.args[0][: jg.num_fwd_outputs] if isinstance(a, fx.Node)}
     for name, v in values.items():

@@ -351,3 +351,44 @@ def test_side_stream_copies_only_where_torch_holds_the_buffer():
     has_async = importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
     assert ti.offload_copies_overlap() == has_async
     assert has_async == (tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12))
+
+
+class _ScaledChain(torch.nn.Module):
+    """``relu(x @ w1) @ w2``, then ``k`` times ``* 1.5 + 0.5``, summed: the chain's backward, before the
+    matmul that reads the relu, is one fused kernel whatever ``k``."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+        self.w1 = torch.nn.Parameter(torch.randn(32, 64))
+        self.w2 = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        h = (x @ self.w1).relu() @ self.w2
+        for _ in range(self.k):
+            h = h * 1.5 + 0.5
+        return h.sum()
+
+
+def test_offload_windows_are_timed_in_inductors_kernels(monkeypatch):
+    """A copy hides behind kernels, not behind ops: the backward before the relu's first use is one
+    kernel that reads the loss's scalar gradient and writes h's (128 x 64 fp32), whatever the chain's
+    length. Timed op by op, each ``* 1.5`` read and wrote h again, and the window grew with ``k``
+    (131072 and 524288 bytes' time for k = 2 and 8): the ILP would have hidden copies behind time
+    Inductor's fused code does not take."""
+    import recompile_opt
+    from recompile_opt import planning
+
+    problems = []
+    build = planning.build_problem
+    monkeypatch.setattr(
+        planning, "build_problem", lambda *a, **k: problems.append(build(*a, **k)) or problems[-1]
+    )
+    seconds_are_bytes = {"flops_per_s": 1e30, "bytes_per_s": 1.0}
+    for k in (2, 8):
+        torch.manual_seed(0)
+        recompile_opt.plan(
+            _ScaledChain(k), (torch.randn(128, 32),), compiler="eager", roofline=seconds_are_bytes
+        )
+        windows = problems[-1].values["relu"].offload_windows
+        assert windows is not None and windows[1] == 128 * 64 * 4 + 4, (k, windows)
