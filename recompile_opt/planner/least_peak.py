@@ -696,13 +696,15 @@ def _fit_peak(
     # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level); with
     # approximations offered, it searches again with every site approximated (the priced ILP rarely
     # takes them for the peak alone: planner.search._least_peak_approximating)
-    searched = [problem] + ([problem.with_sites_fixed(True)] if problem.sites else [])
+    searched = [(problem, reduction)]
+    if problem.sites:
+        searched.append((problem.with_sites_fixed(True), reduction and reduction.with_sites_fixed(True)))
     found = [
         c
-        for p in searched
+        for p, p_reduction in searched
         for c in _range_search(
             p,
-            reduction,
+            p_reduction,
             kw,
             baseline,
             simulate,

@@ -236,8 +236,9 @@ def _least_peak_approximating(
         # the recompute times within the solver's relative gap, and the ladder's plans recomputed at random
         variant = problem.with_sites_fixed(fixed)
         # not verified: its least simulated peak is walked below, against the others'
+        fixed_reduction = reduction and reduction.with_sites_fixed(fixed)
         found = _range_search(
-            variant, reduction, kw, baseline, simulate, options, verify=False, known_ranges=known_ranges
+            variant, fixed_reduction, kw, baseline, simulate, options, verify=False, known_ranges=known_ranges
         )
         if found.least_peak is not None:
             searches.append(found)
