@@ -7,9 +7,13 @@ what the step's traffic is made of), planned with no budget and at ``memory_budg
 roofline: the generic CUDA constants and the H200's (``options.CUDA_DEVICES``). Estimated: the plans'
 ``step_s + recompute_s``.
 
+``--policies``: on the H200's roofline only, the estimated step and its recompute of
+the plans with no budget, the hand policies (``full``: every block checkpointed, as compile with
+per-block checkpointing; ``megatron-selective``) and the least-peak plan with and without chunks.
+
 Usage::
 
-    python bench/estimated_step.py
+    python bench/estimated_step.py [--policies]
 """
 
 from __future__ import annotations
@@ -31,15 +35,38 @@ ROOFLINES = {
     "NVIDIA H200": cuda_device_roofline("NVIDIA H200"),
 }
 BUDGETS = {"no budget": None, "0.0": 0.0}
+POLICIES = {
+    "no budget": {},
+    "policy full": {"policy": "full"},
+    "policy megatron-selective": {"policy": "megatron-selective"},
+    "0.0": {"memory_budget": 0.0},
+    "0.0, chunks=False": {"memory_budget": 0.0, "chunks": False},
+}
 
 
-def estimated_ms(roofline: dict, budget) -> float:
+def planned(roofline: dict, **options) -> list:
+    """The GPT's plans on the meta device in bf16 under ``options``."""
     model, batch = perf_gpt(device="cpu", tiny=False)
     model = model.to(device="meta", dtype=torch.bfloat16)
     batch = tuple(t.to("meta") for t in batch)
-    plans = recompile_opt.plan(model, batch, memory_budget=budget, roofline=roofline)
-    plans = plans if isinstance(plans, list) else [plans]
-    return sum(p.step_s + p.recompute_s for p in plans) * 1e3
+    plans = recompile_opt.plan(model, batch, roofline=roofline, **options)
+    return plans if isinstance(plans, list) else [plans]
+
+
+def estimated_ms(roofline: dict, budget) -> float:
+    return sum(p.step_s + p.recompute_s for p in planned(roofline, memory_budget=budget)) * 1e3
+
+
+def policies() -> None:
+    print(header_line())
+    print()
+    print("| plan (H200 roofline) | estimated step ms | of it recompute ms |")
+    print("|---|---|---|")
+    for name, options in POLICIES.items():
+        plans = planned(ROOFLINES["NVIDIA H200"], **options)
+        step = sum(p.step_s + p.recompute_s for p in plans) * 1e3
+        recompute = sum(p.recompute_s for p in plans) * 1e3
+        print(f"| {name} | {step:.1f} | {recompute:.1f} |")
 
 
 def main() -> None:
@@ -53,4 +80,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    policies() if "--policies" in sys.argv[1:] else main()
