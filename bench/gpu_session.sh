@@ -5,7 +5,7 @@
 #   1. performance and the chunked plan's profile (what issues 45 and 51 measure);
 #   2. the chunked loss's two bodies, ATen's and Inductor's fused one, timed alone (bench/chunk_rows.py);
 #   3. offload (issue 50), alone: its cases once outran 320 s (ours-peak+offload) and once lost the loss
-#      to NaN (ours-0.5+offload, before torch 2.11's copies moved to the compute stream);
+#      to NaN (ours-0.5+offload, before each copy's wait held its buffer and moved to where the copy ends);
 #   4. correctness and fidelity on the models not yet run there (Llama, the Hugging Face Llama).
 # Here, first: bench/fetch_wheels.sh. Then: run(carry=["wheels"], command="bash bench/gpu_session.sh",
 # timeout_s=590). What comes back under $OUT: gpu_*.md, *.jsonl and *.log.

@@ -302,7 +302,8 @@ def build_problem(
         sites=sites,
         offload_ops=ti.offload_ops_available(),
         offload_checked=device.type != "cuda",
-        offload_overlaps=device.type != "cuda" or ti.offload_copies_overlap(),
+        forward_done_s={n.name: t for n, t in clock.done_at.items()},
+        backward_start_s={n.name: t for n, t in clock.starts.items()},
     )
 
 

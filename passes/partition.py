@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
 from recompile_opt.ops import is_fusible_pointwise, is_random_op, is_view_node, op_name
+from recompile_opt.planner.offload import CopyClock
 from recompile_opt.planner.problem import offloaded_values, twice_values
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,12 @@ def partition(
     static_lifetime_input_indices=None,
     info=None,
     for_simulation: bool = False,
+    copy_clock: CopyClock | None = None,
 ) -> tuple[fx.GraphModule, fx.GraphModule]:
     """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times.
     ``for_simulation``: graphs only to read (recompile_opt.costs.peak), made faster: no Python code is
-    generated for them, so they cannot run."""
+    generated for them, so they cannot run. ``copy_clock``: where the plan's offload copies to the host
+    are done (:func:`_place_copy_waits`); none: at the forward's end."""
     nodes = list(gm.graph.nodes)
     if info is None:
         info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
@@ -86,7 +89,7 @@ def partition(
             _recompute_twice(bw, twice)
         offloaded = offloaded_values(recomputed)
         if offloaded:  # torch's own offloading, where torch's partitioners call it
-            _offload(fw, bw, offloaded, num_fwd_outputs, info)
+            _offload(fw, bw, offloaded, num_fwd_outputs, info, copy_clock)
         return ti.raise_getitems(fw), ti.raise_getitems(bw)
 
 
@@ -168,24 +171,114 @@ def _made_again(x: fx.Node, start: int, order: dict) -> list[fx.Node] | None:
     return sorted(chain, key=order.__getitem__)
 
 
-def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info) -> None:
+def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info, copy_clock: CopyClock | None) -> None:
     """The plan's offloaded values copied to the host after their last forward use and back before their
     first backward use (``ti.offload_activations``), on a stream of their own where the device has one and
-    torch keeps a copied buffer alive until its copy is done (``ti.offload_copies_overlap``).
-    A value torch refuses (the planner offers only what it accepts) is kept on the device instead."""
+    torch keeps a copied buffer alive until its copy is done (``ti.offload_copies_overlap``), each copy's
+    wait where the copy is done (:func:`_place_copy_waits`) and each reload issued as late as its first
+    use allows (:func:`_place_reloads`). A value torch refuses (the planner offers
+    only what it accepts) is kept on the device instead."""
     device = next(
         (v.device for n in fw.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), None
     )
+    separate_stream = _copies_on_a_stream_of_their_own(device)
     done = ti.offload_activations(
         fw,
         bw,
         names,
         num_fwd_outputs=num_fwd_outputs,
         static_lifetime_input_nodes=info.static_lifetime_input_nodes,
-        separate_stream=device is not None and device.type == "cuda" and ti.offload_copies_overlap(),
+        separate_stream=separate_stream,
     )
+    if separate_stream:
+        _place_copy_waits(fw, ti.offload_waits(fw), copy_clock)
+        _place_reloads(bw, ti.offload_reloads(bw), copy_clock)
     if names - done:
         log.warning("recompile_opt: torch did not offload %s; kept on the device", sorted(names - done))
+
+
+def _copies_on_a_stream_of_their_own(device: torch.device | None) -> bool:
+    """Whether offload copies from ``device`` run beside the compute: CUDA, where torch holds a copied
+    buffer until its copy is waited on (``ti.offload_copies_overlap``)."""
+    return device is not None and device.type == "cuda" and ti.offload_copies_overlap()
+
+
+def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: CopyClock | None) -> None:
+    """Each offloaded value's wait (``ti.offload_waits``: the node after which its device buffer may be
+    freed) moved to where its copy is done on the plan's ``clock``, as the ILP priced it: the copies
+    share the link in the order they are issued, each from when it is issued or the one before it ends,
+    and a wait goes after the first forward node whose kernel ends by then, or at the forward's end (where
+    the rest of the copy is the plan's exposed time). Without a clock, at the forward's end.
+
+    Why: torch sinks every wait to the forward's end, which holds every copied buffer through the whole
+    forward, while the plan counts them off the device at its end (a budget the emitted forward would
+    break); a wait left where its copy is issued stalls the compute for the whole copy."""
+    graph = fw.graph
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    if clock is None:
+        for wait in waits.values():
+            output.prepend(wait)
+        return
+    done, at = clock.forward_done, _times(nodes, clock.forward_done)
+    order = {n: i for i, n in enumerate(nodes)}
+    link_free = 0.0
+    for wait in sorted(waits.values(), key=lambda w: order[w.args[0]]):
+        copy, source = wait.args[0], wait.args[1]
+        link_free = max(link_free, at[copy]) + _nbytes(source) / clock.link_bytes_per_s
+        after = next((n for n in nodes[order[copy] :] if n.name in done and at[n] >= link_free), None)
+        if after is None:
+            output.prepend(wait)
+        else:
+            after.append(wait)
+
+
+def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock: CopyClock | None) -> None:
+    """Each offloaded value's reload (``ti.offload_reloads``: the nodes that issue its copy back) issued
+    as late as the plan's ``clock`` lets its copy end by its first use, as the ILP priced it: from the
+    last first use back, each copy ends by its use or by the start of the copy after it on the link,
+    and is issued before the last backward kernel that starts by then (after the inputs where none
+    does: the rest is the plan's exposed time). Without a clock, where torch issued it (just before its
+    first use). Why: a reload's device buffer is allocated when it is issued; issued all at once at the
+    backward's start they would be back on the device together, and issued at first use each stalls."""
+    if clock is None or not reloads:
+        return
+    nodes = list(bw.graph.nodes)
+    starts, at = clock.backward_starts, _times(nodes, clock.backward_starts)
+    order = {n: i for i, n in enumerate(nodes)}
+    clocked = [n for n in nodes if n.name in starts]
+    end = max(at.values(), default=0.0)
+
+    def deadline(group: list[fx.Node]) -> float:  # the start of the first kernel after the issuing nodes
+        last = order[group[-1]]
+        return next((at[n] for n in clocked if order[n] > last), end)
+
+    host = {n.name: n for n in nodes if n.op == "placeholder"}
+    first = next(n for n in nodes if n.op != "placeholder")
+    issue, link_busy_from = [], float("inf")
+    for value, group in sorted(reloads.items(), key=lambda kv: -deadline(kv[1])):
+        finish = min(deadline(group), link_busy_from)
+        link_busy_from = finish - _nbytes(host[ti.CPU_OFFLOAD_PREFIX + value]) / clock.link_bytes_per_s
+        before = [n for n in clocked if order[n] < order[group[0]] and at[n] <= link_busy_from]
+        issue.append((deadline(group), group, before[-1] if before else first))
+    for _, group, before in sorted(issue, key=lambda i: i[0]):  # one point's reloads in link order
+        if before is not group[0]:
+            for n in group:
+                before.prepend(n)
+
+
+def _times(nodes: list[fx.Node], clock: dict[str, float]) -> dict[fx.Node, float]:
+    """Each node's time on ``clock`` (by name); a node it does not name (a copy, a stream op), the time
+    reached before it."""
+    at, reached = {}, 0.0
+    for n in nodes:
+        reached = at[n] = max(reached, clock.get(n.name, reached))
+    return at
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.element_size()
 
 
 def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list):

@@ -237,6 +237,8 @@ __all__ = [
     "offload_ops_available",
     "offload_activations",
     "offload_copies_overlap",
+    "offload_waits",
+    "offload_reloads",
     "is_offload_wait",
     "real_tensors",
     "WrapperCode",
@@ -996,16 +998,19 @@ def offload_ops_available() -> bool:
     return _offloading is not None and hasattr(_offloading, "enable_activation_offloading")
 
 
-def offload_copies_overlap() -> bool:
-    """Whether this torch's offload copies may run on a stream of their own under Inductor: its async
-    ``ao::offload`` (2.12 on) holds the device tensor until the copy is waited on. torch 2.11's copy on a
-    side stream has no such hold, and Inductor reuses the buffer once the copy is issued (the H200's NaN
-    loss): there the copies run in order on the compute stream and hide nothing."""
+def _has_async_offload_ops() -> bool:
+    """torch 2.12 on: ``ao::offload`` / ``ao::wait_tensor``, whose wait holds the device tensor."""
     import importlib.util
 
-    return offload_ops_available() and (
-        importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
-    )
+    return importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
+
+
+def offload_copies_overlap() -> bool:
+    """Whether this torch's offload copies may run on a stream of their own under Inductor, each copied
+    buffer held until its copy is waited on: by its async ``ao::wait_tensor`` (2.12 on), or on 2.11 by
+    :func:`_wait_offload_copy_op`, which replaces the pass's own wait (an event wait that holds nothing:
+    Inductor reused the buffer once its copy was issued, the H200's NaN loss)."""
+    return offload_ops_available() and (_has_async_offload_ops() or hasattr(torch.ops.streams, "wait_event"))
 
 
 def offload_activations(
@@ -1023,18 +1028,26 @@ def offload_activations(
     ``separate_stream`` (CUDA): copies on a stream of their own, the forward's waits sunk to its end
     (``activation_offload_sink_wait``) and, where torch has it, reloads prefetched
     (``activation_reload_prefetch``); without it each copy runs where it stands (the CPU). Every node that
-    holds a host copy gets ``meta["host_resident"]``: the peak model counts it off the device."""
+    holds a host copy gets ``meta["host_resident"]``: the peak model counts it off the device.
+
+    The copies are left where torch's pass issues them by itself: each forward wait right after its copy
+    (not sunk to the forward's end, where torch would hold every copied buffer through the whole
+    forward), each reload just before its first use (not prefetched by torch's own bandwidth setting and
+    kernels timed on the device while partitioning). The caller moves them (:func:`offload_waits`,
+    :func:`offload_reloads`)."""
     for n in fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]:
         if isinstance(n, torch.fx.Node) and n.name in names:
             n.meta["should_offload"] = True
     patches = {
         "activation_offload_separate_stream": separate_stream,
-        "activation_offload_sink_wait": separate_stream,
+        "activation_offload_sink_wait": False,
     }
-    if hasattr(functorch_config, "activation_reload_prefetch"):  # 2.11 on; its bandwidth stays torch's
-        patches["activation_reload_prefetch"] = separate_stream
+    if hasattr(functorch_config, "activation_reload_prefetch"):
+        patches["activation_reload_prefetch"] = False
     with functorch_config.patch(patches):
         _offloading.enable_activation_offloading(fw, bw, num_fwd_outputs, static_lifetime_input_nodes)
+    if separate_stream and not _has_async_offload_ops():
+        _hold_copied_buffers(fw)
     done = set()
     for n in fw.graph.nodes:
         n.meta.pop("should_offload", None)
@@ -1046,6 +1059,87 @@ def offload_activations(
         if n.meta.get("saved_for_offloading"):
             n.meta["host_resident"] = True
     return done
+
+
+def offload_waits(fw: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    """Each value offloaded on a stream of its own -> the forward's wait for its copy to the host: a node
+    whose arguments are the copy and the device tensor (``ao::wait_tensor`` on 2.12 on,
+    :func:`_wait_offload_copy_op` on 2.11), so that Inductor frees the tensor, or hands its buffer on, only
+    after it. Moving the wait moves that free."""
+    waits = {}
+    for n in fw.graph.nodes:
+        if n.op == "call_function" and (is_offload_wait(n.target) or n.target is _wait_offload_copy_op()):
+            waits[n.args[1].name] = n
+    return waits
+
+
+def offload_reloads(bw: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """Each value offloaded on a stream of its own -> the backward's nodes that issue its copy back to
+    the device, in order (2.12 on: its ``ao::reload``; 2.11: ``fork -> wait_stream -> device_put ->
+    record_event -> join``), which may move together to any point before the wait its first use reads
+    after and after the backward's inputs."""
+    reloads = {}
+    if _has_async_offload_ops():
+        for n in bw.graph.find_nodes(op="call_function", target=torch.ops.ao.reload.default):
+            reloads[n.args[0].name.removeprefix(CPU_OFFLOAD_PREFIX)] = [n]
+        return reloads
+    nodes = list(bw.graph.nodes)
+    patterns = _offloading.identify_reload_patterns(bw.graph, nodes, {n: i for i, n in enumerate(nodes)})
+    for put, info in patterns.items():
+        reloads[put.args[0].name.removeprefix(CPU_OFFLOAD_PREFIX)] = list(info.reload_group_nodes)
+    return reloads
+
+
+@functools.cache
+def _wait_offload_copy_op():
+    """``recompile_opt::wait_offload_copy(copy, source, event, stream)``: the current stream waits for the
+    copy's event (``torch.ops.streams.wait_event``, torch 2.11). It reads the copy, so Inductor runs it
+    after the copy is issued, and the source, so Inductor frees that only after it (torch 2.11's own wait
+    takes neither). None where torch has no stream ops."""
+    if not hasattr(torch.ops.streams, "wait_event"):
+        return None
+
+    @torch.library.custom_op("recompile_opt::wait_offload_copy", mutates_args=())
+    def wait_offload_copy(copy: torch.Tensor, source: torch.Tensor, event: int, stream: int) -> None:
+        torch.ops.streams.wait_event.default(event, stream)
+
+    @wait_offload_copy.register_fake
+    def _(copy, source, event, stream) -> None:
+        return None
+
+    op = torch.ops.recompile_opt.wait_offload_copy.default
+    torch.fx.node.has_side_effect(op)
+    return op
+
+
+def _hold_copied_buffers(fw: torch.fx.GraphModule) -> None:
+    """torch 2.11's side-stream offload, each copy's completion wait (``record_event -> join ->
+    wait_event`` after its ``device_put``) replaced by :func:`_wait_offload_copy_op`, which holds the
+    copied buffer until the wait. Its ``record_stream`` before the copy is dropped: with the buffer freed
+    only after the compute stream has waited for the copy, the allocator needs no word of the side stream
+    (and 2.11's fake ``streams::record_stream`` takes three arguments where the op has two: Inductor
+    cannot lower it)."""
+    graph = fw.graph
+    nodes = list(graph.nodes)
+    for i, put in enumerate(nodes):
+        if not (
+            put.op == "call_function"
+            and put.target is torch.ops.prims.device_put.default
+            and CPU_OFFLOAD_PREFIX in put.name
+        ):
+            continue
+        wait = nodes[i + 3]  # where torch 2.11's activation_offload_sink_wait finds it
+        if wait.target is not torch.ops.streams.wait_event.default:
+            raise RuntimeError(f"recompile_opt: no wait_event three nodes after {put.name} (torch's offload)")
+        with graph.inserting_after(wait):
+            held = graph.call_function(
+                _wait_offload_copy_op(), (put, put.args[0], *wait.args), name=f"wait_{put.name}"
+            )
+        held.meta["val"] = None
+        graph.erase_node(wait)
+        recorded = nodes[i - 1]
+        if recorded.target is torch.ops.streams.record_stream.default and recorded.args[0] is put.args[0]:
+            graph.erase_node(recorded)
 
 
 def is_offload_wait(target) -> bool:

@@ -34,7 +34,7 @@ from recompile_opt.options import Options, cuda_device_roofline
 from recompile_opt.passes.joint_graph import JointGraph, build_problem, sizes_before_gathers
 from recompile_opt.passes.partition import partition
 from recompile_opt.plan import Plan, fmt_bytes
-from recompile_opt.planner import budget_split, chunk_choice, solutions
+from recompile_opt.planner import budget_split, chunk_choice, offload, solutions
 from recompile_opt.planner.least_peak import range_walked
 from recompile_opt.planner.memory import PlanningMemory
 from recompile_opt.planner.problem import Problem
@@ -164,7 +164,7 @@ def oracle_pooled(joint: Joint, pooled: bool, memory: PlanningMemory) -> PeakSim
             info=joint.graph.info,
             found=memory.peaks,
         )
-    simulate.pooled = pooled
+    simulate.pooled, simulate.copy_clock = pooled, joint.simulate.copy_clock
     simulate.walk_context = functools.partial(ti.buffer_pool, pooled)  # where the planner switches oracles
     simulate.offer(joint.problem.sites)
     return simulate
@@ -199,6 +199,7 @@ def _plan_joint_graph(
     simulate, problem = joint.simulate, joint.problem
     simulate.chunked, simulate.pooled = request.chunked, pools_dead_buffers(options)
     graph_options, split_note = budget_split.options_for_graph(memory, options, joint.gid)
+    simulate.copy_clock = offload.copy_clock(problem, graph_options)
     simulate.range_twin = range_twin(joint, graph_options, memory)
     used = usage(simulate)  # it shares the figures found by earlier compiles of this graph
     known = request.known.get(joint.gid)
@@ -225,6 +226,7 @@ def _plan_joint_graph(
         recomputed=recomputed,
         num_fwd_outputs=joint.num_fwd_outputs,
         static_lifetime_input_indices=joint.static,
+        copy_clock=simulate.copy_clock,
     )
     plan.peak_breakdown = peak_breakdown(fw, bw, recomputed, pool=pool_rule(simulate.pooled, request.chunked))
     plan.solver["buffer_pool"] = simulate.pooled

@@ -20,7 +20,7 @@ from recompile_opt.planner import ilp
 from recompile_opt.planner.problem import Problem, Value, exposed_seconds, offload_choice
 from recompile_opt.planner.search import make_plan
 
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 US = 1e-6
 LINK = MiB / US  # 1 MiB per µs
 
@@ -333,24 +333,178 @@ def test_offloaded_graphs_through_inductor():
     assert plan.offloaded and plan.saved_bytes <= 60 * 1024
 
 
-def test_copies_in_order_with_the_compute_hide_nothing():
-    """Where torch's copies cannot leave the compute stream (torch 2.11 on CUDA), no window hides them:
-    a value whose copy hides entirely on a side stream is recomputed instead when recompute is cheaper
-    than its exposed copies (5 µs against 4 + 4 µs), and the notes say why."""
-    p = problem(value("a", 4, 5, windows=(8, 8)), value("b", 4, 5, inputs=("a",)))
-    options = Options(offload=LINK, memory_budget=4 * MiB)
-    assert make_plan(p, options).offload["exposed_s"] == 0.0
-    in_order = dataclasses.replace(p, offload_overlaps=False)
-    plan = make_plan(in_order, options)
-    assert not plan.offloaded and plan.recomputed
-    assert any("compute stream" in n for n in plan.notes)
+# -- where the copies are placed on a stream of their own (CUDA) ---------------------------------------
+# A copy's wait frees its device buffer, and a reload's issue allocates it: both are placed on the clock
+# the ILP priced the copies on (passes/partition._place_copy_waits, _place_reloads). The graphs are
+# hand-made here: a copy and a reload are clones, a wait reads the copy and the source.
 
 
-def test_side_stream_copies_only_where_torch_holds_the_buffer():
-    """torch 2.12 on has the async offload ops that keep a copied buffer alive; 2.11 has not."""
-    has_async = importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None
-    assert ti.offload_copies_overlap() == has_async
-    assert has_async == (tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12))
+def _wait(copy, source):
+    return copy
+
+
+def _graph(spec: list[tuple[str, object, tuple]], out: tuple[str, ...]) -> tuple[torch.fx.GraphModule, dict]:
+    """A graph of ``(name, target, args)`` nodes (target None: a placeholder of 256 fp32 elements; args
+    name earlier nodes), returning ``out``."""
+    graph, nodes = torch.fx.Graph(), {}
+    for name, target, args in spec:
+        if target is None:
+            nodes[name] = graph.placeholder(name)
+        else:
+            nodes[name] = graph.call_function(target, tuple(nodes[a] for a in args), name=name)
+        nodes[name].meta["val"] = torch.empty(256)  # 1 KiB
+    graph.output(tuple(nodes[o] for o in out))
+    return torch.fx.GraphModule(torch.nn.Module(), graph), nodes
+
+
+def _order(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+@pytest.mark.parametrize(
+    "kib_per_us, expected",
+    [
+        # a's copy: issued at 1 µs (a's end), done at 2; b's: issued at 2, done at 3
+        (1, ["a", "copy_a", "b", "wait_a", "copy_b", "k1", "wait_b", "k2", "k3"]),
+        # 2 µs each: a's done at 3; b's waits for the link until 3, done at 5
+        (0.5, ["a", "copy_a", "b", "copy_b", "k1", "wait_a", "k2", "k3", "wait_b"]),
+        # 4 µs each: a's done at 5; b's at 9, after the forward's end (5): its wait is there
+        (0.25, ["a", "copy_a", "b", "copy_b", "k1", "k2", "k3", "wait_a", "wait_b"]),
+    ],
+)
+def test_each_copy_is_waited_for_where_it_is_done_on_the_plans_clock(kib_per_us, expected):
+    """Kernel ends a 1, b 2, k1 3, k2 4, k3 5 µs; 1 KiB values; the copies share the link in issue order.
+    torch sinks every wait to the forward's end, which holds every copied buffer through the forward."""
+    from recompile_opt.passes.partition import _place_copy_waits
+
+    from recompile_opt.planner.offload import CopyClock
+
+    fw, nodes = _graph(
+        [
+            ("x", None, ()),
+            ("a", torch.relu, ("x",)),
+            ("copy_a", torch.clone, ("a",)),
+            ("wait_a", _wait, ("copy_a", "a")),
+            ("b", torch.cos, ("a",)),
+            ("copy_b", torch.clone, ("b",)),
+            ("wait_b", _wait, ("copy_b", "b")),
+            ("k1", torch.sin, ("b",)),
+            ("k2", torch.sin, ("k1",)),
+            ("k3", torch.sin, ("k2",)),
+        ],
+        out=("k3", "wait_a", "wait_b"),
+    )
+    clock = CopyClock({"a": 1e-6, "b": 2e-6, "k1": 3e-6, "k2": 4e-6, "k3": 5e-6}, {}, kib_per_us * KiB / US)
+    _place_copy_waits(fw, {"a": nodes["wait_a"], "b": nodes["wait_b"]}, clock)
+    fw.graph.lint()
+    assert _order(fw) == expected
+
+
+@pytest.mark.parametrize(
+    "kib_per_us, expected",
+    [
+        # from the last first use back: a's copy ends by u_a (5 µs), issued by 4, before j4; b's ends by
+        # u_b (3), issued by 2, before j3
+        (1, ["j1", "j2", "r_b", "j3", "u_b", "r_a", "j4", "u_a"]),
+        # 2 µs each: a's issued by 3, before u_b; b's ends by 3 (a's start), issued by 1, before j2
+        (0.5, ["j1", "r_b", "j2", "j3", "r_a", "u_b", "j4", "u_a"]),
+        # 4 µs each: a's issued by 1, before j2; b's must end by 1: issued after the inputs, exposed
+        (0.25, ["r_b", "j1", "r_a", "j2", "j3", "u_b", "j4", "u_a"]),
+    ],
+)
+def test_each_reload_is_issued_as_late_as_its_first_use_allows(kib_per_us, expected):
+    """Backward kernels start j1 0, j2 1, j3 2, u_b 3, j4 4, u_a 5 µs; torch issues each reload just
+    before its first use (a stall of the whole copy) or, prefetching, by its own bandwidth setting."""
+    from recompile_opt.passes.partition import _place_reloads
+
+    from recompile_opt.planner.offload import CopyClock
+
+    bw, nodes = _graph(
+        [
+            ("cpu_offload_a", None, ()),
+            ("cpu_offload_b", None, ()),
+            ("t", None, ()),
+            ("j1", torch.sin, ("t",)),
+            ("j2", torch.sin, ("j1",)),
+            ("j3", torch.sin, ("j2",)),
+            ("r_b", torch.clone, ("cpu_offload_b",)),
+            ("u_b", torch.add, ("r_b", "j3")),
+            ("j4", torch.sin, ("u_b",)),
+            ("r_a", torch.clone, ("cpu_offload_a",)),
+            ("u_a", torch.add, ("r_a", "j4")),
+        ],
+        out=("u_a",),
+    )
+    starts = {"j1": 0.0, "j2": 1e-6, "j3": 2e-6, "u_b": 3e-6, "j4": 4e-6, "u_a": 5e-6}
+    _place_reloads(
+        bw, {"a": [nodes["r_a"]], "b": [nodes["r_b"]]}, CopyClock({}, starts, kib_per_us * KiB / US)
+    )
+    bw.graph.lint()
+    assert _order(bw) == expected
+
+
+def _side_stream_plan(monkeypatch, link: str):
+    """The tiny GPT planned with offload as on CUDA (the copies on a stream of their own: torch's ``ao``
+    ops, or on torch 2.11 its stream ops, given stream ids a CPU lacks), and its final graphs."""
+    import itertools
+
+    from recompile_opt.passes import partition
+
+    import recompile_opt
+    from recompile_opt import planning
+
+    monkeypatch.setattr(partition, "_copies_on_a_stream_of_their_own", lambda device: True)
+    if importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is None:
+        from torch._functorch._activation_offloading import activation_offloading
+
+        ids = itertools.count(1)
+        for name in ("get_current_stream", "new_stream", "new_event"):
+            monkeypatch.setattr(activation_offloading, name, lambda *a, **k: next(ids))
+    graphs = []
+    real = planning.partition
+    monkeypatch.setattr(planning, "partition", lambda *a, **k: graphs.append(real(*a, **k)) or graphs[-1])
+    model, inputs = _gpt(0.0)
+    plan = recompile_opt.plan(model, inputs, **{**ON_CPU, "offload": link}, compiler="eager")
+    return plan, *graphs[-1]
+
+
+def test_side_stream_copies_hold_their_buffer_until_waited_for_where_they_are_done(monkeypatch):
+    """On the emitted forward, each offloaded value's last reader is its copy's wait, and Inductor's code
+    frees or reuses its buffer only after that wait (torch 2.11's own wait read neither the copy nor
+    the value: Inductor reused the buffer while its copy ran, the H200's NaN loss). The waits are where
+    the copies are done, not all at the forward's end; the reloads are issued before their first use."""
+    plan, fw, bw = _side_stream_plan(monkeypatch, "1GB/s")
+    assert ti.offload_copies_overlap()
+    waits = ti.offload_waits(fw)
+    offloaded = {e.name for e in plan.saved if e.action == OFFLOAD}
+    assert offloaded and set(waits) == offloaded and plan.offload["exposed_s"] == 0.0
+    order = {n: i for i, n in enumerate(fw.graph.nodes)}
+    for name, wait in waits.items():
+        source = wait.args[1]
+        assert source.name == name and max(source.users, key=order.get) is wait
+    last_kernel = max(order[n] for n in fw.graph.nodes if n.op == "call_function" and n not in waits.values())
+    at_the_end = [name for name, w in waits.items() if order[w] > last_kernel]
+    assert len(at_the_end) <= 1, f"sunk to the forward's end: {at_the_end}"
+    # Inductor's code: no buffer of an offloaded value is freed or handed on before its wait
+    code = ti.inductor_wrapper_code(fw, backward=False).code
+    lines = code[code.index("def call") :].splitlines()
+    for i, line in enumerate(lines):
+        if "wait" in line and ("ao.wait_tensor" in line or "wait_offload_copy" in line):
+            held = line.split("(")[-1].split(")")[0].split(",")[1].strip()
+            before = [ln.strip() for ln in lines[:i]]
+            assert not any(ln == f"del {held}" or f"= {held}; del {held}" in ln for ln in before), (
+                held,
+                line,
+            )
+    # the backward: each reload issued at least one kernel before its first use
+    bnodes = list(bw.graph.nodes)
+    for name in offloaded:
+        host = next(n for n in bnodes if n.name == ti.CPU_OFFLOAD_PREFIX + name)
+        first_issue = min(bnodes.index(u) for u in host.users)
+        first_use = min(
+            bnodes.index(u) for r in host.users for w in r.users for u in w.users if u not in host.users
+        )
+        assert first_use - first_issue > 2, name
 
 
 class _ScaledChain(torch.nn.Module):

@@ -44,7 +44,8 @@ STRATEGIES: dict[str, dict] = {
     "ours-0.0": {"kind": "ours", "options": {"memory_budget": 0.0}},
     "ours-peak": {"kind": "ours", "options": {}, "needs": "compile-ckpt"},
     # issue "Offload": the ILP may also copy kept activations to host memory
-    # (offload_unchecked: it is not offered on CUDA since its first check there trained a NaN loss)
+    # (offload_unchecked: it is not offered on CUDA until a check there trains eager's loss; the first, on
+    # torch 2.11 before its copies held their buffers, trained a NaN loss)
     "ours-0.5+offload": {
         "kind": "ours",
         "options": {"memory_budget": 0.5, "offload": True, "offload_unchecked": True},

@@ -164,6 +164,8 @@ class PeakSimulator:
         # whether Inductor's wrapper may hold dead buffers for later allocations in the code these plans
         # compile to (set by the partitioner: planning.pools_dead_buffers)
         self.pooled = True
+        # where the plans' offload copies are done (set by the partitioner: planner/offload.copy_clock)
+        self.copy_clock = None
         self._settled: dict[frozenset, tuple] = {}
 
     def offer(self, sites) -> None:
@@ -204,6 +206,7 @@ class PeakSimulator:
                 static_lifetime_input_indices=self.static,
                 info=info,
                 for_simulation=True,
+                copy_clock=self.copy_clock,
             )
             self.results[key] = peak_and_recomputed_at_peak(
                 *graphs, recomputed, pool=pool_rule(self.pooled, self.chunked)
@@ -326,6 +329,7 @@ class PeakSimulator:
                     info=info,
                     num_fwd_outputs=self.num_fwd_outputs,
                     static_lifetime_input_indices=self.static,
+                    copy_clock=self.copy_clock,
                 ),
                 traces=traces,
             )

@@ -33,21 +33,14 @@ def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
         why_not = "this torch has no activation-offloading ops (torch._functorch._activation_offloading)"
     elif not problem.offload_checked and not options.offload_unchecked:
         why_not = (
-            f"is not offered on a {problem.device.upper()} device: there its GPU check trained a NaN loss "
-            "(H200, torch 2.11, docs/gpu.md)"
+            f"is not offered on a {problem.device.upper()} device until a GPU check trains eager's loss "
+            "with it: the first (H200, torch 2.11, docs/gpu.md) trained a NaN loss"
         )
     if why_not:
         tags = "; CPU_OFFLOAD tags are kept on the device instead" if tagged else ""
         return without, [f"offload: {asked} {why_not}; planned without offload{tags}"]
-    link = options.offload if not isinstance(options.offload, bool) else None
-    link = link or options.roofline_for(problem.device)["host_bytes_per_s"]
+    link = link_bytes_per_s(problem, options)
     notes = []
-    if not problem.offload_overlaps:
-        problem = _no_windows(problem)
-        notes.append(
-            "offload: this torch copies on the compute stream (torch 2.11: on a stream of their own the "
-            "copies raced Inductor's reuse of their buffers), so every copy's time is exposed"
-        )
     only_tagged = not options.offload or options.policy != "auto"
     if options.offload and options.policy != "auto":
         notes.append(f"offload: policy={options.policy!r} is a fixed baseline and offloads nothing by itself")
@@ -56,13 +49,26 @@ def offer(problem: Problem, options: Options) -> tuple[Problem, list[str]]:
     return dataclasses.replace(problem, host_bytes_per_s=float(link), offload_only_tagged=only_tagged), notes
 
 
-def _no_windows(problem: Problem) -> Problem:
-    """The problem with every offload window empty: copies in order with the compute hide nothing."""
-    values = {
-        n: v if v.offload_windows is None else dataclasses.replace(v, offload_windows=(0.0, 0.0))
-        for n, v in problem.values.items()
-    }
-    return dataclasses.replace(problem, values=values)
+def link_bytes_per_s(problem: Problem, options: Options) -> float:
+    """The host link's bandwidth per direction: the option's, else the device's roofline's."""
+    link = options.offload if not isinstance(options.offload, bool) else None
+    return float(link or options.roofline_for(problem.device)["host_bytes_per_s"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyClock:
+    """What places an offloaded value's copies (``passes/partition.py``): by node name, each forward
+    node's kernel's end (``Problem.forward_done_s``) and each backward node's kernel's start
+    (``Problem.backward_start_s``), and the link's bytes per second the plan was made with."""
+
+    forward_done: dict[str, float]
+    backward_starts: dict[str, float]
+    link_bytes_per_s: float
+
+
+def copy_clock(problem: Problem, options: Options) -> CopyClock:
+    """The clock the plan's copies were priced on (the ILP's windows), to place them by."""
+    return CopyClock(problem.forward_done_s, problem.backward_start_s, link_bytes_per_s(problem, options))
 
 
 def tagged_offloads(problem: Problem) -> set[str]:

@@ -106,8 +106,11 @@ class Problem:
     offload_ops: bool = True  # the installed torch has the activation-offloading ops (passes/joint_graph.py)
     # the emitted offload gave eager's loss where last checked on this device (False on CUDA: docs/gpu.md)
     offload_checked: bool = True
-    # copies may overlap compute (False: torch 2.11 on CUDA, where they run in order on the compute stream)
-    offload_overlaps: bool = True
+    # on the step's kernel clock (passes/joint_graph._Clock), by node name: each forward node's kernel's
+    # end from the forward's start, each backward node's kernel's start from the backward's: where an
+    # offloaded value's copies are issued and done (planner/offload.py)
+    forward_done_s: dict[str, float] = field(default_factory=dict)
+    backward_start_s: dict[str, float] = field(default_factory=dict)
 
     def offloadable(self) -> list[str]:
         """Values the ILP may offload: a buffer of its own (a view would keep its base on the device),
