@@ -207,8 +207,9 @@ def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: Copy
     """Each offloaded value's wait (``ti.offload_waits``: the node after which its device buffer may be
     freed) moved to where its copy is done on the plan's ``clock``, as the ILP priced it: the copies
     share the link in the order they are issued, each from when it is issued or the one before it ends,
-    and a wait goes after the first forward node whose kernel ends by then, or at the forward's end (where
-    the rest of the copy is the plan's exposed time). Without a clock, at the forward's end.
+    and a wait goes after the first forward kernel that ends by then, or after the forward's last (where
+    the rest of the copy is the plan's exposed time), made to run after it (``ti.offload_wait_after``).
+    Without a clock, at the forward's end.
 
     Why: torch sinks every wait to the forward's end, which holds every copied buffer through the whole
     forward, while the plan counts them off the device at its end (a budget the emitted forward would
@@ -220,17 +221,26 @@ def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: Copy
         for wait in waits.values():
             output.prepend(wait)
         return
-    done, at = clock.forward_done, _times(nodes, clock.forward_done)
+    at = _times(nodes, clock.forward_done)
     order = {n: i for i, n in enumerate(nodes)}
-    link_free = 0.0
+    timed = clock.forward_done
+    kernels = [  # a tensor a kernel writes (a view's is its base's, made where that was)
+        n
+        for n in nodes
+        if n.name in timed and isinstance(n.meta.get("val"), torch.Tensor) and not is_view_node(n)
+    ]
+    link_free, placed = 0.0, {}  # kernel -> the last wait placed after it
     for wait in sorted(waits.values(), key=lambda w: order[w.args[0]]):
         copy, source = wait.args[0], wait.args[1]
         link_free = max(link_free, at[copy]) + _nbytes(source) / clock.link_bytes_per_s
-        after = next((n for n in nodes[order[copy] :] if n.name in done and at[n] >= link_free), None)
-        if after is None:
+        after = [n for n in kernels if order[n] > order[copy]]
+        done = next((n for n in after if at[n] >= link_free), after[-1] if after else None)
+        if done is None:
             output.prepend(wait)
-        else:
-            after.append(wait)
+            continue
+        placed.get(done, done).append(wait)  # the waits after one kernel in the order of their copies
+        placed[done] = wait
+        ti.offload_wait_after(wait, done)
 
 
 def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock: CopyClock | None) -> None:

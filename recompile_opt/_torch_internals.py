@@ -238,6 +238,7 @@ __all__ = [
     "offload_activations",
     "offload_copies_overlap",
     "offload_waits",
+    "offload_wait_after",
     "offload_reloads",
     "is_offload_wait",
     "real_tensors",
@@ -648,6 +649,8 @@ def _wrapper_code_of(graph: GraphLowering, code: str) -> WrapperCode:
         if layout is None or isinstance(layout, (inductor_ir.MultiOutputLayout, inductor_ir.NoneLayout)):
             continue
         sizes[name] = int(graph.sizevars.optimization_hint(layout.storage_size())) * layout.dtype.itemsize
+        if node is not None and node.meta.get("host_resident"):  # a copy on the host (offload_activations)
+            sizes[name] = 0
         if isinstance(buf, inductor_ir.MultiOutput) and buf.inputs:
             outputs.setdefault(buf.inputs[0].get_name(), []).append(name)
     strides = [_output_stride(graph, out) for out in graph.graph_outputs]
@@ -1063,14 +1066,25 @@ def offload_activations(
 
 def offload_waits(fw: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
     """Each value offloaded on a stream of its own -> the forward's wait for its copy to the host: a node
-    whose arguments are the copy and the device tensor (``ao::wait_tensor`` on 2.12 on,
-    :func:`_wait_offload_copy_op` on 2.11), so that Inductor frees the tensor, or hands its buffer on, only
-    after it. Moving the wait moves that free."""
+    whose arguments are the copy, the device tensor and a tensor it runs after (``ao::wait_tensor`` on
+    2.12 on, :func:`_wait_offload_copy_op` on 2.11), so that Inductor frees the device tensor, or hands
+    its buffer on, only after it. Moving the wait moves that free (:func:`offload_wait_after`)."""
     waits = {}
     for n in fw.graph.nodes:
         if n.op == "call_function" and (is_offload_wait(n.target) or n.target is _wait_offload_copy_op()):
             waits[n.args[1].name] = n
     return waits
+
+
+def offload_wait_after(wait: torch.fx.Node, node: torch.fx.Node) -> None:
+    """Make Inductor run ``wait`` (from :func:`offload_waits`, placed after ``node``, a tensor's) after
+    ``node``: the wait reads it (2.12 on: ``ao::wait_tensor``'s ``last_use_of_storage``). Why: nothing
+    else orders a wait after the compute its copy is to hide behind, and Inductor's peak-memory
+    reordering pulls each wait up to its copy, to free the buffer sooner: the compute stream then waits
+    for every copy where it is issued."""
+    args = list(wait.args) + [None] * (3 - len(wait.args))
+    args[2] = node
+    wait.args = tuple(args)
 
 
 def offload_reloads(bw: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
@@ -1092,19 +1106,22 @@ def offload_reloads(bw: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
 
 @functools.cache
 def _wait_offload_copy_op():
-    """``recompile_opt::wait_offload_copy(copy, source, event, stream)``: the current stream waits for the
-    copy's event (``torch.ops.streams.wait_event``, torch 2.11). It reads the copy, so Inductor runs it
-    after the copy is issued, and the source, so Inductor frees that only after it (torch 2.11's own wait
-    takes neither). None where torch has no stream ops."""
+    """``recompile_opt::wait_offload_copy(copy, source, after, event, stream)``: the current stream waits
+    for the copy's event (``torch.ops.streams.wait_event``, torch 2.11). It reads the copy, so Inductor
+    runs it after the copy is issued, the source, so Inductor frees that only after it (torch 2.11's
+    own wait takes neither), and ``after``, a tensor it is to run after (:func:`offload_wait_after`).
+    None where torch has no stream ops."""
     if not hasattr(torch.ops.streams, "wait_event"):
         return None
 
     @torch.library.custom_op("recompile_opt::wait_offload_copy", mutates_args=())
-    def wait_offload_copy(copy: torch.Tensor, source: torch.Tensor, event: int, stream: int) -> None:
+    def wait_offload_copy(
+        copy: torch.Tensor, source: torch.Tensor, after: torch.Tensor | None, event: int, stream: int
+    ) -> None:
         torch.ops.streams.wait_event.default(event, stream)
 
     @wait_offload_copy.register_fake
-    def _(copy, source, event, stream) -> None:
+    def _(copy, source, after, event, stream) -> None:
         return None
 
     op = torch.ops.recompile_opt.wait_offload_copy.default
@@ -1133,7 +1150,7 @@ def _hold_copied_buffers(fw: torch.fx.GraphModule) -> None:
             raise RuntimeError(f"recompile_opt: no wait_event three nodes after {put.name} (torch's offload)")
         with graph.inserting_after(wait):
             held = graph.call_function(
-                _wait_offload_copy_op(), (put, put.args[0], *wait.args), name=f"wait_{put.name}"
+                _wait_offload_copy_op(), (put, put.args[0], None, *wait.args), name=f"wait_{put.name}"
             )
         held.meta["val"] = None
         graph.erase_node(wait)

@@ -72,15 +72,21 @@ def op_name(node: fx.Node, *, qualified: bool = False) -> str | None:
 
 def is_view_node(node: fx.Node) -> bool:
     """True when the node's output aliases its first tensor input (views, and getitem of views; a
-    collective's ``wait_tensor``, which returns the collective's buffer once it is filled, and an
-    offload copy's)."""
+    collective's ``wait_tensor``, which returns the collective's buffer once it is filled, and a reload's
+    from the host). A copy to the host's wait is not: it returns the host copy and reads the value it
+    copies, which the device holds until then (``_torch_internals.offload_waits``)."""
     if node.op != "call_function":
         return False
     target = node.target
     if target is operator.getitem:
         parent = node.args[0]
         return isinstance(parent, fx.Node) and is_view_node(parent)
-    return _aliasing_op(target)
+    return _aliasing_op(target) and not (_is_offload_wait(target) and node.meta.get("host_resident"))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_offload_wait(target) -> bool:
+    return ti.is_offload_wait(target)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,6 +7,7 @@ microsecond, so every expected figure is a small number one can check by hand.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 
@@ -339,7 +340,7 @@ def test_offloaded_graphs_through_inductor():
 # hand-made here: a copy and a reload are clones, a wait reads the copy and the source.
 
 
-def _wait(copy, source):
+def _wait(copy, source, after=None):
     return copy
 
 
@@ -368,7 +369,7 @@ def _order(gm: torch.fx.GraphModule) -> list[str]:
         (1, ["a", "copy_a", "b", "wait_a", "copy_b", "k1", "wait_b", "k2", "k3"]),
         # 2 µs each: a's done at 3; b's waits for the link until 3, done at 5
         (0.5, ["a", "copy_a", "b", "copy_b", "k1", "wait_a", "k2", "k3", "wait_b"]),
-        # 4 µs each: a's done at 5; b's at 9, after the forward's end (5): its wait is there
+        # 4 µs each: a's done at 5; b's at 9, after the forward's end (5): after its last kernel
         (0.25, ["a", "copy_a", "b", "copy_b", "k1", "k2", "k3", "wait_a", "wait_b"]),
     ],
 )
@@ -398,6 +399,10 @@ def test_each_copy_is_waited_for_where_it_is_done_on_the_plans_clock(kib_per_us,
     _place_copy_waits(fw, {"a": nodes["wait_a"], "b": nodes["wait_b"]}, clock)
     fw.graph.lint()
     assert _order(fw) == expected
+    # each wait reads the kernel it follows, so that Inductor's reordering cannot pull it up to its copy
+    for wait in (nodes["wait_a"], nodes["wait_b"]):
+        kernel = wait.prev if wait.prev.name.startswith("k") or wait.prev.name in "ab" else wait.prev.prev
+        assert wait.args[2] is kernel, (wait, wait.args)
 
 
 @pytest.mark.parametrize(
@@ -443,6 +448,9 @@ def test_each_reload_is_issued_as_late_as_its_first_use_allows(kib_per_us, expec
     assert _order(bw) == expected
 
 
+_WAIT_OPS = {"torch.ops.ao.wait_tensor.default", "torch.ops.recompile_opt.wait_offload_copy.default"}
+
+
 def _side_stream_plan(monkeypatch, link: str):
     """The tiny GPT planned with offload as on CUDA (the copies on a stream of their own: torch's ``ao``
     ops, or on torch 2.11 its stream ops, given stream ids a CPU lacks), and its final graphs."""
@@ -486,16 +494,27 @@ def test_side_stream_copies_hold_their_buffer_until_waited_for_where_they_are_do
     at_the_end = [name for name, w in waits.items() if order[w] > last_kernel]
     assert len(at_the_end) <= 1, f"sunk to the forward's end: {at_the_end}"
     # Inductor's code: no buffer of an offloaded value is freed or handed on before its wait
-    code = ti.inductor_wrapper_code(fw, backward=False).code
-    lines = code[code.index("def call") :].splitlines()
-    for i, line in enumerate(lines):
-        if "wait" in line and ("ao.wait_tensor" in line or "wait_offload_copy" in line):
-            held = line.split("(")[-1].split(")")[0].split(",")[1].strip()
-            before = [ln.strip() for ln in lines[:i]]
-            assert not any(ln == f"del {held}" or f"= {held}; del {held}" in ln for ln in before), (
-                held,
-                line,
-            )
+    from recompile_opt.costs.inductor_peak import _call, _statements
+
+    gone = set()  # buffers deleted or handed to another name so far
+    kernels, made, behind = 0, {}, []  # kernels run so far, at each buffer's making; kernels per copy
+    for stmt in _statements(_call(ti.inductor_wrapper_code(fw, backward=False).code)):
+        call = getattr(stmt, "value", None)
+        func = ast.unparse(call.func) if isinstance(call, ast.Call) else ""
+        if func in _WAIT_OPS:
+            assert ast.unparse(call.args[1]) not in gone, ast.unparse(stmt)
+            behind.append(kernels - made[ast.unparse(call.args[0])])
+        elif func.startswith(("cpp_", "extern_kernels.", "torch.ops.aten.")):
+            kernels += 1
+        if isinstance(stmt, ast.Assign):
+            made.setdefault(ast.unparse(stmt.targets[0]), kernels)
+        if isinstance(stmt, ast.Delete):
+            gone |= {ast.unparse(t) for t in stmt.targets}
+        elif isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Name):
+            gone.add(stmt.value.id)
+    # and each wait runs behind compute its copy hides under: Inductor's reordering for its peak pulled
+    # every wait up to its copy before the waits read the kernel they follow
+    assert len(behind) == len(waits) and min(behind) >= 1, behind
     # the backward: each reload issued at least one kernel before its first use
     bnodes = list(bw.graph.nodes)
     for name in offloaded:

@@ -517,6 +517,8 @@ def _step(
             live.new(name, _allocated_bytes(value))
         elif func in _ALIASES or isinstance(value, ast.Name):
             live.alias(name, _root(value))
+        elif _returns_its_first_input(value):
+            live.alias(name, _root(value.args[0]))
         elif isinstance(value, ast.Subscript):  # an output of a multi-output call, allocated with it
             live.unpack(name, sizes.get(name, 0))
         elif isinstance(value, ast.Call):  # an extern or fallback kernel that allocates its result
@@ -526,6 +528,14 @@ def _step(
                 live.new(name, sizes.get(name, 0))
             if scratch.get(name):  # its workspace, while it runs
                 live.raise_to(live.live + scratch[name], workspace=(name, scratch[name]))
+
+
+def _returns_its_first_input(value: ast.expr) -> bool:
+    """A call of torch's offload wait (``ao::wait_tensor``): it returns the copy it waited for."""
+    return isinstance(value, ast.Call) and bool(value.args) and ast.unparse(value.func) == _OFFLOAD_WAIT
+
+
+_OFFLOAD_WAIT = "torch.ops.ao.wait_tensor.default"
 
 
 def _root(expr: ast.expr) -> str | None:
