@@ -248,10 +248,11 @@ def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock:
     as late as the plan's ``clock`` lets its copy end by its first use, as the ILP priced it: from the
     last first use back, each copy ends by its use or by the start of the copy after it on the link,
     and is issued before the last backward kernel that starts by then (after the inputs where none
-    does: the rest is the plan's exposed time). Without a clock, where torch issued it (just before its
-    first use). Why: a reload's device buffer is allocated when it is issued; issued all at once at the
-    backward's start they would be back on the device together, and issued at first use each stalls."""
-    if clock is None or not reloads:
+    does: the rest is the plan's exposed time). Without a clock (or one that times no backward kernel),
+    where torch issued it (just before its first use). Why: a reload's device buffer is allocated when
+    it is issued; issued all at once at the backward's start they would be back on the device together,
+    and issued at first use each stalls."""
+    if clock is None or not clock.backward_starts or not reloads:
         return
     nodes = list(bw.graph.nodes)
     starts, at = clock.backward_starts, _times(nodes, clock.backward_starts)
