@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.costs.kernels import is_extern
 from recompile_opt.ops import is_fusible_pointwise, is_random_op, is_view_node, op_name
 from recompile_opt.planner.offload import CopyClock
 from recompile_opt.planner.problem import offloaded_values, twice_values
@@ -46,7 +47,8 @@ def partition(
     """``info``: ``classify_nodes`` of ``gm``, for callers that partition one graph many times.
     ``for_simulation``: graphs only to read (recompile_opt.costs.peak), made faster: no Python code is
     generated for them, so they cannot run. ``copy_clock``: where the plan's offload copies to the host
-    are done (:func:`_place_copy_waits`); none: at the forward's end."""
+    are done (:func:`_place_copy_waits`, :func:`_place_reloads`); none: the waits at the forward's
+    end, the reloads where torch issues them."""
     nodes = list(gm.graph.nodes)
     if info is None:
         info = ti.classify_nodes(gm, list(static_lifetime_input_indices or []), num_fwd_outputs)
@@ -207,9 +209,9 @@ def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: Copy
     """Each offloaded value's wait (``ti.offload_waits``: the node after which its device buffer may be
     freed) moved to where its copy is done on the plan's ``clock``, as the ILP priced it: the copies
     share the link in the order they are issued, each from when it is issued or the one before it ends,
-    and a wait goes after the first forward kernel that ends by then, or after the forward's last (where
-    the rest of the copy is the plan's exposed time), made to run after it (``ti.offload_wait_after``).
-    Without a clock, at the forward's end.
+    and a wait goes after the first forward kernel of its own (:func:`_unfused`) that ends by then, or
+    after the forward's last (where the rest of the copy is the plan's exposed time), made to run after
+    it (``ti.offload_wait_after``). Without a clock, at the forward's end.
 
     Why: torch sinks every wait to the forward's end, which holds every copied buffer through the whole
     forward, while the plan counts them off the device at its end (a budget the emitted forward would
@@ -223,12 +225,7 @@ def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: Copy
         return
     at = _times(nodes, clock.forward_done)
     order = {n: i for i, n in enumerate(nodes)}
-    timed = clock.forward_done
-    kernels = [  # a tensor a kernel writes (a view's is its base's, made where that was)
-        n
-        for n in nodes
-        if n.name in timed and isinstance(n.meta.get("val"), torch.Tensor) and not is_view_node(n)
-    ]
+    kernels = [n for n in _unfused(nodes, clock.forward_done) if isinstance(n.meta.get("val"), torch.Tensor)]
     link_free, placed = 0.0, {}  # kernel -> the last wait placed after it
     for wait in sorted(waits.values(), key=lambda w: order[w.args[0]]):
         copy, source = wait.args[0], wait.args[1]
@@ -247,17 +244,20 @@ def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock:
     """Each offloaded value's reload (``ti.offload_reloads``: the nodes that issue its copy back) issued
     as late as the plan's ``clock`` lets its copy end by its first use, as the ILP priced it: from the
     last first use back, each copy ends by its use or by the start of the copy after it on the link,
-    and is issued before the last backward kernel that starts by then (after the inputs where none
-    does: the rest is the plan's exposed time). Without a clock (or one that times no backward kernel),
-    where torch issued it (just before its first use). Why: a reload's device buffer is allocated when
-    it is issued; issued all at once at the backward's start they would be back on the device together,
-    and issued at first use each stalls."""
-    if clock is None or not clock.backward_starts or not reloads:
+    and is issued before the last backward kernel of its own (:func:`_unfused`) that starts by then
+    (right after the inputs where none does: the rest is the plan's exposed time). Without a clock (or
+    one that times no such kernel), where torch issued it (just before its first use). Why: a reload's
+    device buffer is allocated when it is issued; issued all at once at the backward's start they would
+    be back on the device together, and issued at first use each stalls."""
+    if clock is None or not reloads:
         return
     nodes = list(bw.graph.nodes)
     starts, at = clock.backward_starts, _times(nodes, clock.backward_starts)
     order = {n: i for i, n in enumerate(nodes)}
     clocked = [n for n in nodes if n.name in starts]
+    unfused = _unfused(nodes, starts)
+    if not unfused:
+        return
     end = max(at.values(), default=0.0)
 
     def deadline(group: list[fx.Node]) -> float:  # the start of the first kernel after the issuing nodes
@@ -270,12 +270,25 @@ def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock:
     for value, group in sorted(reloads.items(), key=lambda kv: -deadline(kv[1])):
         finish = min(deadline(group), link_busy_from)
         link_busy_from = finish - _nbytes(host[ti.CPU_OFFLOAD_PREFIX + value]) / clock.link_bytes_per_s
-        before = [n for n in clocked if order[n] < order[group[0]] and at[n] <= link_busy_from]
+        before = [n for n in unfused if order[n] < order[group[0]] and at[n] <= link_busy_from]
         issue.append((deadline(group), group, before[-1] if before else first))
     for _, group, before in sorted(issue, key=lambda i: i[0]):  # one point's reloads in link order
         if before is not group[0]:
             for n in group:
                 before.prepend(n)
+
+
+def _unfused(nodes: list[fx.Node], clock: dict[str, float]) -> list[fx.Node]:
+    """The nodes ``clock`` times that Inductor runs as kernels of their own, never fused with a
+    neighbour (a matrix product, an attention, a fallback), so their outputs are always buffers: the
+    points a copy's wait and a reload's issue are placed at. Why not any kernel's node: a wait reading
+    a node inside a fused kernel makes Inductor write that node out (a buffer it would not have), and
+    stream ops placed inside a fused chain are emitted inside it."""
+    return [
+        n
+        for n in nodes
+        if n.name in clock and n.op == "call_function" and not is_view_node(n) and is_extern(n)
+    ]
 
 
 def _times(nodes: list[fx.Node], clock: dict[str, float]) -> dict[fx.Node, float]:

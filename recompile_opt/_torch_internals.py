@@ -1028,10 +1028,10 @@ def offload_activations(
     """Offload the forward outputs named ``names`` through torch's pass, marked as it expects; returns the
     names it offloaded (it refuses views, getitems, non-contiguous tensors and the caller's outputs).
 
-    ``separate_stream`` (CUDA): copies on a stream of their own, the forward's waits sunk to its end
-    (``activation_offload_sink_wait``) and, where torch has it, reloads prefetched
-    (``activation_reload_prefetch``); without it each copy runs where it stands (the CPU). Every node that
-    holds a host copy gets ``meta["host_resident"]``: the peak model counts it off the device.
+    ``separate_stream`` (CUDA): copies on a stream of their own, each waited for (on 2.11 by
+    :func:`_wait_offload_copy_op`, which holds the copied buffer); without it each copy runs where it
+    stands (the CPU). Every node that holds a host copy gets ``meta["host_resident"]``: the peak model
+    counts it off the device.
 
     The copies are left where torch's pass issues them by itself: each forward wait right after its copy
     (not sunk to the forward's end, where torch would hold every copied buffer through the whole

@@ -139,6 +139,7 @@ def read_joint_graph(gm: fx.GraphModule, kwargs: dict, options: Options, memory:
         found=memory.peaks,
     )
     simulate.offer(problem.sites)
+    simulate.copy_clock = offload.copy_clock(problem, options)  # where the plans' offload copies go
     return Joint(gm, num_fwd_outputs, static, jg, problem, simulate, graph_id(gm))
 
 
@@ -199,7 +200,6 @@ def _plan_joint_graph(
     simulate, problem = joint.simulate, joint.problem
     simulate.chunked, simulate.pooled = request.chunked, pools_dead_buffers(options)
     graph_options, split_note = budget_split.options_for_graph(memory, options, joint.gid)
-    simulate.copy_clock = offload.copy_clock(problem, graph_options)
     simulate.range_twin = range_twin(joint, graph_options, memory)
     used = usage(simulate)  # it shares the figures found by earlier compiles of this graph
     known = request.known.get(joint.gid)

@@ -515,15 +515,102 @@ def test_side_stream_copies_hold_their_buffer_until_waited_for_where_they_are_do
     # and each wait runs behind compute its copy hides under: Inductor's reordering for its peak pulled
     # every wait up to its copy before the waits read the kernel they follow
     assert len(behind) == len(waits) and min(behind) >= 1, behind
-    # the backward: each reload issued at least one kernel before its first use
+    # the backward: each reload issued at least one kernel of its own before the first reader of what it
+    # reloads (torch issues it just before that reader), and so in Inductor's code
+    from recompile_opt.costs.kernels import is_extern
+    from recompile_opt.ops import is_view_node
+
     bnodes = list(bw.graph.nodes)
     for name in offloaded:
         host = next(n for n in bnodes if n.name == ti.CPU_OFFLOAD_PREFIX + name)
-        first_issue = min(bnodes.index(u) for u in host.users)
-        first_use = min(
-            bnodes.index(u) for r in host.users for w in r.users for u in w.users if u not in host.users
-        )
-        assert first_use - first_issue > 2, name
+        (issue,) = [
+            u for u in host.users if not ti.is_offload_wait(u.target)
+        ]  # ao::reload, 2.11's device_put
+        waits = [u for u in issue.users if ti.is_offload_wait(u.target)]
+        reloaded = [u for w in waits for u in w.users] or list(issue.users)  # its wait's readers, or its own
+        between = bnodes[bnodes.index(issue) + 1 : min(bnodes.index(u) for u in reloaded)]
+        kernels = [n for n in between if n.op == "call_function" and is_extern(n) and not is_view_node(n)]
+        assert kernels, name
+    if importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is None:
+        return  # torch 2.11: its reloads are device_put between stream ops, checked in the graph above
+    made, kernels, behind = {}, 0, []
+    for stmt in _statements(_call(ti.inductor_wrapper_code(bw, backward=True).code)):
+        call = getattr(stmt, "value", None)
+        func = ast.unparse(call.func) if isinstance(call, ast.Call) else ""
+        if func == "torch.ops.ao.wait_tensor.default":
+            behind.append(kernels - made[ast.unparse(call.args[0])])
+        elif func.startswith(("cpp_", "extern_kernels.", "torch.ops.aten.")):
+            kernels += 1
+        if isinstance(stmt, ast.Assign):
+            made.setdefault(ast.unparse(stmt.targets[0]), kernels)
+    assert len(behind) == len(offloaded) and min(behind) >= 1, behind
+
+
+@pytest.fixture
+def side_stream_stand_ins(monkeypatch):
+    """The copies on a stream of their own as on CUDA, run on the CPU by synchronous stand-ins: torch's
+    ``ao`` ops (2.12 on) given CPU kernels that copy at once, or torch 2.11's stream ops given streams
+    and events that do nothing. What is checked is the rewrite: the graphs with the waits and reloads
+    where the plan placed them."""
+    import itertools
+
+    from recompile_opt.passes import partition
+
+    monkeypatch.setattr(partition, "_copies_on_a_stream_of_their_own", lambda device: True)
+    if importlib.util.find_spec("torch._functorch._activation_offloading.offload_ops") is not None:
+        importlib.import_module("torch._functorch._activation_offloading.offload_ops")  # the ao ops
+
+        def reload(t, device, size=None, stride=None):
+            return torch.empty_strided(size or t.shape, stride or t.stride(), dtype=t.dtype).copy_(t)
+
+        lib = torch.library.Library("ao", "IMPL")
+        lib.impl("offload", lambda t: t.clone(), "CPU")
+        lib.impl("reload", reload, "CPU")
+        lib.impl("wait_tensor", lambda t, keepalive=None, last_use_of_storage=None: t, "CPU")
+        yield "ao"
+        lib._destroy()
+        return
+    from torch._dynamo.variables import streams
+    from torch._functorch._activation_offloading import activation_offloading
+
+    class Inert:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    ids = itertools.count(1)
+    for name in ("get_current_stream", "new_stream", "new_event"):
+        monkeypatch.setattr(activation_offloading, name, lambda *a, **k: next(ids))
+    monkeypatch.setattr(streams, "_get_stream_by_index", lambda index: Inert())
+    monkeypatch.setattr(streams, "_get_event_by_index", lambda index: Inert())
+    monkeypatch.setattr(torch.accelerator, "set_stream", lambda stream: None)
+    yield "streams"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_side_stream_graphs_give_eager_gradients(side_stream_stand_ins, dropout):
+    """The graphs as emitted for CUDA (copies on a stream of their own, waits and reloads placed on
+    the plan's clock), run with synchronous stand-ins, give eager's gradients; dropout replayed."""
+    from helpers import train_side_by_side
+
+    model, inputs = _gpt(dropout)
+    plan = train_side_by_side(model, inputs, options={**ON_CPU, "compiler": "eager"}, rtol=1e-4, atol=1e-5)
+    assert plan.offloaded and plan.offload["bytes_to_host"] > 0
+
+
+@pytest.mark.slow
+def test_side_stream_graphs_through_inductor(side_stream_stand_ins):
+    """The same through Inductor (``fallback_random``: random ops kept, as in test_inductor.py). On
+    torch 2.11 its C++ backend emits a fused kernel's call after stream ops it was scheduled before,
+    with the kernel's inputs freed first (``UnboundLocalError``): a CPU code generator's deferral that
+    Triton's has not; its GPU run is the GPU check's."""
+    from helpers import train_side_by_side
+
+    if side_stream_stand_ins == "streams":
+        pytest.skip("torch 2.11's C++ kernels are emitted after the stream ops (see the docstring)")
+    model, inputs = _gpt(0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        plan = train_side_by_side(model, inputs, options=ON_CPU, rtol=1e-4, atol=1e-5)
+    assert plan.offloaded
 
 
 class _ScaledChain(torch.nn.Module):

@@ -53,7 +53,7 @@ def is_extern(node: fx.Node) -> bool:
         return False
     if not isinstance(target, torch._ops.OpOverload):
         return True  # higher-order ops (RNG-state replay, ...), Python callables
-    if target.namespace in ("recompile_opt", "ao", "streams"):
+    if target.namespace in ("recompile_opt", "ao"):
         return True  # our own ops (a chunked region), torch's offload copies: Inductor's fallback kernels
     name = str(target)
     if target._overloadpacket in flop_registry or "scaled_dot_product" in name or "convolution" in name:
