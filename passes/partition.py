@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.costs.cost_model import tensor_bytes
 from recompile_opt.costs.kernels import is_extern
 from recompile_opt.ops import is_fusible_pointwise, is_random_op, is_view_node, op_name
 from recompile_opt.planner.offload import CopyClock
@@ -178,8 +179,8 @@ def _offload(fw, bw, names: set[str], num_fwd_outputs: int, info, copy_clock: Co
     first backward use (``ti.offload_activations``), on a stream of their own where the device has one and
     torch keeps a copied buffer alive until its copy is done (``ti.offload_copies_overlap``), each copy's
     wait where the copy is done (:func:`_place_copy_waits`) and each reload issued as late as its first
-    use allows (:func:`_place_reloads`). A value torch refuses (the planner offers
-    only what it accepts) is kept on the device instead."""
+    use allows (:func:`_place_reloads`). A value torch refuses (the planner offers only what it
+    accepts) is kept on the device instead."""
     device = next(
         (v.device for n in fw.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)), None
     )
@@ -229,7 +230,7 @@ def _place_copy_waits(fw: fx.GraphModule, waits: dict[str, fx.Node], clock: Copy
     link_free, placed = 0.0, {}  # kernel -> the last wait placed after it
     for wait in sorted(waits.values(), key=lambda w: order[w.args[0]]):
         copy, source = wait.args[0], wait.args[1]
-        link_free = max(link_free, at[copy]) + _nbytes(source) / clock.link_bytes_per_s
+        link_free = max(link_free, at[copy]) + tensor_bytes(source.meta["val"]) / clock.link_bytes_per_s
         after = [n for n in kernels if order[n] > order[copy]]
         done = next((n for n in after if at[n] >= link_free), after[-1] if after else None)
         if done is None:
@@ -269,7 +270,8 @@ def _place_reloads(bw: fx.GraphModule, reloads: dict[str, list[fx.Node]], clock:
     issue, link_busy_from = [], float("inf")
     for value, group in sorted(reloads.items(), key=lambda kv: -deadline(kv[1])):
         finish = min(deadline(group), link_busy_from)
-        link_busy_from = finish - _nbytes(host[ti.CPU_OFFLOAD_PREFIX + value]) / clock.link_bytes_per_s
+        copy_s = tensor_bytes(host[ti.CPU_OFFLOAD_PREFIX + value].meta["val"]) / clock.link_bytes_per_s
+        link_busy_from = finish - copy_s
         before = [n for n in unfused if order[n] < order[group[0]] and at[n] <= link_busy_from]
         issue.append((deadline(group), group, before[-1] if before else first))
     for _, group, before in sorted(issue, key=lambda i: i[0]):  # one point's reloads in link order
@@ -298,11 +300,6 @@ def _times(nodes: list[fx.Node], clock: dict[str, float]) -> dict[fx.Node, float
     for n in nodes:
         reached = at[n] = max(reached, clock.get(n.name, reached))
     return at
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta["val"]
-    return val.numel() * val.element_size()
 
 
 def _functionalize_rng_ops(gm, fw, bw, saved_sym_nodes: list, saved_opaque: list):
