@@ -959,19 +959,70 @@ def backward_frees_tangents() -> bool:
     return hasattr(runtime_wrappers, "_codegen_backward_prologue")
 
 
+# Set where a fork failed to walk while CUDA was initialised in this process: no more are made.
+_CUDA_FORK_FAILED = threading.Event()
+
+
 def forkable() -> bool:
-    """Whether a fork of this process can lower and walk a plan as this process would
-    (:mod:`recompile_opt.costs.walk_pool`): not once CUDA is initialised here (a fork cannot use it:
-    "Cannot re-initialize CUDA in forked subprocess"), nor without ``os.fork``."""
-    return hasattr(os, "fork") and not torch.cuda.is_initialized()
+    """Whether a fork of this process may lower and walk a plan as this process would
+    (:mod:`recompile_opt.costs.walk_pool`): where ``os.fork`` exists, and where CUDA is initialised
+    here, until a fork has failed (:func:`fork_failed`).
+
+    Why a fork may walk a CUDA graph: a walk lowers fake tensors and generates code; it allocates
+    nothing and launches nothing. What it reads of the device (its properties, capability and index)
+    is read here before forking (:func:`before_forking_walkers`) and served from torch's caches there
+    (:func:`in_forked_walker`), as a DataLoader's fork works beside CUDA without touching it. torch
+    refuses to initialise CUDA in a fork ("Cannot re-initialize CUDA in forked subprocess"); where a
+    walk still reaches the driver there, the fork fails or does not answer in time, and its plans are
+    walked here. Unchecked on a GPU so far: the GPU check's planning column says whether forks walked,
+    and its fidelity part would show a walk that read the device wrongly (predicted against measured
+    peaks)."""
+    return hasattr(os, "fork") and not (_CUDA_FORK_FAILED.is_set() and torch.cuda.is_initialized())
 
 
-def in_forked_walker() -> int:
-    """Set up a fork of this process for walks; returns the intra-op threads this process had.
+def fork_failed() -> None:
+    """A fork failed to walk: where CUDA is initialised here, no more forks walk (:func:`forkable`)."""
+    if torch.cuda.is_initialized():
+        _CUDA_FORK_FAILED.set()
+
+
+def before_forking_walkers() -> dict:
+    """Read here what a fork needs of the device to walk as this process would, and return it for
+    :func:`in_forked_walker`. Where CUDA is initialised: every device's properties and capability are
+    read now, into the caches a fork then serves them from (torch's own and Inductor's), and the
+    current device's index is returned."""
+    if not torch.cuda.is_initialized():
+        return {}
+    from torch._dynamo.device_interface import get_interface_for_device
+    from torch._inductor.runtime.hints import DeviceProperties
+
+    worker = get_interface_for_device("cuda").Worker
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.get_device_properties(index)
+        worker.get_device_properties(index)
+        DeviceProperties.create(torch.device("cuda", index))
+    return {"cuda_device": torch.cuda.current_device()}
+
+
+def in_forked_walker(state: dict) -> int:
+    """Set up a fork of this process for walks (``state`` from :func:`before_forking_walkers`);
+    returns the intra-op threads this process had.
 
     Why: OpenMP's threads do not survive a fork, and the fork's first parallel region with more than one
     thread hangs (GNU libgomp), so the fork runs kernels on one thread; Inductor reads the thread count
-    into the code it generates (``parallel_num_threads``), so it is pinned to this process's there."""
+    into the code it generates (``parallel_num_threads``), so it is pinned to this process's there.
+    Inductor's compile workers are this process's (their pipes were copied), so the fork sends them no
+    kernel (``compile_threads`` 1: on CUDA a kernel's code starts compiling where it is generated).
+    Where this process had CUDA initialised, torch's lazy initialisation is skipped in the fork (it
+    would raise) and the device's index and properties come from the caches read before forking."""
+    inductor_config.compile_threads = 1
+    index = state.get("cuda_device")
+    if index is not None:  # as in a DataLoader's fork: nothing here may reach the CUDA driver
+        from torch._dynamo.device_interface import get_interface_for_device
+
+        torch.cuda._tls.is_initializing = True  # torch.cuda._lazy_init returns at once on this thread
+        torch.cuda.current_device = lambda: index
+        get_interface_for_device("cuda").Worker.set_device(index)
     threads = torch.get_num_threads()
     if threads > 1:
         if inductor_config.cpp.threads < 1:

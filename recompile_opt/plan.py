@@ -56,7 +56,8 @@ class Plan:
     # the graph (cost model, every solve and simulation of the search, partition), when compiled;
     # solves / solves_s: every ILP solve of the planning and their summed time (on a pool: they
     # overlap), solves_recalled of them answered by an earlier process's (planner/solutions.py);
-    # simulations / simulate_s: the plans partitioned and simulated for their peak
+    # simulations / simulate_s: the plans partitioned and simulated for their peak; exact_peaks / exact_s:
+    # the plans walked in Inductor's code, walked_in_forks of them by forks of this process (walk_pool)
     solver: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     options: dict = field(default_factory=dict)
@@ -188,8 +189,9 @@ class Plan:
         if not s.get("solves") and not s.get("simulations"):
             return ""
         n, m = s.get("solves", 0), s.get("simulations", 0)
+        forked = f" ({s['walked_in_forks']} in forks)" if s.get("walked_in_forks") else ""
         walks = (
-            f", {s['exact_peaks']} walked in Inductor's code, {s.get('exact_s', 0.0):.2f} s"
+            f", {s['exact_peaks']} walked in Inductor's code{forked}, {s.get('exact_s', 0.0):.2f} s"
             if s.get("exact_peaks")
             else ""
         )

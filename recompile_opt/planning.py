@@ -426,12 +426,31 @@ def set_peak(plan: Plan, exact, simulate, used, seconds: float, graphs: tuple = 
     for oracle in (simulate, getattr(simulate, "range_twin", None)):
         if oracle is not None:
             oracle.store()
-    simulations, simulate_s, exact_peaks, exact_s = (a - b for a, b in zip(usage(simulate), used))
+    simulations, simulate_s, exact_peaks, exact_s, in_forks, failed = (
+        a - b for a, b in zip(usage(simulate), used)
+    )
     plan.solver.update(
         simulations=simulations,
         simulate_s=round(simulate_s, 3),
         exact_peaks=exact_peaks,
         exact_s=round(exact_s, 3),
+        walked_in_forks=in_forks,
+    )
+    if failed:
+        plan.notes.append(fork_failure_note(failed, simulate))
+
+
+def fork_failure_note(failed: int, simulate) -> str:
+    """The plan's note where ``failed`` forks of this process could not walk its candidates
+    (costs/walk_pool.py): its planning took longer for it, and where CUDA is initialised no fork
+    walks again in this process."""
+    whys = [
+        w for o in (simulate, getattr(simulate, "range_twin", None)) for w in getattr(o, "fork_failures", ())
+    ]
+    again = "" if ti.forkable() else "; with CUDA initialised here, no fork walks again in this process"
+    return (
+        f"walks: {failed} fork{'s' * (failed != 1)} of this process walked nothing (the last: "
+        f"{whys[-1] if whys else 'no reason given'}); their plans were walked here{again}"
     )
 
 

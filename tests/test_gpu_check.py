@@ -73,7 +73,7 @@ def test_the_tiny_cpu_check_passes_every_row(tmp_path):
 @pytest.mark.slow
 def test_the_tiny_performance_part_measures_each_strategy(tmp_path):
     """Three strategies on the tiny performance GPT (plain compiles through aot_eager, ours without code
-    generation): each row has a first call, a step time, a peak and a loss."""
+    generation): each row has a first call, a step time, a peak and a loss; ours its planning time."""
     out = tmp_path / "gpu.md"
     _run(
         [
@@ -96,10 +96,12 @@ def test_the_tiny_performance_part_measures_each_strategy(tmp_path):
     rows = _table_rows(out.read_text(), "## Performance")
     assert [r[0] for r in rows] == ["eager", "compile", "ours-none"]
     number = re.compile(r"^-?\d+(\.\d+)?$")
-    for row in rows:
-        assert all(number.match(cell) for cell in row[1:5]), row
+    for row in rows:  # first call, step, peak and loss
+        assert all(number.match(row[i]) for i in (1, 3, 4, 5)), row
         assert row[-1] == "ok", row
-    assert number.match(rows[2][5]) and number.match(rows[2][6])  # ours: the estimated step and its ratio
+    assert number.match(rows[2][6]) and number.match(rows[2][7])  # ours: the estimated step and its ratio
+    # ours: its planning's seconds, walks and those made in forks (the eager compiler walks none)
+    assert re.match(r"^\d+\.\d \(0, 0 in forks\)$", rows[2][2]) and rows[0][2] == rows[1][2] == "", rows
 
 
 def _joblock():

@@ -196,6 +196,13 @@ def _option(case: dict) -> str:
     return f"{case['option']} ({opts})" if opts else case["option"]
 
 
+def _planning(res: dict) -> str:
+    """Our planning's seconds, with its walks and those forks made: "41.2 (23, 18 in forks)"."""
+    if not res.get("plans") or "planning_s" not in res:
+        return ""
+    return f"{res['planning_s']:.1f} ({res['walks']}, {res['walked_in_forks']} in forks)"
+
+
 def _mib(n) -> str:
     return "" if n is None else f"{n / MiB:.2f}"
 
@@ -211,6 +218,7 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
             [
                 name + (f" (peak_memory {_mib(limit)} MiB)" if limit else ""),
                 fmt(res.get("first_call_s"), ".1f"),
+                _planning(res),
                 fmt(None if step is None else step * 1e3, ".2f"),
                 _mib(res.get("peak_bytes")),
                 fmt(res.get("loss_after_10"), ".4f"),
@@ -225,14 +233,18 @@ def performance(results: dict, command: str, *, title: str) -> list[str]:
         title,
         "",
         *source(command, results.get("environment", {})),
-        "First call: wall seconds of step 1 (cold Inductor cache). Step: median of 10 steps after 3 "
+        "First call: wall seconds of step 1 (cold Inductor cache). Planning: our plans' planning "
+        "seconds in it, with the plans walked in Inductor's code and how many of them forks of the "
+        "process walked. Step: median of 10 steps after 3 "
         "warm-up (CUDA events). Peak: most bytes above a step's start, gradients allocated. Loss: step "
         "10's. Estimated: the plans' `step_s + recompute_s` summed; its ratio to the measured step.",
         "",
+        *[f"* {r['case']['strategy']}: {n}" for r in rows.values() for n in r.get("walk_notes", [])],
         *table(
             [
                 "strategy",
                 "first call s",
+                "planning s (walks, in forks)",
                 "step ms",
                 "peak MiB",
                 "loss after 10",

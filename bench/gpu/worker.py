@@ -153,7 +153,9 @@ def approximate_launches(model, fn, batch: tuple, *, dtype: str) -> dict:
 
 def plan_figures(plans: list) -> dict:
     """What the plans of this process predicted: the peak (the most of any graph's), the estimated step
-    (forward + backward + recompute, summed over graphs), approximated sites and the chunk notes."""
+    (forward + backward + recompute, summed over graphs), approximated sites and the chunk notes; what
+    their planning took: seconds, plans walked in Inductor's code, of them by forks, and why a fork
+    could not walk (on CUDA, a fork walks with the device's figures read before forking)."""
     latest = list({p.graph: p for p in plans}.values())
     if not latest:
         return {"plans": 0}
@@ -163,6 +165,10 @@ def plan_figures(plans: list) -> dict:
         "estimated_step_s": sum(p.step_s + p.recompute_s for p in latest),
         "approximated": sum(len(p.approximated) for p in latest),
         "chunk_notes": [n for p in latest for n in p.notes if n.startswith("chunk")],
+        "planning_s": sum(p.solver.get("plan_s", 0.0) for p in latest),
+        "walks": sum(p.solver.get("exact_peaks", 0) for p in latest),
+        "walked_in_forks": sum(p.solver.get("walked_in_forks", 0) for p in latest),
+        "walk_notes": [n for p in latest for n in p.notes if n.startswith("walks:")],
     }
 
 

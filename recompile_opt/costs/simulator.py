@@ -140,6 +140,8 @@ class PeakSimulator:
         self.plain_layout_results: dict[tuple, int | None] = {}  # exact_in_plain_layout
         self.plain_layout = False  # exact() walks with Inductor's channels-last layout off
         self.exact_seconds = 0.0
+        self.forked: set[tuple] = set()  # the keys of the walks made ahead by forks of this process
+        self.fork_failures: list[str] = []  # why each fork that walked nothing failed (walk_pool)
         # walks made ahead of their question (walk_ahead): (peak, why not, what is alive at the peak) by
         # key, until exact() asks
         self.ahead: dict[tuple, tuple] = {}
@@ -275,8 +277,14 @@ class PeakSimulator:
         if len(todo) < 2 or n < 2:
             return
         start = time.perf_counter()
-        keys, tasks = list(todo), list(todo.values())
-        found = walk_pool.map_forked(self._walk_here, self._walk_in_copy, tasks, n)
+        keys, tasks, here = list(todo), list(todo.values()), set()
+
+        def walk_here(plan):
+            here.add(id(plan))
+            return self._walk_here(plan)
+
+        found = walk_pool.map_forked(walk_here, self._walk_in_copy, tasks, n, self.fork_failures)
+        self.forked.update(keys[i] for i in found if id(tasks[i]) not in here)
         self.ahead.update((keys[i], answer) for i, answer in found.items())
         seconds = time.perf_counter() - start
         self.exact_seconds += seconds
@@ -380,9 +388,17 @@ class PeakSimulator:
         if kept_files.write_json(_disk_path(key), data):
             self.stored = len(self.results) + len(self.exact_results)
 
-    def usage(self) -> tuple[int, float, int, float]:
-        """Plans simulated and walked so far, and the seconds each took (the figures a plan reports)."""
-        return len(self.results), self.seconds, len(self.exact_results), self.exact_seconds
+    def usage(self) -> tuple[int, float, int, float, int, int]:
+        """Plans simulated and walked so far, and the seconds each took, the walks made in forks of this
+        process of those walked and the forks that failed (the figures a plan reports)."""
+        return (
+            len(self.results),
+            self.seconds,
+            len(self.exact_results),
+            self.exact_seconds,
+            len(self.forked & self.exact_results.keys()),
+            len(self.fork_failures),
+        )
 
     def known_exact(self, saved: set, recomputed: set, *, asked: bool = False) -> int | None:
         """The exact peak of this plan if :meth:`exact` has been asked about it (``asked=True``: by this

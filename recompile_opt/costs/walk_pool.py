@@ -10,8 +10,10 @@ batch; nothing is kept warm.
 
 Sized to the CPUs this process may use (``os.sched_getaffinity``), this process walking one share
 itself; ``RECOMPILE_OPT_WALK_WORKERS`` sets the number (``1``: every walk in this process). Where a
-copy cannot be made or fails (CUDA initialised here cannot be used in a fork, an error, no answer in
-time), its plans are left to the caller, which walks them here as before: never a different answer.
+copy cannot be made or fails (an error, no answer in time), its plans are left to the caller, which
+walks them here as before: never a different answer. Where CUDA is initialised here, a copy walks
+with the device's figures read before forking (``_torch_internals.in_forked_walker``); after one
+such copy fails, none is made again in this process.
 """
 
 from __future__ import annotations
@@ -52,17 +54,23 @@ def workers() -> int:
 
 
 def map_forked(
-    walk_here: Callable[[T], R], walk_copy: Callable[[T], R], tasks: list[T], n: int | None = None
+    walk_here: Callable[[T], R],
+    walk_copy: Callable[[T], R],
+    tasks: list[T],
+    n: int | None = None,
+    failures: list[str] | None = None,
 ) -> dict[int, R]:
     """``{i: result}`` for the tasks answered: ``tasks`` dealt round-robin over ``n`` processes
     (:func:`workers`), the first share walked here by ``walk_here``, the others each in a fork of this
     process by ``walk_copy``, whose result comes back pickled. A fork that raises, dies or does not
-    answer in time answers none of its share (the caller walks them); ``walk_here`` is not guarded."""
+    answer in time answers none of its share (the caller walks them) and says why in ``failures``;
+    ``walk_here`` is not guarded."""
     n = min(n or workers(), len(tasks))
     shares = [list(range(i, len(tasks), n)) for i in range(n)]
+    state = ti.before_forking_walkers() if n > 1 else {}
     gc.freeze()  # the forks' collections leave this process's objects be: fewer pages copied on write
     try:
-        children = [c for share in shares[1:] if (c := _fork(walk_copy, tasks, share)) is not None]
+        children = [c for share in shares[1:] if (c := _fork(walk_copy, tasks, share, state)) is not None]
     finally:
         gc.unfreeze()
     found, deadline = {}, None
@@ -72,12 +80,16 @@ def map_forked(
         deadline = time.monotonic() + max(WAIT_MIN_S, WAIT_FACTOR * (time.perf_counter() - start))
     finally:  # where this process's share raised, the forks are ended at once
         for pid, read in children:
-            found.update(_collect(pid, read, deadline=deadline or 0.0))
+            answers, why = _collect(pid, read, deadline=deadline or 0.0)
+            found.update(answers)
+            if why and failures is not None:
+                failures.append(why)
     return found
 
 
-def _fork(walk_copy, tasks: list, share: list[int]) -> tuple[int, int] | None:
-    """A fork walking ``share``: (its pid, the read end of its pipe); None where none could be made."""
+def _fork(walk_copy, tasks: list, share: list[int], state: dict) -> tuple[int, int] | None:
+    """A fork walking ``share`` (set up with ``state``, :func:`recompile_opt._torch_internals.
+    in_forked_walker`): (its pid, the read end of its pipe); None where none could be made."""
     read, write = os.pipe()
     try:
         with warnings.catch_warnings():  # Python 3.12 warns of a fork with threads (HiGHS's are idle)
@@ -88,30 +100,33 @@ def _fork(walk_copy, tasks: list, share: list[int]) -> tuple[int, int] | None:
         os.close(read)
         os.close(write)
         return None
-    if pid == 0:  # the copy: walk, write the answers, exit without running anything of the parent's
+    if pid == 0:  # the copy: walk, write the answers (or why not), exit running nothing of the parent's
         code = 1
         try:
             os.close(read)
-            if ti.in_forked_walker() > 1:
-                scratch.refuse_measuring()
-            answers = {i: walk_copy(tasks[i]) for i in share}
+            try:
+                if ti.in_forked_walker(state) > 1:
+                    scratch.refuse_measuring()
+                answers, code = {i: walk_copy(tasks[i]) for i in share}, 0
+            except Exception as e:  # noqa: BLE001 - the reason goes back; the plans are walked there
+                answers = f"it raised {e!r}"[:400]
             with os.fdopen(write, "wb") as out:
                 pickle.dump(answers, out)
-            code = 0
         finally:
             os._exit(code)
     os.close(write)
     return pid, read
 
 
-def _collect(pid: int, read: int, *, deadline: float) -> dict:
-    """A fork's answers, or none where it failed or passed ``deadline`` (then it is killed)."""
-    chunks, answers = [], {}
+def _collect(pid: int, read: int, *, deadline: float) -> tuple[dict, str]:
+    """A fork's answers and "", or none and why: it failed, or passed ``deadline`` (then it is
+    killed)."""
+    chunks, why = [], ""
     try:
         while True:
             # past the deadline, what a fork has written already is still read
             if not select.select([read], [], [], max(deadline - time.monotonic(), 0.0))[0]:
-                log.info("recompile_opt: a walk's fork did not answer in time; walking here")
+                why = "it did not answer in time"
                 os.kill(pid, 9)
                 break
             chunk = os.read(read, 1 << 20)
@@ -121,11 +136,15 @@ def _collect(pid: int, read: int, *, deadline: float) -> dict:
     finally:
         os.close(read)
         _, status = os.waitpid(pid, 0)
-    if status == 0 and chunks:
+    answers = None
+    if chunks and not why:
         try:
             answers = pickle.loads(b"".join(chunks))
         except Exception as e:  # noqa: BLE001 - a garbled answer: its plans are walked here
-            log.info("recompile_opt: a walk's fork answered unreadably: %r", e)
-    elif status != 0:
-        log.info("recompile_opt: a walk's fork failed (status %s); walking its plans here", status)
-    return answers
+            why = f"its answer was unreadable: {e!r}"
+    if status == 0 and isinstance(answers, dict):
+        return answers, ""
+    why = why or (answers if isinstance(answers, str) else f"it exited with status {status}")
+    log.info("recompile_opt: a walk's fork failed (%s); walking its plans here", why)
+    ti.fork_failed()
+    return {}, why
