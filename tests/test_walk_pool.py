@@ -42,15 +42,15 @@ def test_a_fork_that_raises_or_hangs_answers_nothing_and_says_why(monkeypatch):
     assert failures == ["it raised RuntimeError('no walk here')", "it did not answer in time"]
 
 
-def test_a_fork_sends_no_kernel_to_this_processs_compile_workers(monkeypatch):
+def test_a_fork_sends_no_kernel_to_this_processs_compile_workers():
     """Inductor's compile workers are this process's (a fork holds copies of their pipes): a fork
     walks with ``compile_threads`` 1, so that no kernel it generates is sent to them."""
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "compile_threads", 4)
-    found = walk_pool.map_forked(
-        lambda t: inductor_config.compile_threads, lambda t: inductor_config.compile_threads, [0, 1], 2
-    )
+    with inductor_config.patch(compile_threads=4):
+        found = walk_pool.map_forked(
+            lambda t: inductor_config.compile_threads, lambda t: inductor_config.compile_threads, [0, 1], 2
+        )
     assert found == {0: 4, 1: 1}
 
 
