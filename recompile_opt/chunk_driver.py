@@ -61,34 +61,45 @@ def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, 
     is compiled again as chosen, its plan handed to the partitioner. Why lazily: a graph whose peak
     holds none of the regions' tensors pays nothing for ``"auto"``."""
     options = partitioner.options if isinstance(partitioner, RecompilePartitioner) else None
-    candidates = _auto_candidates(gm, example_inputs, options)
+    candidates, passed = _auto_candidates(gm, example_inputs, options)
     if not candidates:
-        return compile_once(gm, example_inputs, partitioner, None)
+        return _noted(compile_once(gm, example_inputs, partitioner, None), partitioner, passed)
     pristine = ti.copy_dynamo_graph(gm)  # the passes below and Inductor's change the graph they compile
     try:
         with partitioner.asked(candidates=tuple(candidates)):
-            return compile_once(gm, example_inputs, partitioner, None)
+            return _noted(compile_once(gm, example_inputs, partitioner, None), partitioner, passed)
     except ChunkingWanted as wanted:
         unchunked = wanted.plan
     chosen, known = _choose_chunks(pristine, example_inputs, partitioner, candidates, unchunked, capture)
+    chosen["notes"] += [passed] if passed else []
     with partitioner.asked(known=MappingProxyType(known)):
         return compile_once(pristine, example_inputs, partitioner, chosen)
 
 
-def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None) -> list:
+def _noted(compiled, partitioner, line: str | None):
+    """``compiled``, its plan (the partitioner's last) given the note ``line`` where there is one."""
+    plans = getattr(partitioner, "plans", None)
+    if line and plans and line not in plans[-1].notes:
+        plans[-1].notes.append(line)
+    return compiled
+
+
+def _auto_candidates(gm: fx.GraphModule, example_inputs, options: Options | None) -> tuple[list, str | None]:
     """``chunks="auto"``: the chunk candidates of the graph's regions where the plan's goal is memory
-    (``memory_budget=0.0``, the least-peak plan, or a ``peak_memory`` limit), else none."""
+    (``memory_budget=0.0``, the least-peak plan, or a ``peak_memory`` limit), else none; and the note
+    where the goal passes over a kind (:func:`chunk_choice.below_floor_note`)."""
     if options is None or options.chunks != "auto" or options.policy != "auto" or _symbolic(example_inputs):
-        return []
+        return [], None
     if not (least_peak(options) or options.peak_memory is not None):
-        return []
+        return [], None
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     meta = device.type == "meta"  # planning for the target's type: no device to ask its name
     roofline = options.roofline_for(options.target_device) if meta else roofline_of(options, device)
     every = chunk_choice.candidates(
         find_loss_regions(gm), find_mlp_regions(gm), roofline, attention_regions=find_attention_regions(gm)
     )
-    return chunk_choice.for_goal(every, options.peak_memory)
+    tried = chunk_choice.for_goal(every, options.peak_memory)
+    return tried, chunk_choice.below_floor_note(every, tried)
 
 
 def _symbolic(example_inputs) -> bool:

@@ -710,6 +710,25 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
     )
 
 
+def test_the_least_peak_says_which_kinds_it_passes_over_for_their_rows():
+    """A kind whose regions are too short for two chunks of the floor's rows is not tried at the least
+    peak (:func:`for_goal`); the plan says so, since forced chunks or a limit may still lower its peak
+    (a DeBERTa-v2 of 32 tokens: 207.00 KiB at 0.0, 171.63 with its MLPs in 2 chunks)."""
+    from recompile_opt.planner.chunk_choice import Candidate, below_floor_note, for_goal
+
+    loss = Candidate("loss", 4, tokens=512, width=8192, rows=512)
+    short_mlp = Candidate("mlp", 2, below_floor=True, tokens=32, width=128, rows=32)
+    note = below_floor_note([loss, short_mlp], for_goal([loss, short_mlp], None))
+    assert note.startswith("chunks (auto): mlp (32 rows) not tried at the least peak: too short"), note
+    assert below_floor_note([loss], for_goal([loss], None)) is None
+    assert below_floor_note([loss, short_mlp], for_goal([loss, short_mlp], 100)) is None  # a limit tries it
+    # the tiny GPT's 2 x 16 tokens: every kind is passed over, and its least-peak plan says so
+    plan = recompile_opt.plan(*tiny_gpt(), memory_budget=0.0, compiler="eager")
+    said = [n for n in plan.notes if n.startswith("chunks (auto): ")]
+    assert len(said) == 1 and said[0].startswith("chunks (auto): loss (32 rows), mlp (32 rows)"), said
+    assert not plan.chunks
+
+
 def test_by_default_a_graph_whose_peak_holds_no_regions_tensors_is_planned_once(monkeypatch):
     """``chunks="auto"`` is the default and lazy: 16 heads over 2 x 128 tokens of width 64 and a
     vocabulary of 128 peak in attention, whose 128 queries are fewer than two chunks of the floor's
