@@ -103,7 +103,64 @@ def t5(dropout=0.0, attn="eager"):
     return transformers.T5ForConditionalGeneration(cfg)
 
 
+def bloom(dropout=0.0, attn="eager"):
+    """ALiBi biases added to the scores (``baddbmm``), no position embeddings."""
+    cfg = transformers.BloomConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        n_layer=2,
+        n_head=4,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+    )
+    return transformers.BloomForCausalLM(cfg)
+
+
+def gptj(dropout=0.0, attn="eager"):
+    """Attention and MLP in parallel off one norm; rotary on part of each head."""
+    cfg = transformers.GPTJConfig(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        rotary_dim=8,
+        n_positions=64,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        attn_implementation=attn,
+    )
+    return transformers.GPTJForCausalLM(cfg)
+
+
+def deberta(dropout=0.0, attn="eager"):
+    """Disentangled attention: content-to-position and position-to-content scores gathered by
+    relative position."""
+    cfg = transformers.DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        max_relative_positions=16,
+        position_buckets=8,
+    )
+    return transformers.DebertaV2ForMaskedLM(cfg)
+
+
+def mamba(dropout=0.0, attn="eager"):
+    """A state-space model: no attention; its selective scan a loop over the tokens (no dropout)."""
+    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8)
+    return transformers.MambaForCausalLM(cfg)
+
+
 MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "qwen2": qwen2, "bert": bert, "t5": t5}
+# families none of the other tests use, each unlike the decoders above (test_other_families_...)
+OTHER_FAMILIES = {"bloom": bloom, "gptj": gptj, "deberta": deberta, "mamba": mamba}
 GRAPHS = {"gpt2": 2}  # Dynamo graphs per model (1 unless listed; see the module docstring)
 BUDGETS = [None, 0.5, 0.1]
 # run by default (every budget, a multi-graph model, an encoder); the rest of the matrix is slow
@@ -123,12 +180,12 @@ class WithLoss(torch.nn.Module):
 
 def build(name, **kw):
     torch.manual_seed(0)
-    model = MODELS[name](**kw).train()
+    model = {**MODELS, **OTHER_FAMILIES}[name](**kw).train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     if name == "t5":  # encoder-decoder: labels are the decoder's targets, of their own length
         labels = torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g)
-    elif name == "bert":  # masked LM: a loss at some positions only
+    elif name in ("bert", "deberta"):  # masked LM: a loss at some positions only
         labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.5, -100)
     else:  # causal LM: the model shifts the labels itself
         labels = ids
@@ -179,6 +236,20 @@ def test_dropout_on_gradients_equal_eager(name):
             model, inputs, options={"memory_budget": 0.1, "compiler": "eager"}, steps=2, rtol=1e-4, atol=1e-5
         )
     _check_plans(name, 0.1, kept)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_other_families_train_as_eager_at_the_least_peak_with_dropout_replayed(name):
+    """The least-peak plan (0.0) on families unlike the decoders above, dropout 0.1 where the family
+    has it (replayed where recomputed): gradients equal eager's, and the plans keep exactly what
+    autograd's hooks see."""
+    model, inputs = build(name, dropout=0.1)
+    with torch._inductor.config.patch(fallback_random=True):
+        _, kept = train_and_measure_saved(
+            model, inputs, options={"memory_budget": 0.0, "compiler": "eager"}, steps=2, rtol=1e-4, atol=1e-5
+        )
+    _check_plans(name, None, kept)
 
 
 @pytest.mark.slow
