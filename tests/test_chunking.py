@@ -713,7 +713,7 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
 def test_the_least_peak_says_which_kinds_it_passes_over_for_their_rows():
     """A kind whose regions are too short for two chunks of the floor's rows is not tried at the least
     peak (:func:`for_goal`); the plan says so, since forced chunks or a limit may still lower its peak
-    (a DeBERTa-v2 of 32 tokens: 207.00 KiB at 0.0, 171.63 with its MLPs in 2 chunks)."""
+    (tests/test_hf_models.py's DeBERTa-v2: 581.00 KiB at 0.0, 516.25 with its MLPs in 2 chunks)."""
     from recompile_opt.planner.chunk_choice import Candidate, below_floor_note, for_goal
 
     loss = Candidate("loss", 4, tokens=512, width=8192, rows=512)

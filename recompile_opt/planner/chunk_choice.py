@@ -180,7 +180,8 @@ def below_floor_note(every: list[Candidate], tried: list[Candidate]) -> str | No
     """The note where the least peak passes over a kind of ``every`` region candidate (``tried``: those
     :func:`for_goal` kept) for its chunks' rows, else None. Why say it: such a plan shows no chunk
     line, and a forced ``chunks`` or a ``peak_memory`` limit may still find a lower peak with those
-    chunks (a DeBERTa-v2 of 32 tokens: 207.00 KiB least peak, 171.63 with its MLPs in 2 chunks)."""
+    chunks (the tests' DeBERTa-v2 of 2 x 16 tokens: 581.00 KiB at 0.0, 516.25 with its MLPs in 2
+    chunks; docs/design.md has the command)."""
     kept = {FAMILY[c.kind] for c in tried}
     passed = {FAMILY[c.kind]: c for c in every if FAMILY[c.kind] not in kept}
     if not passed:
