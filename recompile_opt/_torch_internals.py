@@ -1021,8 +1021,10 @@ def in_forked_walker(state: dict) -> int:
         from torch._dynamo.device_interface import get_interface_for_device
 
         torch.cuda._tls.is_initializing = True  # torch.cuda._lazy_init returns at once on this thread
-        torch.cuda.current_device = lambda: index
-        get_interface_for_device("cuda").Worker.set_device(index)
+        interface = get_interface_for_device("cuda")
+        torch.cuda.current_device = torch.cuda.random.current_device = lambda: index
+        interface.current_device = staticmethod(lambda: index)
+        interface.Worker.set_device(index)
     threads = torch.get_num_threads()
     if threads > 1:
         if inductor_config.cpp.threads < 1:

@@ -10,6 +10,7 @@ unchunked, and only where its plan may peak lower chunked does the partitioner s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from types import MappingProxyType
@@ -62,12 +63,13 @@ def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, 
     holds none of the regions' tensors pays nothing for ``"auto"``."""
     options = partitioner.options if isinstance(partitioner, RecompilePartitioner) else None
     candidates, passed = _auto_candidates(gm, example_inputs, options)
+    once = functools.partial(compile_once, gm, example_inputs, partitioner, None)
     if not candidates:
-        return _noted(compile_once(gm, example_inputs, partitioner, None), partitioner, passed)
+        return _noted(once, partitioner, passed)
     pristine = ti.copy_dynamo_graph(gm)  # the passes below and Inductor's change the graph they compile
     try:
         with partitioner.asked(candidates=tuple(candidates)):
-            return _noted(compile_once(gm, example_inputs, partitioner, None), partitioner, passed)
+            return _noted(once, partitioner, passed)
     except ChunkingWanted as wanted:
         unchunked = wanted.plan
     chosen, known = _choose_chunks(pristine, example_inputs, partitioner, candidates, unchunked, capture)
@@ -76,10 +78,13 @@ def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, 
         return compile_once(pristine, example_inputs, partitioner, chosen)
 
 
-def _noted(compiled, partitioner, line: str | None):
-    """``compiled``, its plan (the partitioner's last) given the note ``line`` where there is one."""
-    plans = getattr(partitioner, "plans", None)
-    if line and plans and line not in plans[-1].notes:
+def _noted(compile_now, partitioner, line: str | None):
+    """``compile_now()``, the plan it made (none on a cache hit, or without a backward) given the note
+    ``line`` where there is one."""
+    made = len(getattr(partitioner, "plans", ()))
+    compiled = compile_now()
+    plans = getattr(partitioner, "plans", ())
+    if line and len(plans) > made and line not in plans[-1].notes:
         plans[-1].notes.append(line)
     return compiled
 

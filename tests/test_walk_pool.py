@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import forget_searches, tiny_gpt
 
-from recompile_opt.costs import walk_pool
+from recompile_opt.costs import scratch, walk_pool
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="walks are spread over forks")
 
@@ -65,6 +65,7 @@ def test_where_cuda_is_initialised_a_fork_walks_without_initialising_it(monkeypa
         return "initialised"
 
     failures = []
+    monkeypatch.setattr(ti, "before_forking_walkers", lambda: {})  # as on a CPU, also on a GPU host
     assert walk_pool.map_forked(lambda t: None, lazy_init, [0, 1], 2, failures) == {0: None}
     assert len(failures) == 1 and "raised" in failures[0]
     monkeypatch.setattr(ti, "before_forking_walkers", lambda: {"cuda_device": 0})
@@ -79,8 +80,18 @@ def test_after_a_fork_fails_with_cuda_initialised_walks_stay_here(monkeypatch):
     ti.fork_failed()  # CUDA not initialised: forks go on
     assert walk_pool.workers() == 3
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(ti, "before_forking_walkers", lambda: {})
     assert walk_pool.workers() == 3
-    ti.fork_failed()
+    # a workspace left to this process, or a graph no process could walk: forks go on
+    for why in (scratch.NotMeasuredHere("sdpa"), RuntimeError("no lowering for this op")):
+
+        def copy(t, why=why):
+            raise why
+
+        assert walk_pool.map_forked(lambda t: t, copy, [0, 1], 2) == {0: 0}
+        assert walk_pool.workers() == 3
+    # a fork that meets CUDA: none is made again
+    walk_pool.map_forked(lambda t: t, lambda t: (_ for _ in ()).throw(RuntimeError("CUDA error")), [0, 1], 2)
     assert walk_pool.workers() == 1
 
 

@@ -260,7 +260,7 @@ class PeakSimulator:
         backend's choice for this graph): the walks made so far are dropped, and none is stored on the
         disk (the disk's are the default layout's)."""
         self.plain_layout, self.exact_results, self.disk_key = True, {}, None
-        self.ahead = {}
+        self.ahead, self.forked = {}, set()
 
     def walk_ahead(self, plans) -> None:
         """Walk ``plans`` ((saved, recomputed) pairs) now, spread over processes

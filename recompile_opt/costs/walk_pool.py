@@ -105,9 +105,12 @@ def _fork(walk_copy, tasks: list, share: list[int], state: dict) -> tuple[int, i
         try:
             os.close(read)
             try:
-                if ti.in_forked_walker(state) > 1:
+                # where CUDA is initialised here a fork may not run a kernel: workspaces are measured here
+                if ti.in_forked_walker(state) > 1 or state:
                     scratch.refuse_measuring()
                 answers, code = {i: walk_copy(tasks[i]) for i in share}, 0
+            except scratch.NotMeasuredHere as e:  # not a failure of the fork: this process measures it
+                answers, code = f"it left a workspace to this process: {e!r}"[:400], 2
             except Exception as e:  # noqa: BLE001 - the reason goes back; the plans are walked there
                 answers = f"it raised {e!r}"[:400]
             with os.fdopen(write, "wb") as out:
@@ -146,5 +149,7 @@ def _collect(pid: int, read: int, *, deadline: float) -> tuple[dict, str]:
         return answers, ""
     why = why or (answers if isinstance(answers, str) else f"it exited with status {status}")
     log.info("recompile_opt: a walk's fork failed (%s); walking its plans here", why)
-    ti.fork_failed()
+    refused = status == 2 << 8  # a workspace left to this process to measure: not the fork's failure
+    if not refused and (not why.startswith("it raised") or "cuda" in why.lower()):
+        ti.fork_failed()  # it died, hung or met CUDA: not a graph this process could not walk either
     return {}, why
