@@ -13,7 +13,7 @@ itself; ``RECOMPILE_OPT_WALK_WORKERS`` sets the number (``1``: every walk in thi
 copy cannot be made or fails (an error, no answer in time), its plans are left to the caller, which
 walks them here as before: never a different answer. Where CUDA is initialised here, a copy walks
 with the device's figures read before forking (``_torch_internals.in_forked_walker``); after one
-such copy fails, none is made again in this process.
+such copy dies, hangs or meets CUDA, none is made again in this process.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ ENV = "RECOMPILE_OPT_WALK_WORKERS"
 # a copy still walking this long after this process finished its own share (times as long as that
 # share took, at least WAIT_MIN_S) is given up on and killed: its plans are walked here
 WAIT_FACTOR, WAIT_MIN_S = 4.0, 60.0
+REFUSED = 2  # the exit code of a fork that left a kernel workspace to this process to measure
 
 
 def workers() -> int:
@@ -110,7 +111,7 @@ def _fork(walk_copy, tasks: list, share: list[int], state: dict) -> tuple[int, i
                     scratch.refuse_measuring()
                 answers, code = {i: walk_copy(tasks[i]) for i in share}, 0
             except scratch.NotMeasuredHere as e:  # not a failure of the fork: this process measures it
-                answers, code = f"it left a workspace to this process: {e!r}"[:400], 2
+                answers, code = f"it left a workspace to this process: {e!r}"[:400], REFUSED
             except Exception as e:  # noqa: BLE001 - the reason goes back; the plans are walked there
                 answers = f"it raised {e!r}"[:400]
             with os.fdopen(write, "wb") as out:
@@ -149,7 +150,7 @@ def _collect(pid: int, read: int, *, deadline: float) -> tuple[dict, str]:
         return answers, ""
     why = why or (answers if isinstance(answers, str) else f"it exited with status {status}")
     log.info("recompile_opt: a walk's fork failed (%s); walking its plans here", why)
-    refused = status == 2 << 8  # a workspace left to this process to measure: not the fork's failure
+    refused = os.waitstatus_to_exitcode(status) == REFUSED  # a workspace left here: not the fork's failure
     if not refused and (not why.startswith("it raised") or "cuda" in why.lower()):
         ti.fork_failed()  # it died, hung or met CUDA: not a graph this process could not walk either
     return {}, why
