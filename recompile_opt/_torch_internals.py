@@ -949,6 +949,19 @@ def bw_donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fw
     )
 
 
+def cuda_allocator_settings() -> tuple[str, str]:
+    """The CUDA caching allocator's settings string (``"expandable_segments:True"``) and its backend
+    (``native``, ``cudaMallocAsync``): torch's own getter where it has one (2.13 has; 2.11 not, and
+    there the environment tells: ``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``)."""
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if getter is not None:
+        conf = getter()
+    else:
+        conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    backend = torch.cuda.get_allocator_backend() if torch.cuda.is_initialized() else "native"
+    return conf, backend
+
+
 def backward_frees_tangents() -> bool:
     """Whether AOTAutograd hands a backward's tangents over to the compiled backward, which then frees
     each after its last use: torch 2.13 on generates a backward prologue that clears its argument list;

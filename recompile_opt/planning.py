@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
+from recompile_opt.costs import allocated
 from recompile_opt.costs.inductor_peak import output_names, tangent_bytes
 from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown, pool_rule
 from recompile_opt.costs.simulator import PeakSimulator, simulator_for
@@ -232,8 +233,9 @@ def _plan_joint_graph(
     plan.solver["buffer_pool"] = simulate.pooled
     plan.outputs_bytes = caller_outputs_bytes(fw, joint.num_fwd_outputs)
     exact = simulate.known_exact(saved, recomputed)
-    if exact is None and known is not None and known.solver.get("peak_from") == "inductor-code":
-        exact = known.predicted_peak_bytes  # the same joint graph (its id), the same saved set
+    if exact is None and known is not None and known.solver.get("peak_from", "").startswith("inductor-code"):
+        # the same joint graph (its id), the same saved set
+        exact = known.solver.get("walked_peak_bytes", known.predicted_peak_bytes)
     budget = graph_options.memory_budget
     fraction = isinstance(budget, float) and budget < 1.0
     searched = (
@@ -254,13 +256,18 @@ def _plan_joint_graph(
         set_peak(plan, exact, simulate, used, time.perf_counter() - start, (fw, bw))
         return Planned(plan, fw, bw, wants_chunks=True)
     deferred = None
-    if walk and request.compiling:
+    # on CUDA a walked plan's figure is the allocator's blocks, read off the compile's code as well;
+    # not a chunk choice's candidate's: candidates are compared by their walks, as the search's plans
+    blocks = exact is not None and not request.walk_every_plan and allocated.on_cuda(simulate.gm)
+    if (walk or blocks) and request.compiling:
         deferred = DeferredWalk(
             plan, fw, bw, (output_names(fw), tangent_bytes(bw)), saved, simulate, used, options
         )
     choice_s = known.solver.get("chunk_choice_s", 0.0) if known is not None else 0.0
     set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start, (fw, bw))
     if deferred is None:  # its figures are final now
+        if blocks:
+            in_allocator_blocks(plan, allocated.blocks_peak(simulate, saved, recomputed, None))
         check_limit(plan, options, _why_unwalked(exact, walk, simulate, saved, recomputed, options))
     return Planned(plan, fw, bw, deferred=deferred)
 
@@ -377,10 +384,41 @@ class DeferredWalk:
         walked = (self.fw, self.bw, (codes[False], codes[True], *self.outputs)) if len(codes) == 2 else None
         with ti.buffer_pool(pools_dead_buffers(self.options)):  # a lowering of its own as compiled
             exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
+            cuda = exact is not None and allocated.on_cuda(self.simulate.gm)
+            found = allocated.blocks_peak(self.simulate, self.saved, recomputed, walked) if cuda else None
         seconds = self.plan.solver["plan_s"] + time.perf_counter() - start
         set_peak(self.plan, exact, self.simulate, self.used, seconds, (self.fw, self.bw))
+        if found is not None:
+            in_allocator_blocks(self.plan, found)
         why = None if exact is not None else self.simulate.why_unwalked(self.saved, recomputed)
         check_limit(self.plan, self.options, why)
+
+
+ALLOCATOR_NOTE = "CUDA caching allocator:"
+
+
+def in_allocator_blocks(plan: Plan, found: tuple[int | None, str]) -> None:
+    """On a CUDA device, the walked plan's predicted peak as the caching allocator counts it
+    (``found``: :func:`recompile_opt.costs.allocated.blocks_peak`), the walk's figure kept in
+    ``solver["walked_peak_bytes"]``, both in a note; where the allocator is not modelled, the walk's
+    figure stays and the note says why. Why: what users read (``max_memory_allocated``) and
+    ``peak_memory`` is held to are the blocks, not the code's requests."""
+    blocks, how = found
+    walked = plan.predicted_peak_bytes
+    plan.notes[:] = [n for n in plan.notes if not n.startswith(ALLOCATOR_NOTE)]  # a plan planned again
+    if blocks is None:
+        plan.notes.append(
+            f"{ALLOCATOR_NOTE} {how}: the predicted peak is the code's requests "
+            f"({fmt_bytes(walked)}, walked); the allocator's blocks may hold more"
+        )
+        return
+    plan.solver.update(walked_peak_bytes=walked, peak_from="inductor-code+cuda-allocator")
+    plan.predicted_peak_bytes = blocks
+    plan.notes.append(
+        f"{ALLOCATOR_NOTE} the code's requests peak at {fmt_bytes(walked)} (walked), the "
+        f"allocator's blocks at {fmt_bytes(blocks)} in a steady step ({how}); the predicted peak is "
+        "the blocks'"
+    )
 
 
 def check_limit(plan: Plan, options: Options, unwalked: str | None) -> None:
@@ -399,6 +437,13 @@ def check_limit(plan: Plan, options: Options, unwalked: str | None) -> None:
         msg = (
             f"recompile_opt: peak_memory={fmt_bytes(limit)} was held to the kernel model's estimate "
             f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}"
+        )
+    elif plan.predicted_peak_bytes > limit and "walked_peak_bytes" in plan.solver:
+        msg = (
+            f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
+            f"asks for {fmt_bytes(plan.solver['walked_peak_bytes'])} at its peak (walked), which the "
+            f"CUDA caching allocator holds in {fmt_bytes(plan.predicted_peak_bytes)} of blocks; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True splits every block"
         )
     elif plan.predicted_peak_bytes > limit:
         msg = (

@@ -17,6 +17,9 @@ FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}
 BF16_FACTOR = 2.0  # ours may deviate from eager by twice what plain torch.compile does ...
 BF16_FLOOR = 1e-5  # ... and never needs to beat this relative deviation
 APPROX_GRAD_LIMIT = 1.0  # approximated gradients: the same order as eager's (normwise relative below 1)
+# on CUDA, the steps run before the measured one, the allocator's cache emptied first: the steady step a
+# plan's predicted peak models (recompile_opt.costs.cuda_allocator), whatever ran in the process before
+WARM_STEPS = 2
 
 
 def autocast(device: str, dtype: str):
@@ -121,24 +124,35 @@ def verdict(row: dict, reference: dict | None) -> tuple[bool, str]:
 def measured_peak(step, device: str) -> int:
     """Most bytes allocated above the start during ``step()``: the CUDA allocator's counters on a GPU,
     ``recompile_opt.costs.measure.peak_memory`` (the profiler's allocator records) on the CPU."""
+    return measured_peaks(step, device)[0]
+
+
+def measured_peaks(step, device: str) -> tuple[int, int | None]:
+    """:func:`measured_peak`, and on CUDA the most bytes the step's requests held (the allocator's
+    ``requested_bytes``: no rounding, no block held whole; what the walk of the code counts); None on
+    the CPU, whose allocator records are the requests."""
     import torch
 
     gc.collect()
     if device != "cuda":
         from recompile_opt.costs.measure import peak_memory
 
-        return peak_memory(step)
+        return peak_memory(step), None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base, requested = torch.cuda.memory_allocated(), torch.cuda.memory_stats()["requested_bytes.all.current"]
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+    stats = torch.cuda.memory_stats()
+    return torch.cuda.max_memory_allocated() - base, stats["requested_bytes.all.peak"] - requested
 
 
 def step_peaks(model, fn, batch: tuple, *, device: str, dtype: str) -> dict:
     """The measured peak of a forward and backward entered with ``grad=None`` (what a plan's predicted
-    peak counts: the gradients are part of it), and of one entered with the gradients allocated."""
+    peak counts: the gradients are part of it), in blocks and in requests, and of one entered with the
+    gradients allocated. On CUDA in a steady step: the allocator's cache emptied, :data:`WARM_STEPS`
+    run, then the one measured."""
+    import torch
 
     def step():
         with autocast(device, dtype):
@@ -146,8 +160,19 @@ def step_peaks(model, fn, batch: tuple, *, device: str, dtype: str) -> dict:
         loss.backward()
 
     model.zero_grad(set_to_none=True)
-    peak = measured_peak(step, device)
-    return {"peak_bytes": peak, "peak_grads_allocated_bytes": measured_peak(step, device)}
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        for _ in range(WARM_STEPS):
+            step()
+            model.zero_grad(set_to_none=True)
+    peak, requested = measured_peaks(step, device)
+    return {
+        "peak_bytes": peak,
+        "peak_requested_bytes": requested,
+        "peak_grads_allocated_bytes": measured_peak(step, device),
+    }
 
 
 def kernel_launches(step, names: list[str]) -> dict:

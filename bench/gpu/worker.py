@@ -162,6 +162,8 @@ def plan_figures(plans: list) -> dict:
     return {
         "plans": len(latest),
         "predicted_peak_bytes": max(p.predicted_peak_bytes for p in latest),
+        # the code's requests, walked, where the predicted peak is the CUDA allocator's blocks of them
+        "walked_peak_bytes": max(p.solver.get("walked_peak_bytes", p.predicted_peak_bytes) for p in latest),
         "estimated_step_s": sum(p.step_s + p.recompute_s for p in latest),
         "approximated": sum(len(p.approximated) for p in latest),
         "chunk_notes": [n for p in latest for n in p.notes if n.startswith("chunk")],

@@ -49,6 +49,7 @@ def exact_peak(
     num_fwd_outputs: int,
     compiled: tuple[ti.WrapperCode, ti.WrapperCode, list, dict] | None = None,
     traces: list | None = None,
+    allocations: list | None = None,
 ) -> int:
     """Most live bytes above the pre-step baseline over the step: the backward Inductor generates for
     ``bw`` walked, after the forward as :mod:`recompile_opt.costs.peak` simulates it (its peak and the
@@ -68,14 +69,16 @@ def exact_peak(
     ``bw`` before its compile (which leaves its inputs no values): both codes are walked, nothing is
     lowered.
 
-    ``traces``: receives a :class:`WalkedPeak` for each graph walked (what is alive at its peak)."""
+    ``traces``: receives a :class:`WalkedPeak` for each graph walked (what is alive at its peak).
+    ``allocations``: receives the step's allocations and frees in order (:mod:`.cuda_allocator`'s
+    events): both graphs' code is then walked."""
     if compiled is not None:
         fw_code, bw_code, fw_outputs, tangents = compiled
-        fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs, traces)
-        return max(fw_peak, _walked_backward(bw_code, tangents, fw_end, kept, owner, traces))
+        fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs, traces, allocations)
+        return max(fw_peak, _walked_backward(bw_code, tangents, fw_end, kept, owner, traces, allocations))
     strides = None  # the saved tensors' strides where Inductor's forward chose them
-    if ti.layout_optimized(fw):
-        fw_peak, fw_end, kept, owner, strides = _walked_forward(fw, traces=traces)
+    if ti.layout_optimized(fw) or allocations is not None:
+        fw_peak, fw_end, kept, owner, strides = _walked_forward(fw, traces=traces, events=allocations)
     else:
         fw_peak, fw_end, kept, owner = forward_state(fw)
     donated = ti.bw_donated_inputs(fw, bw, num_fwd_outputs)
@@ -86,8 +89,9 @@ def exact_peak(
         kept,
         owner,
         traces,
+        allocations,
     )
-    if fw_peak <= bw_peak or strides is not None:
+    if fw_peak <= bw_peak or strides is not None or allocations is not None:
         return max(fw_peak, bw_peak)
     # the simulated forward holds the peak (a plan that recomputes little): walk the forward's code too
     return max(_walked_forward(fw, traces=traces)[0], bw_peak)
@@ -112,6 +116,7 @@ def _walked_backward(
     kept: dict,
     owner: dict,
     traces: list | None = None,
+    events: list | None = None,
 ) -> int:
     """The backward's peak from its code: it starts with the forward's kept storages, what else the
     forward left alive (the loss) and the ``tangents`` (:func:`tangent_bytes`). Each tangent the
@@ -122,6 +127,8 @@ def _walked_backward(
     trace = WalkedPeak("backward") if traces is not None else None
     frees = ti.backward_frees_tangents()
     freed = {name: size for name, (size, held) in tangents.items() if frees and not held}
+    if events is not None:  # the tangents the backward holds throughout; the loss is the forward's
+        events += [("alloc", ("tangent", n), size) for n, (size, _) in tangents.items() if n not in freed]
     peak = walk(
         wrapper.code,
         inputs={**owner, **{name: TANGENT + name for name in freed}},
@@ -133,6 +140,8 @@ def _walked_backward(
         trace=trace,
         origins=wrapper.origins,
         pooled=wrapper.pooled,
+        events=events,
+        inherited={key: ("forward", int(key[1:])) for key in kept} if events is not None else None,
     )
     if trace is not None:
         traces.append(trace)
@@ -144,16 +153,21 @@ def _walked_forward(
     wrapper: ti.WrapperCode | None = None,
     outputs: list | None = None,
     traces: list | None = None,
+    events: list | None = None,
 ):
     """:func:`recompile_opt.costs.peak.forward_state` read off the forward's code (``wrapper``, or
     lowered here): its peak, the live bytes at its end, the bytes of each storage it returns, each
     output name's storage; and each output name's strides (the backward receives them so).
-    ``outputs``: the names of ``fw``'s outputs (None for a non-tensor), where not read off ``fw``."""
+    ``outputs``: the names of ``fw``'s outputs (None for a non-tensor), where not read off ``fw``.
+    ``events``: receives its allocations and frees, each storage keyed ``("forward", id)``."""
     wrapper = wrapper or ti.inductor_wrapper_code(fw, backward=False)
     code, sizes, multi, externs, out_strides = wrapper[:5]
-    live = _Storages()
+    live = _Storages(events=events, tag="forward")
     call = _call(code)
     returned = _run(call, live, {}, sizes, multi, _scratch(externs))
+    if events is not None:  # what it does not return dies as it returns
+        out_sids = {live.names.get(name) for name in returned if name}
+        events += [("free", live.keys[sid]) for sid in list(live.refs) if sid not in out_sids]
     if traces is not None:
         traces.append(_peak_trace("forward", call, live, returned, set(), wrapper.origins, wrapper.pooled))
     kept, owner, strides = {}, {}, {}
@@ -200,6 +214,8 @@ def walk(
     trace: WalkedPeak | None = None,
     origins: dict[str, str] | None = None,
     pooled: frozenset[str] = frozenset(),
+    events: list | None = None,
+    inherited: dict[str, object] | None = None,
 ) -> int:
     """The most live bytes while Inductor's wrapper ``code`` runs its ``call``. ``inputs``: input name
     -> the storage it holds (views of one buffer name the same), ``storage_bytes`` their bytes, live
@@ -209,10 +225,14 @@ def walk(
     call's output buffers; ``scratch``: an extern kernel's workspace, alive while it runs, above
     its outputs; ``other``: bytes alive throughout. ``trace``: filled with what is alive at the peak
     (``origins``: buffer -> the FX node it holds; ``pooled``: the dead buffers the wrapper handed on,
-    :class:`_torch_internals.WrapperCode`)."""
-    call, inputs = _call(code), inputs or {}
-    live = _Storages()
-    storage = {key: live.new("#" + key, n) for key, n in sorted((storage_bytes or {}).items())}
+    :class:`_torch_internals.WrapperCode`). ``events``: receives the allocations and frees
+    (``inherited``: the event key of a storage of ``storage_bytes`` an earlier walk allocated)."""
+    call, inputs, inherited = _call(code), inputs or {}, inherited or {}
+    live = _Storages(events=events, tag="backward")
+    storage = {
+        key: live.new("#" + key, n, event_key=inherited.get(key))
+        for key, n in sorted((storage_bytes or {}).items())
+    }
     live.live += other
     returned = _run(
         call,
@@ -265,6 +285,11 @@ class _Storages:
     at_peak: dict[int, tuple[frozenset, int]] = field(default_factory=dict)  # storage -> (names, bytes)
     peak_stmt: int = 0
     peak_workspace: tuple[str, int] | None = None  # an extern kernel's workspace, at the peak
+    # where asked (cuda_allocator): each allocation and free in order, ("alloc", key, bytes) / ("free",
+    # key); a storage's key is (tag, id), or the one it was given where an earlier walk allocated it
+    events: list | None = None
+    tag: str = ""
+    keys: dict[int, object] = field(default_factory=dict)
 
     def raise_to(self, level: int, workspace: tuple[str, int] | None = None) -> None:
         """``level`` live bytes now: a new peak is remembered with what is alive at it."""
@@ -272,10 +297,15 @@ class _Storages:
             self.peak, self.peak_stmt, self.peak_workspace = level, self.stmt, workspace
             self.at_peak = {sid: (frozenset(self.refs[sid]), self.size[sid]) for sid in self.refs}
 
-    def new(self, name: str, nbytes: int, holder: str | None = None) -> int:
-        """A storage allocated now, referred to by ``name`` (or, unnamed yet, held by ``holder``)."""
+    def new(self, name: str, nbytes: int, holder: str | None = None, event_key: object = None) -> int:
+        """A storage allocated now, referred to by ``name`` (or, unnamed yet, held by ``holder``);
+        ``event_key``: the key of an allocation an earlier walk made (no new one in ``events``)."""
         self.drop(name) if holder is None else None
         sid, self.next_id = self.next_id, self.next_id + 1
+        if self.events is not None:
+            self.keys[sid] = event_key if event_key is not None else (self.tag, sid)
+            if event_key is None:
+                self.events.append(("alloc", self.keys[sid], nbytes))
         self.refs[sid], self.size[sid] = {holder or name}, nbytes
         if holder is None:
             self.names[name] = sid
@@ -323,6 +353,15 @@ class _Storages:
         if not refs:
             self.live -= self.size.pop(sid)
             del self.refs[sid]
+            if self.events is not None:
+                self.events.append(("free", self.keys[sid]))
+
+    def workspace(self, name: str, nbytes: int) -> None:
+        """An extern kernel's workspace: alive while it runs, above what is live."""
+        self.raise_to(self.live + nbytes, workspace=(name, nbytes))
+        if self.events is not None:
+            key = (self.tag, "workspace", self.stmt)
+            self.events += [("alloc", key, nbytes), ("free", key)]
 
 
 @dataclass
@@ -527,7 +566,7 @@ def _step(
             else:
                 live.new(name, sizes.get(name, 0))
             if scratch.get(name):  # its workspace, while it runs
-                live.raise_to(live.live + scratch[name], workspace=(name, scratch[name]))
+                live.workspace(name, scratch[name])
 
 
 def _returns_its_first_input(value: ast.expr) -> bool:
