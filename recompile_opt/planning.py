@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from recompile_opt import _torch_internals as ti
-from recompile_opt.costs import allocated
+from recompile_opt.costs import allocated, cuda_allocator
 from recompile_opt.costs.inductor_peak import output_names, tangent_bytes
 from recompile_opt.costs.peak import caller_outputs_bytes, peak_breakdown, pool_rule
 from recompile_opt.costs.simulator import PeakSimulator, simulator_for
@@ -267,7 +267,7 @@ def _plan_joint_graph(
     set_peak(plan, exact, simulate, used, choice_s + time.perf_counter() - start, (fw, bw))
     if deferred is None:  # its figures are final now
         if blocks:
-            in_allocator_blocks(plan, allocated.blocks_peak(simulate, saved, recomputed, None))
+            in_allocator_blocks(plan, allocator_blocks(plan, simulate, saved, recomputed, None))
         check_limit(plan, options, _why_unwalked(exact, walk, simulate, saved, recomputed, options))
     return Planned(plan, fw, bw, deferred=deferred)
 
@@ -385,7 +385,9 @@ class DeferredWalk:
         with ti.buffer_pool(pools_dead_buffers(self.options)):  # a lowering of its own as compiled
             exact = self.simulate.exact(self.saved, recomputed, compiled=walked)
             cuda = exact is not None and allocated.on_cuda(self.simulate.gm)
-            found = allocated.blocks_peak(self.simulate, self.saved, recomputed, walked) if cuda else None
+            found = (
+                allocator_blocks(self.plan, self.simulate, self.saved, recomputed, walked) if cuda else None
+            )
         seconds = self.plan.solver["plan_s"] + time.perf_counter() - start
         set_peak(self.plan, exact, self.simulate, self.used, seconds, (self.fw, self.bw))
         if found is not None:
@@ -397,6 +399,15 @@ class DeferredWalk:
 ALLOCATOR_NOTE = "CUDA caching allocator:"
 
 
+def allocator_blocks(plan: Plan, simulate, saved: set, recomputed: set, compiled) -> tuple[int | None, str]:
+    """The plan's peak in the CUDA caching allocator's blocks (:func:`allocated.blocks_peak`), or None and
+    why not: a plan that offloads copies on a stream of its own, whose blocks the one-stream model of
+    the allocator does not follow (a block freed there waits for the copy's event)."""
+    if plan.offloaded:
+        return None, "the offload copies' stream not modelled"
+    return allocated.blocks_peak(simulate, saved, recomputed, compiled)
+
+
 def in_allocator_blocks(plan: Plan, found: tuple[int | None, str]) -> None:
     """On a CUDA device, the walked plan's predicted peak as the caching allocator counts it
     (``found``: :func:`recompile_opt.costs.allocated.blocks_peak`), the walk's figure kept in
@@ -404,7 +415,7 @@ def in_allocator_blocks(plan: Plan, found: tuple[int | None, str]) -> None:
     figure stays and the note says why. Why: what users read (``max_memory_allocated``) and
     ``peak_memory`` is held to are the blocks, not the code's requests."""
     blocks, how = found
-    walked = plan.predicted_peak_bytes
+    walked = plan.solver.get("walked_peak_bytes", plan.predicted_peak_bytes)  # blocks set before
     plan.notes[:] = [n for n in plan.notes if not n.startswith(ALLOCATOR_NOTE)]  # a plan planned again
     if blocks is None:
         plan.notes.append(
@@ -439,11 +450,12 @@ def check_limit(plan: Plan, options: Options, unwalked: str | None) -> None:
             f"({fmt_bytes(plan.predicted_peak_bytes)}), not checked in Inductor's code: {unwalked}"
         )
     elif plan.predicted_peak_bytes > limit and "walked_peak_bytes" in plan.solver:
+        split = cuda_allocator.parse(*ti.cuda_allocator_settings()).expandable_segments
         msg = (
             f"recompile_opt: peak_memory={fmt_bytes(limit)} is not met: the code Inductor generated "
             f"asks for {fmt_bytes(plan.solver['walked_peak_bytes'])} at its peak (walked), which the "
-            f"CUDA caching allocator holds in {fmt_bytes(plan.predicted_peak_bytes)} of blocks; "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True splits every block"
+            f"CUDA caching allocator holds in {fmt_bytes(plan.predicted_peak_bytes)} of blocks"
+            + ("" if split else "; PYTORCH_ALLOC_CONF=expandable_segments:True splits every block")
         )
     elif plan.predicted_peak_bytes > limit:
         msg = (
@@ -461,6 +473,7 @@ def set_peak(plan: Plan, exact, simulate, used, seconds: float, graphs: tuple = 
     ``used``. ``graphs``: the plan's forward and backward, which name the values alive at a walked peak."""
     plan.predicted_peak_bytes = plan.peak_breakdown["total"] if exact is None else exact
     plan.solver["peak_from"] = "simulator" if exact is None else "inductor-code"
+    plan.solver.pop("walked_peak_bytes", None)  # the blocks' figure of an earlier set: in_allocator_blocks
     recomputed = plan.recomputed_names()
     trace = simulate.walked_peak({e.name for e in plan.saved if e.op != "rng_state"}, recomputed)
     if exact is None:

@@ -10,6 +10,7 @@ the blocks' figure (its predicted peak, the one ``peak_memory`` is held to) and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -51,18 +52,21 @@ def step_events(simulate, saved: set, recomputed: set, compiled: tuple | None) -
             exact_peak(fw, bw, num_fwd_outputs=simulate.num_fwd_outputs, compiled=codes, allocations=events)
             return events
         gm, info = simulate.graph_for(recomputed)
-        fw, bw = partition(
-            gm,
-            saved=saved,
-            recomputed=recomputed,
-            info=info,
-            num_fwd_outputs=simulate.num_fwd_outputs,
-            static_lifetime_input_indices=simulate.static,
-            copy_clock=simulate.copy_clock,
-        )
-        if why_not_walkable(fw, bw):
-            return None
-        exact_peak(fw, bw, num_fwd_outputs=simulate.num_fwd_outputs, allocations=events)
+        # lowered as the walk lowered it: Inductor's channels-last layout off where the walk had it off
+        plain = getattr(simulate, "plain_layout", False)
+        with ti.layout_optimization(False) if plain else contextlib.nullcontext():
+            fw, bw = partition(
+                gm,
+                saved=saved,
+                recomputed=recomputed,
+                info=info,
+                num_fwd_outputs=simulate.num_fwd_outputs,
+                static_lifetime_input_indices=simulate.static,
+                copy_clock=simulate.copy_clock,
+            )
+            if why_not_walkable(fw, bw):
+                return None
+            exact_peak(fw, bw, num_fwd_outputs=simulate.num_fwd_outputs, allocations=events)
     except Exception as e:  # noqa: BLE001 - a refinement: without it the walked figure stands
         log.info("recompile_opt: the plan's allocations could not be listed: %r", e)
         return None

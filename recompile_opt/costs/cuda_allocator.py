@@ -14,7 +14,7 @@ request rounded to 2 MiB); a block split where the pool's rule allows (small: 51
 large: more than 1 MiB remains and the request is under ``max_split_size_mb``; every pool with
 ``expandable_segments``); a freed block merged with its free neighbours in its segment; segments never
 returned. Where a setting it does not model is set (another backend, ``roundup_power2_divisions``),
-:func:`unmodelled` says which, and the caller keeps the walked figure.
+``Settings.unmodelled`` says which, and the caller keeps the walked figure.
 
 A step is modelled in steady state: the baseline (parameters, inputs) allocated first and held, then
 :data:`STEPS` steps, each freeing what it still holds at its end (its gradients go with
@@ -35,7 +35,19 @@ LARGE_BUFFER = 20 << 20  # kLargeBuffer: the segment of a request up to MIN_LARG
 MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge: larger segments are the request rounded to it
 STEPS = 3  # steps modelled; the last one's peak is the figure (the second already reuses segments)
-MODELLED = frozenset({"expandable_segments", "max_split_size_mb", "garbage_collection_threshold"})
+# settings that do not change one step's blocks: the cache's release under memory pressure (the
+# model's device never fills), the host's pinned memory, the lock around cudaMalloc, graph capture
+UNAFFECTED = frozenset(
+    {
+        "garbage_collection_threshold",
+        "release_lock_on_cudamalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_num_register_threads",
+        "pinned_use_background_threads",
+        "pinned_reserve_segment_size_mb",
+        "graph_capture_record_stream_reuse",
+    }
+)
 
 
 @dataclass
@@ -68,7 +80,11 @@ def parse(conf: str, backend: str = "native") -> Settings:
             out.expandable_segments = value.strip().lower() == "true"
         elif name == "max_split_size_mb":
             out.max_split_size = int(float(value)) << 20
-        elif name not in MODELLED:
+        elif name == "backend":  # the string's, read before CUDA is initialised
+            unmodelled = f"backend:{value.strip()}"
+            if value.strip() != "native" and unmodelled not in out.unmodelled:
+                out.unmodelled += (unmodelled,)
+        elif name not in UNAFFECTED:
             out.unmodelled += (name,)
     return out
 

@@ -8,9 +8,10 @@ its gradients; a tiny ViT measured 37% above its walked peak before this module.
 depends on the backend's algorithm choice (im2col, MKL-DNN, cuDNN), not on a formula we could keep
 true across versions, so it is measured: the op is run once on empty tensors of the node's layouts
 under the allocator profiler (:func:`recompile_opt.costs.measure.allocation_timeline`; on CUDA the
-caching allocator's peak counter), after one call unmeasured where the op compiles on its first call
-(the chunked loss's fused body: ``ops.compiles_on_first_call``), and its peak within the call less the
-bytes of its outputs is the scratch. A few milliseconds per distinct layout, cached for the process.
+caching allocator's peak of requested bytes), after one call unmeasured where the op compiles on its
+first call (the chunked loss's fused body: ``ops.compiles_on_first_call``), and its peak within the
+call less the bytes of its outputs is the scratch. A few milliseconds per distinct layout, cached for
+the process.
 
 Only ops known to allocate workspace are measured (:data:`recompile_opt.ops.SCRATCH`): every other
 kernel's outputs are all it allocates. The meta device (planning without a step) has no kernel to
@@ -131,12 +132,14 @@ def _measure(target, args, kwargs, strides: list[tuple] | None, warm_up: bool = 
             target(*args, **kwargs)
         outputs = []
         if device.type == "cuda":  # the caching allocator's own counters (exact, and no profiler)
+            # its requested bytes, not its blocks: the scratch is replayed as a request of the walk,
+            # which the allocator model (costs/cuda_allocator.py) rounds and places as it would
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
+            before = torch.cuda.memory_stats(device)["requested_bytes.all.current"]
             outputs.append(target(*args, **kwargs))
             torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device) - before
+            peak = torch.cuda.memory_stats(device)["requested_bytes.all.peak"] - before
         else:
             peak = live = 0
             for nbytes in allocation_timeline(lambda: outputs.append(target(*args, **kwargs)), device):
