@@ -10,7 +10,6 @@ the blocks' figure (its predicted peak, the one ``peak_memory`` is held to) and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -20,7 +19,6 @@ from recompile_opt import _torch_internals as ti
 from recompile_opt.costs import cuda_allocator
 from recompile_opt.costs.inductor_peak import exact_peak, why_not_walkable
 from recompile_opt.costs.kernels import nbytes
-from recompile_opt.passes.partition import partition
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +49,8 @@ def step_events(simulate, saved: set, recomputed: set, compiled: tuple | None) -
             fw, bw, codes = compiled
             exact_peak(fw, bw, num_fwd_outputs=simulate.num_fwd_outputs, compiled=codes, allocations=events)
             return events
-        gm, info = simulate.graph_for(recomputed)
-        # lowered as the walk lowered it: Inductor's channels-last layout off where the walk had it off
-        plain = getattr(simulate, "plain_layout", False)
-        with ti.layout_optimization(False) if plain else contextlib.nullcontext():
-            fw, bw = partition(
-                gm,
-                saved=saved,
-                recomputed=recomputed,
-                info=info,
-                num_fwd_outputs=simulate.num_fwd_outputs,
-                static_lifetime_input_indices=simulate.static,
-                copy_clock=simulate.copy_clock,
-            )
+        with simulate.lowering_layout():  # lowered as the walk lowered it
+            fw, bw = simulate.partitioned(saved, recomputed)
             if why_not_walkable(fw, bw):
                 return None
             exact_peak(fw, bw, num_fwd_outputs=simulate.num_fwd_outputs, allocations=events)

@@ -326,21 +326,28 @@ class PeakSimulator:
     ) -> int | None:
         """The plan partitioned, lowered by Inductor (its channels-last layout off with ``plain_layout``)
         and walked (``guarded``: a failure gives None, else it raises)."""
-        gm, info = self.graph_for(recomputed)
         walked = self._walked if guarded else self._walked_unguarded
-        with ti.layout_optimization(False) if plain_layout else contextlib.nullcontext():
-            return walked(
-                *partition(
-                    gm,
-                    saved=saved,
-                    recomputed=recomputed,
-                    info=info,
-                    num_fwd_outputs=self.num_fwd_outputs,
-                    static_lifetime_input_indices=self.static,
-                    copy_clock=self.copy_clock,
-                ),
-                traces=traces,
-            )
+        with self.lowering_layout(plain_layout):
+            return walked(*self.partitioned(saved, recomputed), traces=traces)
+
+    def lowering_layout(self, plain_layout: bool | None = None):
+        """A context in which Inductor lowers as this simulator's walks do: its channels-last layout off
+        with ``plain_layout`` (None: :attr:`plain_layout`)."""
+        plain = self.plain_layout if plain_layout is None else plain_layout
+        return ti.layout_optimization(False) if plain else contextlib.nullcontext()
+
+    def partitioned(self, saved: set, recomputed: set) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The plan's forward and backward graphs as Inductor is handed them (to lower and walk)."""
+        gm, info = self.graph_for(recomputed)
+        return partition(
+            gm,
+            saved=saved,
+            recomputed=recomputed,
+            info=info,
+            num_fwd_outputs=self.num_fwd_outputs,
+            static_lifetime_input_indices=self.static,
+            copy_clock=self.copy_clock,
+        )
 
     def why_unwalked(self, saved: set, recomputed: set) -> str:
         """Why :meth:`exact` gave this plan no peak (for its figures' label)."""
