@@ -52,6 +52,8 @@ def check_torch_version(version=None) -> tuple[int, int, int]:
 
 TORCH_VERSION = check_torch_version()
 
+from torch._C import DispatchKey
+from torch._decomp import global_decomposition_table
 from torch._dynamo import config as dynamo_config  # noqa: E402 (after the version check)
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
@@ -91,6 +93,7 @@ from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.graph import GraphLowering
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch._inductor.virtualized import V
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -223,6 +226,7 @@ __all__ = [
     "inner_static_indices",
     "rng_state_bytes",
     "no_graph_codegen",
+    "composite_autograd_on_meta",
     "allocator_records",
     "cpp_build_timer",
     "on_fresh_stack",
@@ -313,6 +317,42 @@ def no_graph_codegen():
         yield
     finally:
         torch.fx.GraphModule.recompile = saved
+
+
+@functools.cache
+def _meta_kernels_over_composites() -> tuple:
+    """The ops with a C++ CompositeImplicitAutograd kernel and a Python Meta kernel over it (torch's
+    refs and meta registrations: ``nll_loss``, ``dropout``, ``var_mean``, ``where``, ...: 108 on 2.13)."""
+    ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
+    return tuple(
+        op
+        for op in ops
+        if DispatchKey.Meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    )
+
+
+@contextlib.contextmanager
+def composite_autograd_on_meta():
+    """Inside, the ops of :func:`_meta_kernels_over_composites` have no Python Meta kernel, so on meta
+    tensors they decompose above autograd as on every other device, and eager meta does.
+
+    Why: under the Python dispatcher (AOTAutograd's tracing) a Python kernel for the Meta key counts as
+    a backend kernel of AutogradMeta, so the op skips its composite and reaches autograd's
+    not-implemented fallback: on meta ``F.cross_entropy`` traced a joint graph whose backward never
+    read the loss's tangent, and ``F.dropout`` passed no gradient (torch's warning: "aten::nll_loss:
+    an autograd kernel was not registered"). Restored on exit (each op's dispatch cache cleared both
+    ways)."""
+    ops = [op for op in _meta_kernels_over_composites() if DispatchKey.Meta in op.py_kernels]  # not nested
+    removed = {op: op.py_kernels.pop(DispatchKey.Meta) for op in ops}
+    for op in removed:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed.items():
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
 
 
 @contextlib.contextmanager

@@ -82,7 +82,8 @@ def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *,
     chunked = chunk_regions(gm, options, chosen)
     offered = offer_approximations_of(gm, options)
     fused = 0
-    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs):
+    meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
+    if meta:
         # Inductor's joint-graph constant folding treats every meta tensor as foldable and would
         # fold the whole graph away; on real devices it only folds true constants.
         patches["joint_graph_constant_folding"] = False
@@ -91,6 +92,7 @@ def _compile_eager_once(gm, example_inputs, partitioner, chosen: dict | None, *,
         ti.V.set_fake_mode(fake_mode),
         ti.inductor_config.patch(patches),
         partitioner.asked(chunked=chunked.chunked) if ours else contextlib.nullcontext(),
+        ti.composite_autograd_on_meta() if meta else contextlib.nullcontext(),
     ):
         # the decomposition table depends on fallback_random: build it inside the patch, or dropout
         # would decompose into Inductor's rand + compare and draw other masks than eager's
