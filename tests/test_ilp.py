@@ -768,6 +768,29 @@ def test_no_budget_recomputes_what_costs_less_than_the_solvers_gap_of_the_step()
     assert not plan.recomputed and plan.saved_bytes == 9 * MiB
 
 
+def test_no_budget_recomputes_no_matmul_the_fastest_plan_keeps():
+    """The same two values, both within the gap (2 us of a 1 ms step each), ``matmul`` with FLOPs: the
+    no-budget plan recomputes the pointwise one only (PyTorch's partitioner recomputes no matmul
+    without a budget; the GPU check's GPT recomputed three so). A budget may still recompute it."""
+    from recompile_opt.options import Options
+    from recompile_opt.planner.search import make_plan
+
+    p = problem(
+        inp("x", 1, needed=True),
+        op("pointwise", ["x"], 4, 2),
+        op("matmul", ["x"], 4, 2, flops=10**9),
+        save_us={"x": 0, "pointwise": 1, "matmul": 1},
+    )
+    p = dataclasses.replace(p, step_s=1000 * US)
+    _, _, recomputed, _ = solve_ok(p, budget=None)
+    assert recomputed == set()  # the fastest plan keeps both
+    plan = make_plan(p, Options())
+    assert {e.name for e in plan.recomputed} == {"pointwise"}
+    assert plan.saved_bytes == 5 * MiB
+    plan = make_plan(p, Options(memory_budget=MiB))  # a budget asks for the bytes
+    assert {e.name for e in plan.recomputed} == {"pointwise", "matmul"}
+
+
 def test_a_planning_reads_the_answer_an_earlier_one_gave_the_same_model(monkeypatch, tmp_path):
     """Within ``solutions.kept_in`` a solve's answer is kept on disk and read back for the same model,
     without solving; any change to what the model is built from (a cost, the budget, the limits, the

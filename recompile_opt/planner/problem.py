@@ -175,6 +175,11 @@ class Problem:
         """This problem with every site's choice fixed: all approximated (True) or none (False)."""
         return dataclasses.replace(self, sites=[dataclasses.replace(s, fixed=fixed) for s in self.sites])
 
+    def with_recompute_barred(self, names: set[str]) -> "Problem":
+        """This problem with the values ``names`` kept wherever the backward needs them, never recomputed."""
+        barred = {n: dataclasses.replace(self.values[n], can_recompute=False) for n in names}
+        return dataclasses.replace(self, values={**self.values, **barred})
+
     def needed_closure(
         self, recompute: set[str], keep: set[str] = frozenset(), *, feasible: set[str] | None = None
     ) -> tuple[set[str], set[str]]:
