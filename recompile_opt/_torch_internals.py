@@ -320,34 +320,36 @@ def no_graph_codegen():
 
 
 @functools.cache
-def _meta_kernels_over_composites() -> tuple:
-    """The ops with a C++ CompositeImplicitAutograd kernel and a Python Meta kernel over it (torch's
-    refs and meta registrations: ``nll_loss``, ``dropout``, ``var_mean``, ``where``, ...: 108 on 2.13)."""
+def _composite_ops() -> tuple:
+    """The ops of torch's decomposition tables with a C++ CompositeImplicitAutograd kernel; those with a
+    Python Meta kernel over it are torch's refs and meta registrations (``nll_loss``, ``var_mean``,
+    ``where``, ...: 108 on 2.13, 152 on 2.11)."""
     ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
     return tuple(
         op
         for op in ops
-        if DispatchKey.Meta in op.py_kernels
-        and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
     )
 
 
 @contextlib.contextmanager
 def composite_autograd_on_meta():
-    """Inside, the ops of :func:`_meta_kernels_over_composites` have no Python Meta kernel, so on meta
-    tensors they decompose above autograd as on every other device, and eager meta does.
+    """Inside, the ops of :func:`_composite_ops` have no Python Meta kernel, so on meta tensors they
+    decompose above autograd as on every other device, and as eager meta does.
 
     Why: under the Python dispatcher (AOTAutograd's tracing) a Python kernel for the Meta key counts as
     a backend kernel of AutogradMeta, so the op skips its composite and reaches autograd's
-    not-implemented fallback: on meta ``F.cross_entropy`` traced a joint graph whose backward never
-    read the loss's tangent, and ``F.dropout`` passed no gradient (torch's warning: "aten::nll_loss:
-    an autograd kernel was not registered"). Restored on exit (each op's dispatch cache cleared both
-    ways)."""
-    ops = [op for op in _meta_kernels_over_composites() if DispatchKey.Meta in op.py_kernels]  # not nested
-    removed = {op: op.py_kernels.pop(DispatchKey.Meta) for op in ops}
-    for op in removed:
-        op._dispatch_cache.clear()
+    not-implemented fallback (torch's warning: "aten::nll_loss: an autograd kernel was not
+    registered"): on meta ``F.cross_entropy``, ``torch.where`` and ``var`` traced joint graphs whose
+    backward never read the tangent. Restored on exit, each op's dispatch cache cleared both ways; one
+    inside another finds nothing to set aside. Not for two threads at once: the kernels are global
+    (Dynamo's compile lock serialises captures)."""
+    removed = {}
     try:
+        for op in _composite_ops():
+            if DispatchKey.Meta in op.py_kernels:
+                removed[op] = op.py_kernels.pop(DispatchKey.Meta)
+                op._dispatch_cache.clear()
         yield
     finally:
         for op, kernel in removed.items():

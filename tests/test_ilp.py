@@ -791,6 +791,15 @@ def test_no_budget_recomputes_no_matmul_the_fastest_plan_keeps():
     assert {e.name for e in plan.recomputed} == {"pointwise", "matmul"}
 
 
+def test_compute_bound_is_flops_an_output_element_above_an_elementwise_ops():
+    shaped = lambda flops, **kw: Value("v", "v", flops=flops, info={"shape": [4, 8]}, **kw)  # noqa: E731
+    assert not shaped(0).compute_bound
+    assert not shaped(32, random=True).compute_bound  # a dropout's replay: one per element
+    assert shaped(2 * 64 * 32).compute_bound  # a matmul over K = 64
+    assert shaped(2 * 64 * 32, random=True).compute_bound  # attention with dropout
+    assert Value("t", "", flops=10**6, info={"shape": [2, "s0"]}).compute_bound  # symbolic: counts 1
+
+
 def test_a_planning_reads_the_answer_an_earlier_one_gave_the_same_model(monkeypatch, tmp_path):
     """Within ``solutions.kept_in`` a solve's answer is kept on disk and read back for the same model,
     without solving; any change to what the model is built from (a cost, the budget, the limits, the

@@ -8,6 +8,7 @@ lives in: views share their base's storage, and memory is charged per storage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 OFFLOAD = "offload:"  # a plan offloads value v when "offload:v" is in its recomputed set (see Problem)
@@ -61,6 +62,18 @@ class Value:
     # 1/copies of its bytes; empty: its own ``offload_windows`` for all of them
     member_windows: tuple[tuple[float, float], ...] = ()
     info: dict = field(default_factory=dict)  # op, module, source, shape, dtype: for the Plan only
+
+    @property
+    def compute_bound(self) -> bool:
+        """More than :data:`COMPUTE_BOUND_FLOPS` FLOPs an output element (a matmul: 2K; attention),
+        where an elementwise op or a random op's replay does one or two: what recomputing costs real
+        time, not a pass over memory. A symbolic dimension counts as 1."""
+        elements = math.prod(d for d in self.info.get("shape") or () if isinstance(d, int))
+        return self.flops > COMPUTE_BOUND_FLOPS * elements
+
+
+# FLOPs an output element above which a value is compute-bound (Value.compute_bound)
+COMPUTE_BOUND_FLOPS = 4
 
 
 @dataclass

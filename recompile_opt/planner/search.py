@@ -195,18 +195,20 @@ def _leanest_as_fast(
     bytes. Why: the fastest plan keeps whatever costs any time to recompute, however little; a
     fused elementwise op (SiLU's output, a product) costs a pass or two over its output, so it was kept
     where PyTorch's min-cut partitioner, with no budget either, recomputes it inside the backward's
-    kernels (the Llama's SiLU outputs: 1.38 MiB a layer per rank, docs/parallel.md). Values with FLOPs
-    (a matmul, attention) the fastest plan keeps stay kept: the GPU check's GPT on meta recomputed two
-    MLP up-projections and a projection so, 0.52 ms of a 40.6 ms estimated step, where issue 45 allows
-    the no-budget step 2% over torch.compile's."""
+    kernels (the Llama's SiLU outputs: 1.38 MiB a layer per rank, docs/parallel.md). A compute-bound
+    value (``Value.compute_bound``: a matmul, attention) that the fastest plan does not recompute is not
+    recomputed here either: the GPU check's GPT on meta recomputed two MLP up-projections and an
+    attention projection so, 0.52 ms of a 40.6 ms estimated step (1.3%), inside the solver's 1% only by
+    the saving time it credits, where issue 45 allows the whole no-budget step 2% over
+    torch.compile's."""
     saved, recomputed = problem.needed_closure(fastest.recompute, fastest.keep)
     step = problem.step_s + problem.recompute_seconds(recomputed)
     cap = ilp.plan_seconds(problem, saved, recomputed) + options.mip_gap * step
     # no matmul or attention recomputed for bytes no budget asked for (PyTorch's partitioner, with none,
-    # recomputes none either): they are the step's time, where a fused elementwise op's is a pass or two
-    heavy = {
-        n for n, v in problem.values.items() if v.flops and not v.random and v.in_forward and v.tag is None
-    } - recomputed
+    # recomputes none either): they are the step's time, where a fused elementwise op's is a pass or two;
+    # a user's tag still decides its value
+    heavy = {n for n, v in problem.values.items() if v.compute_bound and v.in_forward and v.tag is None}
+    heavy -= recomputed
     changed = bool(heavy or problem.sites or problem.offloadable())
     problem = problem.with_recompute_barred(heavy)
     if problem.sites or problem.offloadable():  # approximations and offloads only where a budget asks
