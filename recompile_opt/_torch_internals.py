@@ -52,9 +52,10 @@ def check_torch_version(version=None) -> tuple[int, int, int]:
 
 TORCH_VERSION = check_torch_version()
 
+# the private imports below come after the version check (E402 is off for this project)
 from torch._C import DispatchKey
 from torch._decomp import global_decomposition_table
-from torch._dynamo import config as dynamo_config  # noqa: E402 (after the version check)
+from torch._dynamo import config as dynamo_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._functorch import config as functorch_config

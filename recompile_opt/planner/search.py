@@ -208,13 +208,12 @@ def _leanest_as_fast(
     # recomputes none either): they are the step's time, where a fused elementwise op's is a pass or two;
     # a user's tag still decides its value
     heavy = {n for n, v in problem.values.items() if v.compute_bound and v.in_forward and v.tag is None}
-    heavy -= recomputed
-    changed = bool(heavy or problem.sites or problem.offloadable())
-    problem = problem.with_recompute_barred(heavy)
+    lean_problem = problem.with_recompute_barred(heavy - recomputed) if heavy - recomputed else problem
     if problem.sites or problem.offloadable():  # approximations and offloads only where a budget asks
         # for bytes (ilp.APPROXIMATION_PRICE, OFFLOAD_PRICE); a user's offload tags still hold
-        problem = dataclasses.replace(problem.with_sites_fixed(False), offload_only_tagged=True)
-    reduction = reduce_blocks(problem) if changed else reduction
+        lean_problem = dataclasses.replace(lean_problem.with_sites_fixed(False), offload_only_tagged=True)
+    if lean_problem is not problem:
+        problem, reduction = lean_problem, reduce_blocks(lean_problem)
     lean = solve_reduced(problem, reduction, None, kw, [], minimize_memory=True, time_cap_s=cap)
     if lean.status not in ("optimal", "feasible"):
         return fastest
