@@ -8,6 +8,7 @@ imports the package from there and compiles a model whose dropout runs through t
 helpers of ``recompile_opt.parallel``, whose ops the plan must attribute to the user's module.
 """
 
+import ast
 import json
 import os
 import shutil
@@ -105,3 +106,17 @@ def test_the_installed_wheel_plans_the_parallel_helpers_ops_in_the_users_module(
     assert activations and all(module == "block" for _op, _reason, module, _source in activations), out[
         "kept"
     ]
+
+
+def test_no_test_module_imports_the_tests_directory_as_a_package():
+    """CI runs some test files alone with the ``pytest`` entry point, which puts ``tests/`` on sys.path
+    but not the checkout, so ``tests.helpers`` does not import there; ``helpers`` does. Why: such an
+    import passed in full runs (another module had put the checkout on sys.path) and failed CI's torch
+    2.11 run at collection (stop 83)."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.name}:{node.lineno}" for name in names if name.split(".")[0] == "tests"]
+    assert not offenders, f"import from helpers, not tests.helpers: {offenders}"

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TINY_GPT
 
 import recompile_opt
 from recompile_opt import _torch_internals as ti
 from recompile_opt.models import GPT, GPTConfig, example_batch
 from recompile_opt.options import DEFAULT_ROOFLINE
-from tests.helpers import TINY_GPT
 
 SETTINGS = [{"policy": "full"}, {"memory_budget": 40_000}]
 
