@@ -15,6 +15,8 @@ OFFLOAD = "offload:"  # a plan offloads value v when "offload:v" is in its recom
 # a plan recomputes value v a second time for its late readers when "twice:v" is in its recomputed set
 # (passes/partition.py, _recompute_twice)
 TWICE = "twice:"
+# FLOPs an output element above which a value is compute-bound (Value.compute_bound)
+COMPUTE_BOUND_FLOPS = 4
 
 
 def offload_choice(name: str) -> str:
@@ -70,10 +72,6 @@ class Value:
         time, not a pass over memory. A symbolic dimension counts as 1."""
         elements = math.prod(d for d in self.info.get("shape") or () if isinstance(d, int))
         return self.flops > COMPUTE_BOUND_FLOPS * elements
-
-
-# FLOPs an output element above which a value is compute-bound (Value.compute_bound)
-COMPUTE_BOUND_FLOPS = 4
 
 
 @dataclass

@@ -207,8 +207,10 @@ def _leanest_as_fast(
     # no matmul or attention recomputed for bytes no budget asked for (PyTorch's partitioner, with none,
     # recomputes none either): they are the step's time, where a fused elementwise op's is a pass or two;
     # a user's tag still decides its value
-    heavy = {n for n, v in problem.values.items() if v.compute_bound and v.in_forward and v.tag is None}
-    lean_problem = problem.with_recompute_barred(heavy - recomputed) if heavy - recomputed else problem
+    barred = {
+        n for n, v in problem.values.items() if v.compute_bound and v.in_forward and v.tag is None
+    } - recomputed
+    lean_problem = problem.with_recompute_barred(barred) if barred else problem
     if problem.sites or problem.offloadable():  # approximations and offloads only where a budget asks
         # for bytes (ilp.APPROXIMATION_PRICE, OFFLOAD_PRICE); a user's offload tags still hold
         lean_problem = dataclasses.replace(lean_problem.with_sites_fixed(False), offload_only_tagged=True)
