@@ -14,7 +14,7 @@ from torch import nn
 import recompile_opt
 from recompile_opt import models
 from recompile_opt.costs.measure import peak_memory
-from recompile_opt.options import parse_options
+from recompile_opt.options import DEFAULT_ROOFLINE, parse_options
 from recompile_opt.plan import fmt_bytes
 from recompile_opt.planner import least_peak, search
 from recompile_opt.planner.memory import PlanningMemory
@@ -600,3 +600,52 @@ def test_a_limit_the_code_cannot_be_checked_against_says_so():
     assert plan.solver["peak_from"] == "simulator", plan.summary()
     assert "the kernel model's estimate, not walked in Inductor's code: the meta device" in plan.summary()
     assert not any("walked in Inductor's code" in n and "not walked" not in n for n in plan.notes), plan.notes
+
+
+def _eight_layer_gpt():
+    cfg = models.GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    torch.manual_seed(0)
+    return models.GPT(cfg), models.example_batch(cfg, 2)
+
+
+def _compiled_plan(model, inputs, options: dict, **compile_kwargs):
+    recompile_opt.reset_plans()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        copy.deepcopy(model),
+        backend="recompile_opt",
+        options={**options, "compiler": "eager"},
+        **compile_kwargs,
+    )
+    compiled(*inputs).backward()
+    (plan,) = recompile_opt.last_plans()
+    return plan
+
+
+@pytest.mark.parametrize("where", ["meta", "symbolic shapes"])
+def test_where_no_plan_can_be_walked_a_limit_takes_the_least_recompute_that_fits_by_simulation(where):
+    """A graph no walk can check (the meta device, symbolic shapes): the limit search judges every plan
+    by its simulated peak, so a limit the 0.5 plan meets gets a plan about as cheap. Why: it spent its
+    walks (2 on a deep stack) on plans simulated just over the limit, each walk telling nothing, then
+    passed over those that fit; the 8-layer GPT's plan recomputed 1.6x (meta) and 2.8x (symbolic) the
+    0.5 plan's time, and the GPU check's GPT on meta 17.9 ms of recompute for 4.6."""
+    model, inputs = _eight_layer_gpt()
+    if where == "meta":
+        model, inputs = model.to("meta"), tuple(t.to("meta") for t in inputs)
+        options = {"compiler": "eager", "roofline": DEFAULT_ROOFLINE["cpu"], "target_device": "cpu"}
+
+        def planned(**budget):
+            return recompile_opt.plan(model, inputs, **budget, **options)
+    else:
+        inputs = tuple(t[:, :12].contiguous() for t in inputs)
+
+        def planned(**budget):
+            return _compiled_plan(model, inputs, budget, dynamic=True)
+
+    half = planned(memory_budget=0.5)
+    limited = planned(peak_memory=half.predicted_peak_bytes)
+    assert half.solver["peak_from"] == limited.solver["peak_from"] == "simulator"
+    assert limited.predicted_peak_bytes <= half.predicted_peak_bytes
+    # the limit's kept-byte levels are 2.5% of the range apart: the 0.5 plan's own level may be between
+    assert limited.recompute_s <= 1.1 * half.recompute_s, (limited.summary(), half.summary())
+    assert "walked in Inductor's code," not in limited.summary()  # nothing walked, nothing counted

@@ -124,12 +124,14 @@ class PeakSimulator:
     """``simulator(saved, recomputed)`` -> predicted peak bytes of that plan of ``gm`` (the planner's
     ``Simulate``)."""
 
-    can_walk = True
-
     def __init__(
         self, gm: fx.GraphModule, *, num_fwd_outputs: int, static_lifetime_input_indices=None, info=None
     ):
         self.gm, self.info = gm, info
+        # no plan of a graph on the meta device or with symbolic shapes can be walked: its searches are
+        # judged by the simulated peaks alone (a peak_memory search spent its walks on plans over the
+        # limit, each walk telling nothing, and then passed over the plans that fit by simulation)
+        self.can_walk = why_not_walkable(gm, gm) is None
         self.num_fwd_outputs, self.static = num_fwd_outputs, static_lifetime_input_indices
         self.results: dict[tuple, tuple[int, list[str]]] = {}
         self.seconds = 0.0  # spent partitioning and simulating, over len(self.results) plans
@@ -223,6 +225,8 @@ class PeakSimulator:
         simulated peak then decides, as it would without this check). ``compiled``: the plan's graphs
         and the code Inductor's compile generated for them (``fw, bw, (fw_code, bw_code, fw_outputs)``,
         ``planning.DeferredWalk``), walked as they are; the plan is lowered here only where they cannot be."""
+        if not self.can_walk:  # nothing to walk, nothing to count as walked (why_unwalked says why)
+            return None
         key = self._exact_key(saved, recomputed)
         self.asked.add(key)
         self.asked_log.append(key)

@@ -870,11 +870,7 @@ class _PeakCheck:
     def how(self, c: Candidate) -> str:
         """How the chosen plan's peak was judged, for its note."""
         if self.source(c) == "simulated":
-            why = (
-                self.simulate.why_unwalked(*_as_compiled(self.problem, c))
-                if self.walk
-                else "no walk for this graph"
-            )
+            why = self.simulate.why_unwalked(*_as_compiled(self.problem, c))
             return f"simulated peak (not checked in Inductor's code: {why})"
         return "peak walked in Inductor's code" + (
             f", {self.margin:.0%} under the limit for the scratch of extern kernels" if self.margin else ""
