@@ -7,9 +7,11 @@ what the step's traffic is made of), planned with no budget and at ``memory_budg
 roofline: the generic CUDA constants and the H200's (``options.CUDA_DEVICES``). Estimated: the plans'
 ``step_s + recompute_s``.
 
-``--policies``: on the H200's roofline only, the estimated step and its recompute of
+``--policies``: on the H200's roofline only, the estimated step, its recompute and the predicted peak of
 the plans with no budget, the hand policies (``full``: every block checkpointed, as compile with
-per-block checkpointing; ``megatron-selective``) and the least-peak plan with and without chunks.
+per-block checkpointing; ``megatron-selective``), the least-peak plan with and without chunks, and
+``peak_memory`` at the ``full`` plan's predicted peak with and without chunks (the GPU check's
+``ours-peak`` asks for compile-with-checkpoint's measured peak).
 
 Usage::
 
@@ -57,16 +59,29 @@ def estimated_ms(roofline: dict, budget) -> float:
     return sum(p.step_s + p.recompute_s for p in planned(roofline, memory_budget=budget)) * 1e3
 
 
+# planned under a peak_memory limit at the ``policy full`` plan's predicted peak
+AT_FULLS_PEAK = {
+    "peak_memory = full's peak": {},
+    "peak_memory = full's peak, chunks=False": {"chunks": False},
+}
+
+
 def policies() -> None:
     print(header_line())
     print()
-    print("| plan (H200 roofline) | estimated step ms | of it recompute ms |")
-    print("|---|---|---|")
-    for name, options in POLICIES.items():
+    print("| plan (H200 roofline) | estimated step ms | of it recompute ms | predicted peak MiB |")
+    print("|---|---|---|---|")
+    peaks = {}
+    rows = [(name, options) for name, options in POLICIES.items()]
+    rows += [(name, {**options, "peak_memory": None}) for name, options in AT_FULLS_PEAK.items()]
+    for name, options in rows:
+        if "peak_memory" in options:
+            options = {**options, "peak_memory": peaks["policy full"]}
         plans = planned(ROOFLINES["NVIDIA H200"], **options)
         step = sum(p.step_s + p.recompute_s for p in plans) * 1e3
         recompute = sum(p.recompute_s for p in plans) * 1e3
-        print(f"| {name} | {step:.1f} | {recompute:.1f} |")
+        peaks[name] = max(p.predicted_peak_bytes for p in plans)
+        print(f"| {name} | {step:.1f} | {recompute:.1f} | {peaks[name] / 2**20:.1f} |", flush=True)
 
 
 def main() -> None:

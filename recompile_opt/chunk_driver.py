@@ -57,10 +57,11 @@ def compile_with_chunk_choice(compile_once, gm: fx.GraphModule, example_inputs, 
 
     Where the plan's goal is memory and the graph has regions that can be chunked, the partitioner plans
     the graph unchunked as usual, and only where a region's full-length tensors are alive at that plan's
-    peak (under ``peak_memory``: where it misses the limit) does it raise ``ChunkingWanted``; then the
-    graph's chunked versions are planned against that plan (:func:`chunk_choice.choose`) and the graph
-    is compiled again as chosen, its plan handed to the partitioner. Why lazily: a graph whose peak
-    holds none of the regions' tensors pays nothing for ``"auto"``."""
+    peak (under ``peak_memory``: where it misses the limit, or meets it by recomputing) does it raise
+    ``ChunkingWanted``; then the graph's chunked versions are planned against that plan
+    (:func:`chunk_choice.choose`) and the graph is compiled again as chosen, its plan handed to the
+    partitioner. Why lazily: a graph whose peak holds none of the regions' tensors pays nothing for
+    ``"auto"``."""
     options = partitioner.options if isinstance(partitioner, RecompilePartitioner) else None
     candidates, passed = _auto_candidates(gm, example_inputs, options)
     once = functools.partial(compile_once, gm, example_inputs, partitioner, None)

@@ -693,7 +693,8 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
     loss, mlp = Candidate("loss", 4, tokens=512, width=8192), Candidate("mlp", 4, tokens=512, width=1024)
     small = Candidate("loss", 64, below_floor=True, tokens=128, width=8192)
     at_loss, at_attention = (
-        SimpleNamespace(peak_breakdown={"shapes": shapes}) for shapes in ([[512, 8192]], [[2, 4, 256, 256]])
+        SimpleNamespace(peak_breakdown={"shapes": shapes}, step_s=1.0, recompute_s=0.01)
+        for shapes in ([[512, 8192]], [[2, 4, 256, 256]])
     )
     assert worth_trying([loss, mlp], at_loss, 100, None) is None
     assert worth_trying([loss, mlp], at_attention, 100, None) == (
@@ -704,9 +705,17 @@ def test_chunks_are_worth_trying_where_a_kind_at_the_floor_is_alive_at_the_peak_
     finer = Candidate("loss", 128, below_floor=True, tokens=512, width=8192)
     assert for_goal([loss, mlp, finer], None) == [loss, mlp, finer]  # after chunks at the floor
     assert worth_trying([small], at_attention, 101, 100) is None  # a missed limit: tried, whatever is alive
-    assert (
-        worth_trying([loss], at_loss, 100, 100)
-        == "chunks (auto): not tried: the unchunked plan meets peak_memory"
+    # a limit met: tried only where the plan recomputes at least GAIN of its step and a kind is alive at
+    # its peak (chunks then leave room to keep what it recomputes)
+    assert worth_trying([loss], at_loss, 100, 100) == (
+        "chunks (auto): not tried: the unchunked plan meets peak_memory, recomputing 1.0% of its est. step"
+    )
+    at_loss.recompute_s = at_attention.recompute_s = 0.1
+    assert worth_trying([loss], at_loss, 100, 100) is None
+    assert worth_trying([small], at_loss, 100, 100).endswith("tried only to meet a limit")
+    assert worth_trying([loss, mlp], at_attention, 100, 100) == (
+        "chunks (auto): not tried: the unchunked plan meets peak_memory, and none of the full-length "
+        "tensors of loss, mlp is alive at its peak"
     )
 
 
@@ -809,6 +818,62 @@ def test_under_a_peak_limit_the_fewest_chunks_that_meet_it_are_taken():
     auto = recompile_opt.plan(model, inputs, peak_memory=limit, chunks="auto")
     assert [(c["kind"], c["chunks"]) for c in auto.chunks] == [("loss", 2)], auto.notes
     assert auto.predicted_peak_bytes <= limit
+
+
+def _limit_the_unchunked_plan_meets_by_recomputing(model, inputs) -> tuple[int, object]:
+    """A limit 30% of the way from the unchunked least peak to save-all's, and the unchunked plan under
+    it, which meets it by recomputing (the limit binds)."""
+    least, save_all = (recompile_opt.plan(model, inputs, memory_budget=f, chunks=False) for f in (0.0, 1.0))
+    limit = int(
+        least.predicted_peak_bytes + 0.3 * (save_all.predicted_peak_bytes - least.predicted_peak_bytes)
+    )
+    unchunked = recompile_opt.plan(model, inputs, peak_memory=limit, chunks=False)
+    assert unchunked.predicted_peak_bytes <= limit
+    assert unchunked.recompute_s >= 0.1 * (unchunked.step_s + unchunked.recompute_s), unchunked.summary()
+    return limit, unchunked
+
+
+def test_under_a_limit_the_unchunked_plan_meets_chunks_that_cut_its_recompute_are_taken():
+    """``peak_memory`` asks for the least recompute that fits: where the unchunked plan meets the limit by
+    recomputing and the logits are alive at its peak, the loss in chunks leaves room to keep what it
+    recomputed (before: "not tried: the unchunked plan meets peak_memory"; the GPU check's GPT planned
+    on meta under compile-with-checkpoint's peak went from 51.6 to 39.2 ms, est.)."""
+    model, inputs = _logits_dominated()
+    limit, unchunked = _limit_the_unchunked_plan_meets_by_recomputing(model, inputs)
+    auto = recompile_opt.plan(model, inputs, peak_memory=limit)
+    assert any(c["kind"] == "loss" for c in auto.chunks), auto.notes
+    assert auto.predicted_peak_bytes <= limit
+    est = lambda p: p.step_s + p.recompute_s  # noqa: E731
+    assert est(auto) < est(unchunked) and auto.recompute_s < unchunked.recompute_s, (
+        auto.notes,
+        unchunked.notes,
+    )
+    assert any(n.startswith("chunks (auto): loss in ") and n.endswith(": taken") for n in auto.notes)
+
+
+def test_under_a_limit_the_unchunked_plan_meets_recomputing_little_nothing_is_tried():
+    model, inputs = _logits_dominated()
+    save_all = recompile_opt.plan(model, inputs, memory_budget=1.0, chunks=False)
+    plan = recompile_opt.plan(model, inputs, peak_memory=save_all.predicted_peak_bytes)
+    assert not plan.chunks
+    assert any(
+        n.startswith("chunks (auto): not tried: the unchunked plan meets peak_memory, recomputing ")
+        for n in plan.notes
+    ), plan.notes
+
+
+@pytest.mark.slow
+def test_through_inductor_chunks_taken_under_a_met_limit_hold_it_on_the_measured_step():
+    """The product's path for the choice above: compiled by Inductor under the limit, the loss chunked,
+    gradients equal eager's and the measured step peaks at most the limit."""
+    model, inputs = _logits_dominated()
+    limit, _ = _limit_the_unchunked_plan_meets_by_recomputing(model, inputs)
+    plan, measured = train_side_by_side(
+        model, inputs, options={"peak_memory": limit}, measure_peak=True, rtol=1e-4, atol=1e-5
+    )
+    assert any(c["kind"] == "loss" for c in plan.chunks), plan.notes
+    assert plan.solver["peak_from"] == "inductor-code", plan.notes
+    assert plan.predicted_peak_bytes <= limit and measured <= limit, (measured, limit, plan.summary())
 
 
 class _LossThenStatistic(torch.nn.Module):
