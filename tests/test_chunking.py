@@ -837,7 +837,7 @@ def test_under_a_limit_the_unchunked_plan_meets_chunks_that_cut_its_recompute_ar
     """``peak_memory`` asks for the least recompute that fits: where the unchunked plan meets the limit by
     recomputing and the logits are alive at its peak, the loss in chunks leaves room to keep what it
     recomputed (before: "not tried: the unchunked plan meets peak_memory"; the GPU check's GPT planned
-    on meta under compile-with-checkpoint's peak went from 51.6 to 39.2 ms, est.)."""
+    on meta under the full policy's peak went from 51.6 to 39.0 ms, est.)."""
     model, inputs = _logits_dominated()
     limit, unchunked = _limit_the_unchunked_plan_meets_by_recomputing(model, inputs)
     auto = recompile_opt.plan(model, inputs, peak_memory=limit)

@@ -218,8 +218,8 @@ def _why_not_under_a_met_limit(candidates: list[Candidate], plan: Plan) -> str |
     shorter (the plan recomputes at least :data:`GAIN` of its estimated step, and a candidate's
     full-length tensors are alive at its peak, where the limit binds: chunking them leaves room to keep
     what it recomputes), else the note that says why nothing is tried. Why: the limit's goal is the
-    least recompute that fits, and the GPU check's GPT (planned on meta) under compile-with-checkpoint's
-    peak recomputed 11.0 ms of a 51.6 ms est. step unchunked, 2.0 of 39.2 with its loss in 8 chunks."""
+    least recompute that fits, and the GPU check's GPT (planned on meta) under the full policy's
+    peak recomputed 11.0 ms of a 51.6 ms est. step unchunked, 1.8 of 39.0 with its loss in 8 chunks."""
     share = plan.recompute_s / max(_time(plan), 1e-12)
     if share < GAIN:
         return (
