@@ -306,21 +306,29 @@ def _new_plan(
     plan.options = {**plan.options, "strict": options.strict}
 
     def release() -> None:
-        if held and options.strict:  # the plan is the user's after all: its strict error
+        if options.strict:  # the plan is the user's after all: its strict error
             plan_with(options)
         for w in held:  # or its warnings
             warnings.warn(w.message, w.category)
 
-    return plan, release
+    return plan, release if held else None
 
 
 def _worth_chunking(plan: Plan, exact, options: Options, request: Request, release: Callable | None) -> bool:
-    """``chunks="auto"``: whether chunking may lower this unchunked plan's peak where the goal needs it
-    (:func:`chunk_choice.worth_trying`), judged by its walked peak where one is known (the figure a
-    limit is finally checked against), else the kernel model's; where not, the plan's notes say why
-    nothing was tried, and what :func:`_new_plan` held back is the user's (``release``)."""
+    """``chunks="auto"``: whether chunking may serve this unchunked plan's goal
+    (:func:`chunk_choice.worth_trying`: a lower peak, or under a ``peak_memory`` limit it meets, less
+    recompute), judged by its walked peak where one is known (the figure a limit is finally checked
+    against), else the kernel model's; where not, the plan's notes say why nothing was tried, and what
+    :func:`_new_plan` held back is the user's (``release``). A plan that meets its limit with something
+    held back (a byte budget below the least, a limit met only inside the scratch margin) is the user's
+    as it is: the chunk choice hands back the plan it takes without planning again, so what it held
+    would never be said."""
     peak = plan.peak_breakdown["total"] if exact is None else exact
-    why_not = chunk_choice.worth_trying(list(request.candidates), plan, peak, options.peak_memory)
+    limit = options.peak_memory
+    if release is not None and limit is not None and peak <= limit:
+        why_not = "chunks (auto): not tried: the unchunked plan meets peak_memory, with a warning of its own"
+    else:
+        why_not = chunk_choice.worth_trying(list(request.candidates), plan, peak, limit)
     if why_not:
         plan.notes.append(why_not)
         if release is not None:

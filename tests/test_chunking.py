@@ -862,6 +862,24 @@ def test_under_a_limit_the_unchunked_plan_meets_recomputing_little_nothing_is_tr
     ), plan.notes
 
 
+def test_under_a_met_limit_what_the_unchunked_plan_must_say_is_said_and_nothing_is_tried():
+    """A byte budget below the least beside a limit the plan meets (by recomputing everything): the
+    byte budget's error under ``strict`` and its warning reach the user, and no chunks are tried. Why:
+    the unchunked plan is made with its warnings held back, and a chunk choice hands the plan it takes
+    back without planning again, so what was held would never have been said."""
+    model, inputs = _logits_dominated()
+    limit, _ = _limit_the_unchunked_plan_meets_by_recomputing(model, inputs)
+    with pytest.raises(recompile_opt.InfeasibleBudget, match="memory_budget=300 B is below the least"):
+        recompile_opt.plan(model, inputs, memory_budget=300, peak_memory=limit, strict=True)
+    with pytest.warns(UserWarning, match="memory_budget=300 B is below the least"):
+        plan = recompile_opt.plan(model, inputs, memory_budget=300, peak_memory=limit)
+    assert plan.predicted_peak_bytes <= limit and not plan.chunks
+    assert (
+        "chunks (auto): not tried: the unchunked plan meets peak_memory, with a warning of its own"
+        in plan.notes
+    )
+
+
 @pytest.mark.slow
 def test_through_inductor_chunks_taken_under_a_met_limit_hold_it_on_the_measured_step():
     """The product's path for the choice above: compiled by Inductor under the limit, the loss chunked,

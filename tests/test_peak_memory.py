@@ -646,6 +646,8 @@ def test_where_no_plan_can_be_walked_a_limit_takes_the_least_recompute_that_fits
     limited = planned(peak_memory=half.predicted_peak_bytes)
     assert half.solver["peak_from"] == limited.solver["peak_from"] == "simulator"
     assert limited.predicted_peak_bytes <= half.predicted_peak_bytes
-    # the limit's kept-byte levels are 2.5% of the range apart: the 0.5 plan's own level may be between
-    assert limited.recompute_s <= 1.1 * half.recompute_s, (limited.summary(), half.summary())
+    # the limit's kept-byte levels are 10% of the range apart, probed 2.5% apart below the first level
+    # that fits: the 0.5 plan's own level may lie between probes (measured: 1.05x meta and 0.80x
+    # symbolic on torch 2.13, 1.14x meta on 2.11; before, 1.63x and 2.83x)
+    assert limited.recompute_s <= 1.25 * half.recompute_s, (limited.summary(), half.summary())
     assert "walked in Inductor's code," not in limited.summary()  # nothing walked, nothing counted

@@ -340,7 +340,7 @@ def _greedy(stage, plan_with, peak_limit, taken, best, unchunked, notes, passed,
         chunks = {**others, c.kind: c.chunks}
         trial = plan_with(chunks)
         better = _better(trial, best, peak_limit, unchunked)
-        notes.append(_tried(c.kind, c.chunks, best, trial, better, unchunked))
+        notes.append(_tried(c.kind, c.chunks, best, trial, better, unchunked, peak_limit))
         if better:
             taken, best = chunks, trial
         else:
@@ -390,6 +390,7 @@ def _combined(
                     combo,
                     better,
                     unchunked,
+                    peak_limit,
                 )
             )
             if better:
@@ -400,17 +401,19 @@ def _combined(
     return still, (taken, best)
 
 
-def _tried(what: str, chunks: int, best: Plan, trial: Plan, better: bool, unchunked: Plan) -> str:
-    verdict = (
-        "taken"
-        if better
-        else "not taken"
-        + (
-            ""
-            if affordable(trial, unchunked)
-            else ": its step is too slow for its peak (chunk_choice.STEP_SLACK)"
+def _tried(
+    what: str, chunks: int, best: Plan, trial: Plan, better: bool, unchunked: Plan, peak_limit: int | None
+) -> str:
+    if better:
+        verdict = "taken"
+    elif peak_limit is not None:  # _better's test under a limit: fitting, then the step
+        verdict = "not taken: " + (
+            "misses peak_memory" if trial.predicted_peak_bytes > peak_limit else "no shorter est. step"
         )
-    )
+    elif not affordable(trial, unchunked):
+        verdict = "not taken: its step is too slow for its peak (chunk_choice.STEP_SLACK)"
+    else:
+        verdict = "not taken"
     return (
         f"chunks (auto): {what} in {chunks} chunks: predicted peak {fmt_bytes(best.predicted_peak_bytes)}"
         f" -> {fmt_bytes(trial.predicted_peak_bytes)}, est. step {_time(best) * 1e3:.1f}"
@@ -438,8 +441,8 @@ def _better(trial: Plan, best: Plan, peak_limit: int | None, unchunked: Plan) ->
     for chunked) at a step not far above ``unchunked``'s (:func:`affordable`)."""
     if peak_limit is not None:
         fits = trial.predicted_peak_bytes <= peak_limit, best.predicted_peak_bytes <= peak_limit
-        if fits == (True, True):
-            return _time(trial) < _time(best)
+        if fits == (True, True):  # the unchunked plan (a limit it met) only for a step GAIN shorter
+            return _time(trial) < (1 if best.chunks else 1 - GAIN) * _time(best)
         if fits != (False, False):
             return fits[0]
     if not affordable(trial, unchunked):
