@@ -71,17 +71,19 @@ def policies() -> None:
     print()
     print("| plan (H200 roofline) | estimated step ms | of it recompute ms | predicted peak MiB |")
     print("|---|---|---|---|")
-    peaks = {}
-    rows = [(name, options) for name, options in POLICIES.items()]
-    rows += [(name, {**options, "peak_memory": None}) for name, options in AT_FULLS_PEAK.items()]
-    for name, options in rows:
-        if "peak_memory" in options:
-            options = {**options, "peak_memory": peaks["policy full"]}
-        plans = planned(ROOFLINES["NVIDIA H200"], **options)
-        step = sum(p.step_s + p.recompute_s for p in plans) * 1e3
-        recompute = sum(p.recompute_s for p in plans) * 1e3
-        peaks[name] = max(p.predicted_peak_bytes for p in plans)
-        print(f"| {name} | {step:.1f} | {recompute:.1f} | {peaks[name] / 2**20:.1f} |", flush=True)
+    peaks = {name: _policy_row(name, options) for name, options in POLICIES.items()}
+    for name, options in AT_FULLS_PEAK.items():
+        _policy_row(name, {**options, "peak_memory": peaks["policy full"]})
+
+
+def _policy_row(name: str, options: dict) -> int:
+    """Prints the row of the plans made under ``options``; returns their predicted peak."""
+    plans = planned(ROOFLINES["NVIDIA H200"], **options)
+    step = sum(p.step_s + p.recompute_s for p in plans) * 1e3
+    recompute = sum(p.recompute_s for p in plans) * 1e3
+    peak = max(p.predicted_peak_bytes for p in plans)
+    print(f"| {name} | {step:.1f} | {recompute:.1f} | {peak / 2**20:.1f} |", flush=True)
+    return peak
 
 
 def main() -> None:
