@@ -300,6 +300,28 @@ def test_of_plans_whose_walks_peak_alike_the_least_recompute_is_taken_where_no_p
     assert least.sol.recompute == {"b"} and least.peak == 25 * MiB
 
 
+def test_where_the_walks_run_out_the_least_walked_is_taken_not_the_last_walked():
+    """h, cheap, was walked by the search (25 MiB, simulated 26). Seven plans simulated lower, each
+    recomputing 40x more, are walked toward the least peak until the walks run out: six walk to 25 MiB,
+    the seventh to 30. The least walked peak is 25 MiB, and of the plans at it h recomputes least.
+    Before, the seventh was taken: 30 MiB (a Hugging Face OPT under its own walked peak took a plan
+    recomputing 4.0 ms where the search's, at the same walked peak, recomputed 0.17)."""
+    names = "abcdefg"
+    chain = problem(inp("x", 1, needed=True), *[op(n, ["x"], 1, 1) for n in names + "h"])
+    walks = {frozenset(n): (30 if n == "g" else 25) * MiB for n in names + "h"}
+    plans = [
+        least_peak.Candidate(int((22 + 0.1 * i) * MiB), 4e-3, 0, least_peak.ilp.Solution({n}))
+        for i, n in enumerate(names)
+    ]
+    plans.append(least_peak.Candidate(26 * MiB, 1e-4, 0, least_peak.ilp.Solution({"h"})))
+    simulate = _WalkingSimulator(walks)
+    simulate.exact(set(), {"h"})  # the least-peak search's check
+    check = least_peak._PeakCheck(chain, simulate)
+    least = check.least_walked(plans)
+    assert len(check.walked) == least_peak.PEAK_WALKS + 1  # the walks ran out
+    assert least.sol.recompute == {"h"} and least.peak == 25 * MiB
+
+
 @pytest.mark.parametrize("known", [(), ("g",)], ids=["cold", "warm"])
 def test_a_peak_limit_takes_the_plan_a_cold_compile_takes_whatever_the_cache_knows(known):
     """Seven plans may fit, the cheapest first; the first six walk over the limit, which uses up the
