@@ -169,19 +169,21 @@ def _choose_chunks(
     """Plan ``gm`` chunked as the candidates say, against its ``unchunked`` plan
     (:func:`chunk_choice.choose`). Returns the choice (:func:`chunk_regions`'s ``chosen``) and the plan
     taken by graph id, for the partitioner to take as it is (none where it misses a ``peak_memory``
-    limit: planned again, to warn or raise as usual)."""
+    limit, or one that warned: planned again, to warn or raise as usual)."""
     options = partitioner.options
-    planned = [unchunked]
+    planned, warned = [unchunked], set()
 
     def plan_with(chunks: dict) -> Plan:
         # a candidate that misses a limit is not the user's plan: no warning, no strict error from it
         trial = RecompilePartitioner(
             dataclasses.replace(options, chunks=chunks or False, strict=False), partitioner.memory
         )
-        with warnings.catch_warnings(), trial.asked(walk_every_plan=True):
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as caught, trial.asked(walk_every_plan=True):
+            warnings.simplefilter("always")
             capture(ti.copy_dynamo_graph(gm), example_inputs, trial)
         plan = trial.plans[-1]
+        if caught:  # a byte budget below the least: the user's warning, or under strict their error
+            warned.add(id(plan))
         plan.options = {**plan.options, "strict": options.strict, "chunks": options.chunks}
         planned.append(plan)
         return plan
@@ -199,6 +201,7 @@ def _choose_chunks(
     }
     best.solver.update(cost)
     fits = options.peak_memory is None or best.predicted_peak_bytes <= options.peak_memory
+    fits = fits and id(best) not in warned
     saved = unchunked.predicted_peak_bytes - best.predicted_peak_bytes if taken else None
     chosen = {"chunks": taken, "notes": notes, "saved": saved, "solver": cost}
     return chosen, ({best.graph: best} if fits else {})
