@@ -445,6 +445,8 @@ def _written_last(k: Kernel, n: fx.Node, readers: set) -> bool:
     MiB where its code peaks at 12.51."""
     if n not in readers:
         return False
+    if len(readers) == 1:
+        return True
     position = {node: i for i, node in enumerate(k.nodes)}
     ancestors = _ancestors_in(k, n)
     span = _iterations(k, n)

@@ -268,8 +268,9 @@ def choose(
     the chunks taken, the unchunked plan (``unchunked`` where it is made already), the plan taken, and
     one note line per candidate tried. A kind not chunked yet is planned only where its full-length
     tensors are alive at the best plan's peak so far (:meth:`Candidate.alive_at_peak`); one passed
-    over is tried again with the chunks of a trial not taken (:func:`_combined`). Attention comes
-    after the loss and the MLP are settled (:data:`LAST`)."""
+    over is tried again with the chunks of a trial not taken (:func:`_combined`), and after attention
+    where its tensors are alive at the peak by then. Attention comes after the loss and the MLP are
+    settled (:data:`LAST`)."""
     taken: dict = {}
     unchunked = best = unchunked or plan_with({})
     notes, passed = [], []
@@ -292,7 +293,12 @@ def choose(
             passed, (taken, best) = _combined(
                 passed, missed, plan_with, peak_limit, taken, best, notes, unchunked
             )
-    passed, (taken, best) = _alive_again(passed, plan_with, peak_limit, taken, best, notes, unchunked)
+    # a kind passed over, tried once more where the chunks taken after it (attention) moved the peak
+    # onto its tensors: under its own least peak as a limit, the demo GPT's unchunked plan peaked in an
+    # attention backward, so its MLPs were passed over, and attention in 8 chunks moved the peak into
+    # an MLP's GELU backward (19.29 MiB walked, "cannot be met"); the MLPs in 4 chunks meet it (14.66)
+    again, passed = passed, []
+    taken, best, _ = _greedy(again, plan_with, peak_limit, taken, best, unchunked, notes, passed)
     if passed:
         notes.append(
             f"chunks (auto): {', '.join(dict.fromkeys(c.kind for c in passed))} not tried: none "
@@ -399,28 +405,6 @@ def _combined(
             break
         else:
             still.append(c)
-    return still, (taken, best)
-
-
-def _alive_again(
-    passed: list[Candidate],
-    plan_with,
-    peak_limit,
-    taken: dict,
-    best: Plan,
-    notes: list[str],
-    unchunked: Plan,
-) -> tuple[list[Candidate], tuple[dict, Plan]]:
-    """The candidates passed over, tried once more where their tensors are alive at the peak of the plan
-    taken last: the chunks taken after them (attention, :data:`LAST`) moved the peak onto them. Why:
-    under its own least peak as a limit, the demo GPT's unchunked plan peaked in an attention backward,
-    its MLPs were passed over, and its attention in 8 chunks moved the peak into an MLP's GELU backward
-    (19.29 MiB walked): "cannot be met", where the MLPs in 4 chunks as well meet it (14.66)."""
-    again = [c for c in passed if c.alive_at_peak(best)]
-    if not again:
-        return passed, (taken, best)
-    still = [c for c in passed if c not in again]
-    taken, best, _ = _greedy(again, plan_with, peak_limit, taken, best, unchunked, notes, still)
     return still, (taken, best)
 
 
