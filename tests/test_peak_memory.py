@@ -322,6 +322,49 @@ def test_where_the_walks_run_out_the_least_walked_is_taken_not_the_last_walked()
     assert least.sol.recompute == {"h"} and least.peak == 25 * MiB
 
 
+def test_the_least_peak_searchs_choice_is_walked_for_a_limit_whatever_the_walks_left():
+    """The walks are spent (a and b walked over the limit); the search's choice s still gets its walk,
+    fits, and bounds what else is tried: c, cheaper, is walked with the walks given to the search's
+    plans and fits too, so c is taken; d, dearer than s, is never walked."""
+    names = "abcds"
+    chain = problem(inp("x", 1, needed=True), *[op(n, ["x"], 1, 1) for n in names])
+    walks = {frozenset(n): int(w * MiB) for n, w in zip(names, (25, 25, 22, 22, 22))}
+    plan = {
+        n: least_peak.Candidate(int(sim * MiB), rec, 0, least_peak.ilp.Solution({n}))
+        for n, sim, rec in (
+            ("a", 23, 1e-3),
+            ("b", 22, 2e-3),
+            ("c", 20, 3e-3),
+            ("d", 20, 9e-3),
+            ("s", 21, 5e-3),
+        )
+    }
+    check = least_peak._PeakCheck(chain, _WalkingSimulator(walks), walks=2)
+    assert check.first_fitting([plan["a"], plan["b"]], 24 * MiB) is None and len(check.walked) == 2
+    chosen = check.cheapest_fitting([plan[n] for n in "cds"], [plan["s"]], 24 * MiB, below=None)
+    assert chosen.sol.recompute == {"c"}
+    assert frozenset("d") not in {r for _, r in check.walked}
+
+
+def test_a_limit_the_0_0_plans_walked_peak_fits_recomputes_at_most_as_much_as_it(monkeypatch):
+    """A 4-layer GPT whose logits dominate, under a limit 5% of the way from its least peak to
+    save-all's: its 0.0 plan (the 'full' policy's, 2.5 ms of recompute) fits, and the limit's plan
+    recomputes no more. Before, the levels' plans used up the walks, the search's choice was never
+    walked, and the limit took a plan at the same walked peak for 6.0 ms."""
+    forget_searches(monkeypatch)
+    cfg = models.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=8192)
+    torch.manual_seed(0)
+    model, inputs = models.GPT(cfg), models.example_batch(cfg, 2)
+    least, save_all = (recompile_opt.plan(model, inputs, memory_budget=f, chunks=False) for f in (0.0, 1.0))
+    limit = int(
+        least.predicted_peak_bytes + 0.05 * (save_all.predicted_peak_bytes - least.predicted_peak_bytes)
+    )
+    assert least.solver["peak_from"] == "inductor-code" and least.predicted_peak_bytes <= limit * 0.99
+    plan = recompile_opt.plan(model, inputs, peak_memory=limit, chunks=False, strict=True)
+    assert plan.predicted_peak_bytes <= limit
+    assert plan.recompute_s <= least.recompute_s * 1.001, (plan.summary(), least.summary())
+
+
 @pytest.mark.parametrize("known", [(), ("g",)], ids=["cold", "warm"])
 def test_a_peak_limit_takes_the_plan_a_cold_compile_takes_whatever_the_cache_knows(known):
     """Seven plans may fit, the cheapest first; the first six walk over the limit, which uses up the

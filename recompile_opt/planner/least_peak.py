@@ -647,9 +647,14 @@ def _fit_peak(
 ):
     """``peak_memory``: a hard limit on the step's peak. Kept-byte levels from the byte budget down to the
     first plan that may fit, probes between it and the level above, and the least recompute that fits,
-    judged in Inductor's code (:class:`_PeakCheck`); where no level fits, the least recompute among every
-    plan the least-peak search met that fits; where none walked fits, more are walked toward the least
-    peak (:meth:`_PeakCheck.least_walked`), and only then "cannot be met".
+    judged in Inductor's code (:class:`_PeakCheck`). Where that level lies within the least-peak search's
+    ladder (``PEAK_LADDER``), or none fits, the plans the search met compete: the least recompute that
+    fits of both, its choice walked first (:meth:`_PeakCheck.cheapest_fitting`); where none walked fits,
+    more are walked toward the least peak (:meth:`_PeakCheck.least_walked`), and only then "cannot be
+    met".
+
+    Why the search's plans below the ladder's top: there keeping fewer bytes stops lowering the peak,
+    and plans no kept-byte level gives (the policies', refined ones) peak as low for less recompute.
 
     Why walked: the simulated peak is off by -10%..+9%, so a plan that fits by it may not (the benchmark
     GPT's stored ``peak=26MiB`` plan: simulated 25.85 MiB, measured and walked 28.58); the steps'
@@ -675,34 +680,26 @@ def _fit_peak(
         c = _met(problem, simulate, sol, level=f)
         return None if budget is not None and c.kept > budget else c
 
-    tried: list[Candidate] = []
-    for above, f in zip((None, *PEAK_SEARCH), PEAK_SEARCH):
-        found = at_level(f)
-        tried += [found] if found else []
-        if found and check.may_fit(found, limit):
-            between = [at_level(f + i * PEAK_SEARCH_PROBE) for i in range(1, 4)] if above is not None else []
-            tried += [c for c in between if c]
-            chosen = check.first_fitting(tried, limit)
-            if chosen is not None:
-                return _fitted(
-                    options,
-                    budget,
-                    min_bytes,
-                    notes,
-                    chosen,
-                    check,
-                    "the least-recompute plan whose peak fits ({}), over kept-byte levels",
-                )
-    # none of the levels fits: the least-peak search looks closer (the peak is spiky in the level); with
-    # approximations offered, it searches again with every site approximated (the priced ILP rarely
-    # takes them for the peak alone: planner.search._least_peak_approximating)
+    level, f, tried = _fitting_level(at_level, check, limit)
+    if level is not None and f > max(PEAK_LADDER):  # above the least-peak search's ladder
+        return _fitted(
+            options,
+            budget,
+            min_bytes,
+            notes,
+            level,
+            check,
+            "the least-recompute plan whose peak fits ({}), over kept-byte levels",
+        )
+    # the limit lies within the least-peak search's span: its plans (the policies', the lifetime ladder's,
+    # refined and mirrored ones) compete with the levels'; with approximations offered, it searches again
+    # with every site approximated (the priced ILP rarely takes them for the peak alone:
+    # planner.search._least_peak_approximating)
     searched = [(problem, reduction)]
     if problem.sites:
         searched.append((problem.with_sites_fixed(True), reduction and reduction.with_sites_fixed(True)))
-    found = [
-        c
-        for p, p_reduction in searched
-        for c in _range_search(
+    ends = [
+        _range_search(
             p,
             p_reduction,
             kw,
@@ -712,10 +709,12 @@ def _fit_peak(
             min_bytes if p is problem else None,
             verify=p is problem,
             known_ranges=known_ranges,
-        ).found
-        if budget is None or c.kept <= budget
+        )
+        for p, p_reduction in searched
     ]
-    chosen = check.first_fitting(found, limit)
+    found = [c for e in ends for c in e.found if budget is None or c.kept <= budget]
+    anchors = [c for e in ends for c in found if c.sol is e.least_peak]
+    chosen = check.cheapest_fitting(found, anchors, limit, below=level)
     if chosen is not None:
         return _fitted(
             options,
@@ -724,7 +723,23 @@ def _fit_peak(
             notes,
             chosen,
             check,
-            "no kept-byte level fits; the least-recompute plan of the least-peak search that does ({})",
+            "the least-recompute plan of the least-peak search that fits ({})"
+            + (
+                f", cheaper than kept-byte level {f:.1f}'s ({_ms(level)}) that fits too"
+                if level is not None
+                else "; no kept-byte level fits"
+            ),
+        )
+    if level is not None:
+        return _fitted(
+            options,
+            budget,
+            min_bytes,
+            notes,
+            level,
+            check,
+            "the least-recompute plan whose peak fits ({}), "
+            "over kept-byte levels and the least-peak search's plans",
         )
     # none fits among the plans walked for the limit (at most PEAK_WALKS): walk toward the least peak,
     # and a plan walked on the way that fits is the answer (a plan simulated far over the limit, never
@@ -759,6 +774,24 @@ def _fit_peak(
     return sol, solver_info(options, sol), budget, min_bytes
 
 
+def _fitting_level(at_level, check: "_PeakCheck", limit: int) -> tuple[Candidate | None, float | None, list]:
+    """Kept-byte levels (``at_level``) from the top down to the first whose plan may fit, with probes
+    between it and the level above, and the least-recompute plan tried whose peak fits
+    (:meth:`_PeakCheck.first_fitting`); while none does, the levels below. Returns that plan (None
+    where none fits), the level it was found at, and every plan tried."""
+    tried: list[Candidate] = []
+    for above, f in zip((None, *PEAK_SEARCH), PEAK_SEARCH):
+        found = at_level(f)
+        tried += [found] if found else []
+        if found and check.may_fit(found, limit):
+            between = [at_level(f + i * PEAK_SEARCH_PROBE) for i in range(1, 4)] if above is not None else []
+            tried += [c for c in between if c]
+            chosen = check.first_fitting(tried, limit)
+            if chosen is not None:
+                return chosen, f, tried
+    return None, None, tried
+
+
 class _PeakCheck:
     """Whether a plan's peak fits a limit, judged where possible by the code Inductor generates for it
     (``simulate.exact``), else by the simulated peak.
@@ -782,6 +815,7 @@ class _PeakCheck:
         scratch = any(v.info.get("scratch") for v in problem.values.values())
         self.margin = SCRATCH_MARGIN if scratch else 0.0
         self.walked: dict[tuple, int | None] = {}
+        self.allowed = walks  # walks first_fitting may have made so far (cheapest_fitting adds its own)
         self.failed_at = float("inf")  # the least simulated peak of a plan that walked over the limit
 
     def peak(self, c: Candidate) -> int:
@@ -851,7 +885,7 @@ class _PeakCheck:
             sets = _as_compiled(self.problem, c)
             walked = self._known(sets)
             if walked is None and sets not in self.walked:
-                if len(self.walked) >= self.walks or c.peak >= self.failed_at:
+                if len(self.walked) >= self.allowed or c.peak >= self.failed_at:
                     continue  # no walks left, or a plan simulated lower walked over the limit
                 walked = self.walked[sets] = self.walk(*sets)
             if walked is None:  # the walk cannot tell for this graph: the simulation decides
@@ -862,6 +896,34 @@ class _PeakCheck:
                 return c._replace(peak=walked)
             self.failed_at = min(self.failed_at, c.peak)
         return None
+
+    def cheapest_fitting(
+        self, candidates: list[Candidate], anchors: list[Candidate], limit: int, below: Candidate | None
+    ) -> Candidate | None:
+        """The least-recompute candidate that fits ``limit``, recomputing less than ``below`` where
+        given: :meth:`first_fitting` with ``walks`` more lowerings, after the ``anchors`` (the least-peak
+        search's choices) are walked, whatever the walks left, and the first that fits bounds the rest.
+        So a limit the 0.0 plan's walked peak fits never takes more recompute than that plan.
+
+        Why the anchors first: the walks go to the cheapest plans that may fit. On a 4-layer GPT with
+        vocabulary 8192, under a limit 5% of the way from its least peak to save-all's (10.67 MiB), the
+        levels' plans used them up; the search's choice (2.50 ms of recompute, walked at 10.38 MiB) was
+        never walked, and the walk toward the least peak took a plan of 6.04 ms at that same peak."""
+        ceiling = below.recompute_s if below is not None else float("inf")
+        fitting = None
+        for c in sorted(anchors, key=lambda c: c.recompute_s):
+            if c.recompute_s >= ceiling or not self.may_fit(c, limit):
+                continue
+            self.allowed = max(self.allowed, len(self.walked) + 1)  # walked whatever the walks left
+            failed_at, self.failed_at = self.failed_at, float("inf")
+            fitting = self.first_fitting([c], limit)
+            self.failed_at = min(failed_at, self.failed_at)
+            if fitting is not None:
+                ceiling = fitting.recompute_s
+                break
+        self.allowed = len(self.walked) + self.walks
+        cheaper = [c for c in candidates if c.recompute_s < ceiling]
+        return self.first_fitting(cheaper, limit) or fitting
 
     def may_fit(self, c: Candidate, limit: int) -> bool:
         """Whether the plan is worth a walk: its simulated peak is within the simulator's error of the
