@@ -380,7 +380,7 @@ def test_a_limit_the_0_0_plans_walked_peak_fits_recomputes_at_most_as_much_as_it
     """A 4-layer GPT whose logits dominate, under a limit 5% of the way from its least peak to
     save-all's: its 0.0 plan (the 'full' policy's, 2.5 ms of recompute) fits, and the limit's plan
     recomputes no more. Before, the levels' plans used up the walks, the search's choice was never
-    walked, and the limit took a plan at the same walked peak for 6.0 ms."""
+    walked, and the limit took a plan at the same walked peak for 6.0 ms. Half way, much less."""
     forget_searches(monkeypatch)
     cfg = models.GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=128, vocab_size=8192)
     torch.manual_seed(0)
@@ -393,6 +393,12 @@ def test_a_limit_the_0_0_plans_walked_peak_fits_recomputes_at_most_as_much_as_it
     plan = recompile_opt.plan(model, inputs, peak_memory=limit, chunks=False, strict=True)
     assert plan.predicted_peak_bytes <= limit
     assert plan.recompute_s <= least.recompute_s * 1.001, (plan.summary(), least.summary())
+    # half way, a level fits for far less (1.10 ms); before, a level simulated over the limit and its
+    # probes used up the two walks, the one within was never walked, and the limit took the 0.0 plan
+    half = (least.predicted_peak_bytes + save_all.predicted_peak_bytes) // 2
+    plan = recompile_opt.plan(model, inputs, peak_memory=half, chunks=False, strict=True)
+    assert plan.predicted_peak_bytes <= half
+    assert plan.recompute_s < least.recompute_s * 0.75, (plan.summary(), least.summary())
 
 
 @pytest.mark.parametrize("known", [(), ("g",)], ids=["cold", "warm"])
