@@ -20,6 +20,7 @@ import torch
 
 import recompile_opt
 from recompile_opt import models
+from recompile_opt.provenance import header_line
 
 
 def gpt_v8192():
@@ -92,6 +93,7 @@ def main() -> None:
     ap.add_argument("--shares", default="0.02,0.05,0.2,0.5")
     args = ap.parse_args()
     shares = [float(s) for s in args.shares.split(",")]
+    print(header_line(), end="\n\n")
     print("| model | request | predicted peak MiB | recompute ms (est.) | planning s |")
     print("|---|---|---|---|---|")
     with warnings.catch_warnings():
