@@ -681,22 +681,13 @@ def _fit_peak(
         return None if budget is not None and c.kept > budget else c
 
     level, f, tried = _fitting_level(at_level, check, limit)
-    if level is not None and f > max(PEAK_LADDER):  # above the least-peak search's ladder
-        return _fitted(
-            options,
-            budget,
-            min_bytes,
-            notes,
-            level,
-            check,
-            "the least-recompute plan whose peak fits ({}), over kept-byte levels",
-        )
-    # the limit lies within the least-peak search's span: its plans (the policies', the lifetime ladder's,
-    # refined and mirrored ones) compete with the levels'; with approximations offered, it searches again
-    # with every site approximated (the priced ILP rarely takes them for the peak alone:
-    # planner.search._least_peak_approximating)
-    searched = [(problem, reduction)]
-    if problem.sites:
+    # within the least-peak search's ladder (or where no level fits) its plans (the policies', the
+    # lifetime ladder's, refined and mirrored ones) compete with the levels'; with approximations
+    # offered, it searches again with every site approximated (the priced ILP rarely takes them for the
+    # peak alone: planner.search._least_peak_approximating)
+    within = level is None or f <= max(PEAK_LADDER)
+    searched = [(problem, reduction)] if within else []
+    if within and problem.sites:
         searched.append((problem.with_sites_fixed(True), reduction and reduction.with_sites_fixed(True)))
     # where a level fits, the search only offers plans that recompute less: it walks none of its own
     # (its choice is walked below where it is cheaper), unless a fraction's search walked them already.
@@ -719,7 +710,7 @@ def _fit_peak(
     ]
     found = [c for e in ends for c in e.found if budget is None or c.kept <= budget]
     anchors = [c for e in ends for c in found if c.sol is e.least_peak]
-    chosen = check.cheapest_fitting(tried + found, anchors, limit, below=level)
+    chosen = check.cheapest_fitting(tried + found, anchors, limit, below=level) if within else None
     if chosen is not None:
         return _fitted(
             options,
@@ -728,11 +719,12 @@ def _fit_peak(
             notes,
             chosen,
             check,
-            "the least-recompute plan of the least-peak search that fits ({})"
+            "the least-recompute plan that fits ({}) of the kept-byte levels' and the least-peak "
+            "search's"
             + (
-                f", cheaper than kept-byte level {f:.1f}'s ({_ms(level)}) that fits too"
+                f", cheaper than kept-byte level {f:.1f}'s ({_ms(level)}), which fits too"
                 if level is not None
-                else "; no kept-byte level fits"
+                else " (no level fits by the walks made for the levels)"
             ),
         )
     if level is not None:
@@ -743,8 +735,8 @@ def _fit_peak(
             notes,
             level,
             check,
-            "the least-recompute plan whose peak fits ({}), "
-            "over kept-byte levels and the least-peak search's plans",
+            "the least-recompute plan whose peak fits ({}), over kept-byte levels"
+            + (" and the least-peak search's plans" if within else ""),
         )
     # none fits among the plans walked for the limit (at most PEAK_WALKS): walk toward the least peak,
     # and a plan walked on the way that fits is the answer (a plan simulated far over the limit, never
@@ -911,14 +903,16 @@ class _PeakCheck:
                 best = self._fits(c, limit) or best
         return best
 
-    def _fits(self, c: Candidate, limit: int) -> Candidate | None:
+    def _fits(self, c: Candidate, limit: int, always: bool = False) -> Candidate | None:
         """``c`` with its walked peak where that fits ``limit`` less the margin (walked now where walks
-        are left and no plan simulated lower walked over the limit), else None; where the walk cannot
-        tell, the simulated peak decides."""
+        are left and no plan simulated lower walked over the limit, or ``always``), else None; where no
+        walk can tell, the simulated peak decides."""
+        if self.walk is None:
+            return c if c.peak <= limit else None
         sets = _as_compiled(self.problem, c)
         walked = self._known(sets)
         if walked is None and sets not in self.walked:
-            if len(self.walked) >= self.allowed or c.peak >= self.failed_at:
+            if not always and (len(self.walked) >= self.allowed or c.peak >= self.failed_at):
                 return None
             walked = self.walked[sets] = self.walk(*sets)
         if walked is None:  # the walk cannot tell for this graph: the simulation decides
@@ -943,15 +937,11 @@ class _PeakCheck:
         ceiling = below.recompute_s if below is not None else float("inf")
         fitting = None
         for c in sorted(anchors, key=lambda c: c.recompute_s):
-            if c.recompute_s >= ceiling or not self.may_fit(c, limit):
-                continue
-            self.allowed = max(self.allowed, len(self.walked) + 1)  # walked whatever the walks left
-            failed_at, self.failed_at = self.failed_at, float("inf")
-            fitting = self.first_fitting([c], limit)
-            self.failed_at = min(failed_at, self.failed_at)
-            if fitting is not None:
-                ceiling = fitting.recompute_s
-                break
+            if c.recompute_s < ceiling and self.may_fit(c, limit):
+                fitting = self._fits(c, limit, always=True)
+                if fitting is not None:
+                    ceiling = fitting.recompute_s
+                    break
         self.allowed = len(self.walked) + self.walks
         cheaper = [c for c in candidates if c.recompute_s < ceiling]
         return self.first_fitting(cheaper, limit) or fitting
