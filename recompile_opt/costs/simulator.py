@@ -224,13 +224,17 @@ class PeakSimulator:
         cannot tell: symbolic shapes, the meta device, or a lowering that failed (logged; the
         simulated peak then decides, as it would without this check). ``compiled``: the plan's graphs
         and the code Inductor's compile generated for them (``fw, bw, (fw_code, bw_code, fw_outputs)``,
-        ``planning.DeferredWalk``), walked as they are; the plan is lowered here only where they cannot be."""
+        ``planning.DeferredWalk``), walked as they are, even where a search walked the plan already: the
+        plan's figure is its code's (a search's walk simulates the forward, and lowers the backward with
+        the saved tensors' strides as the graph states them: a Gemma 3's saved GQA key, expanded, is a
+        view of 32 KiB there and a buffer of 64 KiB in the code); the plan is lowered here only where
+        they cannot be walked and no walk of it is known."""
         if not self.can_walk:  # nothing to walk, nothing to count as walked (why_unwalked says why)
             return None
         key = self._exact_key(saved, recomputed)
         self.asked.add(key)
         self.asked_log.append(key)
-        if key not in self.exact_results or (compiled and self.exact_results[key] is None):
+        if key not in self.exact_results or compiled:
             start = time.perf_counter()
             traces: list = []
             ahead = None if compiled else self.ahead.pop(key, None)
@@ -239,6 +243,8 @@ class PeakSimulator:
                 traces = [trace] if trace is not None else []
             else:
                 result = self._walked(*compiled, traces=traces) if compiled else None
+                if result is None and self.exact_results.get(key) is not None:
+                    return self.exact_results[key]
                 if result is None:
                     traces = []
                     result = self._lowered_and_walked(
