@@ -63,7 +63,7 @@ def exact_peak(
     Where Inductor lays convolutions out channels-last (:func:`_torch_internals.layout_optimized`), the
     forward keeps copies the graph does not show (a ViT's images and patch weights, twice 24 KiB of a
     204 KiB peak): its code is walked first, and the backward starts from what it returns; so too where
-    the forward returns an expanded view of a buffer it computes (:func:`expanded_outputs`).
+    the forward returns an expanded view of a buffer it computes (:func:`returns_expanded_view`).
 
     ``compiled``: the forward's and the backward's code as Inductor's compile of ``fw`` and ``bw``
     generated them (``_torch_internals.compiled_wrapper_code``), the names of ``fw``'s outputs as
@@ -79,7 +79,7 @@ def exact_peak(
         fw_peak, fw_end, kept, owner, _ = _walked_forward(fw, fw_code, fw_outputs, traces, allocations)
         return max(fw_peak, _walked_backward(bw_code, tangents, fw_end, kept, owner, traces, allocations))
     strides = None  # the saved tensors' strides where Inductor's forward chose them
-    if ti.layout_optimized(fw) or allocations is not None or expanded_outputs(fw):
+    if ti.layout_optimized(fw) or allocations is not None or returns_expanded_view(fw):
         fw_peak, fw_end, kept, owner, strides = _walked_forward(fw, traces=traces, events=allocations)
     else:
         fw_peak, fw_end, kept, owner = forward_state(fw)
@@ -99,22 +99,20 @@ def exact_peak(
     return max(_walked_forward(fw, traces=traces)[0], bw_peak)
 
 
-def expanded_outputs(fw: fx.GraphModule) -> list[str]:
-    """The forward's outputs that are expanded views (a stride 0 over a dim of more than one element) of
-    a buffer the forward computes. Why: the kernel model counts such a view as its base's storage, but
-    Inductor's forward may return it as a buffer of its own, every element written: a Gemma 3's key
-    saved as expanded for grouped-query attention (``repeat_kv``) was 32 KiB in the model and 64 KiB in
-    the code, and the backward started that much higher than walked (a ``peak_memory`` limit exceeded
-    on the measured step). Where there is one, :func:`exact_peak` walks the forward's code too."""
+def returns_expanded_view(fw: fx.GraphModule) -> bool:
+    """Whether the forward returns an expanded view (a stride 0 over a dim of more than one element) of
+    a buffer it computes. Why: the kernel model counts such a view as its base's storage, but Inductor's
+    forward may return it as a buffer of its own, every element written: a Gemma 3's key saved as
+    expanded for grouped-query attention (``repeat_kv``) was 32 KiB in the model and 64 KiB in the
+    code, and the backward started that much higher than walked (a ``peak_memory`` limit exceeded on
+    the measured step). Where it does, :func:`exact_peak` walks the forward's code too."""
     output = next(iter(reversed(fw.graph.nodes)))
-    found = []
     for arg in output.all_input_nodes:
-        val = arg.meta.get("val")
-        if not isinstance(val, torch.Tensor) or base_of(arg) is arg or base_of(arg).op == "placeholder":
-            continue
-        if any(stride == 0 and size > 1 for stride, size in zip(val.stride(), val.shape)):
-            found.append(arg.name)
-    return found
+        val, base = arg.meta.get("val"), base_of(arg)
+        if isinstance(val, torch.Tensor) and base is not arg and base.op != "placeholder":
+            if any(stride == 0 and size > 1 for stride, size in zip(val.stride(), val.shape)):
+                return True
+    return False
 
 
 def tangent_bytes(bw: fx.GraphModule) -> dict[str, tuple[int, bool]]:
