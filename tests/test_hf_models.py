@@ -173,6 +173,26 @@ def gemma3(dropout=0.0, attn="eager", vocab=VOCAB):
     return transformers.Gemma3ForCausalLM(cfg)
 
 
+def mixtral(dropout=0.0, attn="eager", vocab=VOCAB):
+    """A mixture of experts: a router's top 2 of 4 experts per token, the experts' matmuls in
+    transformers' custom ops (``transformers::grouped_mm_fallback``: tokens sorted by expert, one output
+    each), their counts read from the data (``histc``, ``cumsum``)."""
+    cfg = transformers.MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attention_dropout=dropout,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    return transformers.MixtralForCausalLM(cfg)
+
+
 def mamba(dropout=0.0, attn="eager"):
     """A state-space model: no attention; its selective scan a loop over the tokens (no dropout)."""
     cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8)
@@ -181,7 +201,14 @@ def mamba(dropout=0.0, attn="eager"):
 
 MODELS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "qwen2": qwen2, "bert": bert, "t5": t5}
 # families none of the other tests use, each unlike the decoders above (test_other_families_...)
-OTHER_FAMILIES = {"bloom": bloom, "gptj": gptj, "deberta": deberta, "mamba": mamba, "gemma3": gemma3}
+OTHER_FAMILIES = {
+    "bloom": bloom,
+    "gptj": gptj,
+    "deberta": deberta,
+    "mamba": mamba,
+    "gemma3": gemma3,
+    "mixtral": mixtral,
+}
 GRAPHS = {"gpt2": 2}  # Dynamo graphs per model (1 unless listed; see the module docstring)
 BUDGETS = [None, 0.5, 0.1]
 # run by default (every budget, a multi-graph model, an encoder); the rest of the matrix is slow
@@ -355,3 +382,19 @@ def test_a_gemma3s_predicted_peak_is_its_codes_and_a_limit_is_held_or_said_misse
         limit = options.get("peak_memory")
         if limit is not None and measured > limit:
             assert any("peak_memory" in str(w.message) for w in caught), (measured, limit, plan.notes)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_predicted_peak_is_its_codes():
+    """Mixtral through Inductor at 0.0, 4 x 64 tokens: its experts' custom ops return one tensor each,
+    which Inductor's code names by assignment (``buf32 = buf31``), not by index. The walk freed that
+    output with the call's name, two lines after the call: 2.10 MiB walked, 2.48 measured (-15.1%)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WithLoss(mixtral(vocab=512).train())
+    ids = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(1))
+    plan, measured = train_side_by_side(
+        model, (ids, ids), options={"memory_budget": 0.0}, steps=1, measure_peak=True, rtol=1e-4, atol=1e-5
+    )
+    assert plan.solver["peak_from"] == "inductor-code", plan.notes
+    assert plan.predicted_peak_bytes == pytest.approx(measured, rel=1e-3), (plan, measured)

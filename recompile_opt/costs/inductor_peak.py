@@ -19,7 +19,8 @@ The step as the walk sees it: the forward starts with its inputs (parameters, da
 counted); its outputs (the loss and the saved tensors) stay alive into the backward, which receives
 the saved tensors as inputs it may free (``del``) or write over (donated buffers); the backward's
 outputs (parameter gradients) stay alive. Multi-output calls (SDPA) allocate all their outputs at once
-and free the ones never unpacked when the tuple is dropped.
+and free the ones never unpacked when the tuple is dropped; a custom op's one output is unpacked by
+name (``buf1 = buf0``), not by index.
 """
 
 from __future__ import annotations
@@ -572,6 +573,8 @@ def _step(
         func = getattr(getattr(value, "func", None), "id", None)
         if func in _ALLOCATORS:
             live.new(name, _allocated_bytes(value))
+        elif isinstance(value, ast.Name) and name in live.pending:  # a one-output call's result
+            live.unpack(name, sizes.get(name, 0))
         elif func in _ALIASES or isinstance(value, ast.Name):
             live.alias(name, _root(value))
         elif _returns_its_first_input(value):
