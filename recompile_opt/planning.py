@@ -259,7 +259,9 @@ def _plan_joint_graph(
     # on CUDA a walked plan's figure is the allocator's blocks, read off the compile's code as well;
     # not a chunk choice's candidate's: candidates are compared by their walks, as the search's plans
     blocks = exact is not None and not request.walk_every_plan and allocated.on_cuda(simulate.gm)
-    if (walk or blocks) and request.compiling:
+    # a plan walked before its compile (by its search, or as a chunk choice's candidate) is walked
+    # again in the compile's code: a search's walk simulates the forward, and the code is what runs
+    if (walk or blocks or exact is not None) and request.compiling:
         deferred = DeferredWalk(
             plan, fw, bw, (output_names(fw), tangent_bytes(bw)), saved, simulate, used, options
         )
