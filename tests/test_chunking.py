@@ -510,12 +510,14 @@ def test_a_kind_passed_over_is_tried_with_a_trial_not_taken():
     )  # tried though the kernel model's peak does not show it
 
 
-def test_at_the_least_peak_a_plan_recomputing_at_its_peak_probes_the_first_kind():
+def test_a_plan_recomputing_at_its_peak_probes_the_first_kind_at_the_least_peak_or_a_missed_limit():
     """Without Inductor's pool the GPT with vocabulary 2048 peaks unchunked in an attention backward, 7
     of its 26.32 MiB recomputed and no loss or MLP tensor alive; chunked (loss and MLPs) it keeps more
     and walks at 23.31. Where recomputed values hold :data:`GAIN` of the walked peak, the least-peak
-    choice tries its first kind anyway and the kinds passed over with it; not under a limit it meets,
-    and not where nothing is recomputed there."""
+    choice tries its first kind anyway and the kinds passed over with it, and so does a limit the
+    unchunked plan misses (a Hugging Face Qwen3-MoE: 1.93 MiB unchunked, 1.64 with its loss chunked,
+    and a limit of 1.72 was said to be below the least peak); not under a limit it meets, and not
+    where nothing is recomputed there."""
     from types import SimpleNamespace
 
     from recompile_opt.planner import chunk_choice
@@ -552,6 +554,11 @@ def test_at_the_least_peak_a_plan_recomputing_at_its_peak_probes_the_first_kind(
     planned.clear()
     taken, _, best, notes = chunk_choice.choose([loss, mlp], plan_with(0.27), None)
     assert planned == [{}, {"loss": 4}, {"loss": 4, "mlp": 4}]
+    assert taken == {"loss": 4, "mlp": 4} and best.predicted_peak_bytes == 80, notes
+    planned.clear()  # a limit the unchunked plan misses
+    assert chunk_choice.worth_trying([loss, mlp], unchunked, 100, 90) is None
+    taken, _, best, notes = chunk_choice.choose([loss, mlp], plan_with(0.27), 90)
+    assert planned == [{}, {"loss": 4}, {"loss": 4, "mlp": 4}], notes
     assert taken == {"loss": 4, "mlp": 4} and best.predicted_peak_bytes == 80, notes
     for recomputed, limit in ((GAIN / 2, None), (0.27, 100)):
         planned.clear()
