@@ -261,7 +261,7 @@ def _plan_joint_graph(
     blocks = exact is not None and not request.walk_every_plan and allocated.on_cuda(simulate.gm)
     # a plan walked before its compile (by its search, or as a chunk choice's candidate) is walked
     # again in the compile's code: a search's walk simulates the forward, and the code is what runs
-    if (walk or blocks or exact is not None) and request.compiling:
+    if (walk or exact is not None) and request.compiling:
         deferred = DeferredWalk(
             plan, fw, bw, (output_names(fw), tangent_bytes(bw)), saved, simulate, used, options
         )

@@ -425,8 +425,7 @@ def test_a_new_familys_predicted_peak_is_its_codes(family):
     (1.49 MiB against 1.55 measured)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    build_family = {"mixtral": mixtral, "deepseek_v3": deepseek_v3}[family]
-    model = WithLoss(build_family(vocab=512, attn="sdpa").train())
+    model = WithLoss(OTHER_FAMILIES[family](vocab=512, attn="sdpa").train())
     ids = torch.randint(3, 512, (4, 64), generator=torch.Generator().manual_seed(1))
     plan, measured = train_side_by_side(
         model, (ids, ids), options={"memory_budget": 0.0}, steps=1, measure_peak=True, rtol=1e-4, atol=1e-5

@@ -283,11 +283,11 @@ def choose(
     for late in (False, True):
         stage = [c for c in candidates if (FAMILY[c.kind] in LAST) == late]
         stage.sort(key=lambda c: _order(c, peak_limit))  # stable
-        probe = not late and not any(c.alive_at_peak(best) for c in stage) and probes(stage, best, peak_limit)
-        # under a limit only where no kind is alive at the peak, attention's neither: where one is, its
-        # trial moves the peak (the demo GPT under its least peak: the loss probed first took 2 chunks,
-        # and the plan it led to peaked 1.7% above the limit)
-        probe = probe and (peak_limit is None or not any(c.alive_at_peak(best) for c in candidates))
+        # a probe where none of the stage's kinds is alive at the peak; under a limit, none of any stage's
+        # (attention's neither): where one is, its trial moves the peak (the demo GPT under its least
+        # peak: the loss probed first took 2 chunks, and the plan it led to peaked 1.7% above the limit)
+        seen = stage if peak_limit is None else candidates
+        probe = not late and not any(c.alive_at_peak(best) for c in seen) and probes(stage, best, peak_limit)
         taken, best, missed = _greedy(
             stage,
             plan_with,
